@@ -1,0 +1,313 @@
+"""CPU compatibility layer: lets stock megatron-core run on CPU with the gloo backend.
+
+Applied by :func:`apply` only when CUDA is absent; on a GPU machine it is a no-op, and
+the product itself never imports it on the GPU path. Idempotent. Each shim names the
+megatron-core functions that need it (checked on 0.16.1 and 0.19.x):
+
+``device``
+    ``torch.cuda.current_device`` returns ``"cpu"``; ``torch.cuda.synchronize`` is a no-op.
+    Needed by RoPE ``RotaryEmbedding.get_emb``, the SP gathers in
+    ``tensor_parallel/mappings.py`` and ``layers.py``, ``GlobalMemoryBuffer.get_tensor``,
+    DDP's ``param_and_grad_buffer``, and the dist-checkpoint writer
+    (``filesystem_async.preload_tensors``, ``state_dict_saver``). All versions.
+``rng``
+    A CPU ``CudaRNGStatesTracker`` (same API, on ``torch.get_rng_state``), and
+    ``_get_cuda_rng_state`` / ``_set_cuda_rng_state``. Needed by
+    ``model_parallel_cuda_manual_seed`` and every ``get_cuda_rng_tracker().fork()``
+    (``DotProductAttention.forward``, weight init, recompute). All versions.
+``sp_norm``
+    ``WrappedTorchNorm.__new__`` without its ``sequence_parallel`` assertion; the norm's
+    parameters are tagged ``sequence_parallel=True`` as apex's ``FusedLayerNorm`` does, so
+    ``finalize_model_grads`` sums their gradients over TP. Needed whenever
+    ``sequence_parallel=True`` without apex or Transformer Engine. All versions.
+``factory``
+    ``torch.tensor/zeros/ones/empty/full/arange``: a CUDA or integer ``device=`` becomes
+    CPU and ``pin_memory`` is dropped; ``Tensor.cuda()`` returns the tensor. Needed on the
+    training path: ``schedules.forward_backward_no_pipelining`` (``total_num_tokens``),
+    ``FP32Optimizer.__init__`` (``_scale``), ``clip_grads``, ``get_default_causal_mask``,
+    fully parallel checkpoint loads (``exchange_utils``). All versions.
+``clip_grad``
+    ``clip_grad_by_total_norm_fp32`` without its ``torch.cuda.FloatTensor`` assertion
+    (also the copy imported into ``optimizer/optimizer.py``). Needed when
+    ``OptimizerConfig.clip_grad > 0``. All versions.
+``streams``
+    ``torch.cuda.current_stream/default_stream/Stream/stream/Event`` become dummies.
+    Needed by ``param_and_grad_buffer.start_grad_sync`` (from ``finalize_model_grads``) on
+    0.19.x, and by ``overlap_grad_reduce=True`` on every version.
+``checkpoint``
+    ``filesystem_async._process_memory`` returns 0 when psutil is missing (its forked
+    writer otherwise dies and the parent waits forever). Debug logging only.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import os
+
+import torch
+
+_APPLIED: set = set()
+ALL_SHIMS = ("device", "rng", "sp_norm", "factory", "clip_grad", "streams", "checkpoint")
+
+
+def needed() -> bool:
+    """True where CUDA is absent, the only case in which shims are applied."""
+    return not torch.cuda.is_available()
+
+
+def apply(skip: tuple = ()) -> tuple:
+    """Apply every shim not in ``skip`` (also ``$PARADYSE_CPU_SHIMS_SKIP``). Returns those applied."""
+    if not needed():
+        return ()
+    env_skip = tuple(s for s in os.environ.get("PARADYSE_CPU_SHIMS_SKIP", "").split(",") if s)
+    for name in ALL_SHIMS:
+        if name in skip or name in env_skip or name in _APPLIED:
+            continue
+        _SHIMS[name]()
+        _APPLIED.add(name)
+    return tuple(sorted(_APPLIED))
+
+
+def _patch_everywhere(module_names, attr, new):
+    """Replace ``attr`` in each module that defines or imported it by name."""
+    for mod_name in module_names:
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError:
+            continue
+        if hasattr(mod, attr):
+            setattr(mod, attr, new)
+
+
+def _device():
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+
+
+class _CPURNGStatesTracker:
+    """The API of megatron's ``CudaRNGStatesTracker`` over the CPU generator."""
+
+    def __init__(self, *args, **kwargs):
+        self.reset()
+
+    def is_initialized(self):
+        return self._is_initialized
+
+    def reset(self):
+        self._is_initialized = False
+        self.states_ = {}
+        self.seeds_ = set()
+
+    def get_states(self):
+        return {k: v.clone() for k, v in self.states_.items()}
+
+    def set_states(self, states):
+        self._is_initialized = True
+        self.states_ = states
+
+    def add(self, name, seed):
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        self.seeds_.add(seed)
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        orig = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(orig)
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        orig = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+
+def _rng():
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom.CudaRNGStatesTracker = _CPURNGStatesTracker
+    get_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    set_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    for mod in ("megatron.core.tensor_parallel.random", "megatron.core.transformer.cuda_graphs"):
+        _patch_everywhere([mod], "_get_cuda_rng_state", get_state)
+        _patch_everywhere([mod], "_set_cuda_rng_state", set_state)
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+    # A tracker built before the patch is a CUDA one: rebuild it on next use.
+    if getattr(mrandom, "_CUDA_RNG_STATE_TRACKER", None) is not None and not isinstance(
+        mrandom._CUDA_RNG_STATE_TRACKER, _CPURNGStatesTracker
+    ):
+        mrandom._CUDA_RNG_STATE_TRACKER = None
+        mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+
+
+def _sp_norm():
+    from megatron.core.transformer import torch_norm
+
+    if getattr(torch_norm.WrappedTorchNorm.__new__, "_paradyse", False):
+        return
+
+    def __new__(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False,
+                zero_centered_gamma=False, normalization="LayerNorm"):
+        if config.layernorm_zero_centered_gamma or config.persist_layer_norm:
+            raise ValueError("zero_centered_gamma / persist_layer_norm not supported by torch norms")
+        norm_cls = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}.get(config.normalization)
+        if norm_cls is None:
+            raise ValueError(f"normalization {config.normalization!r} not supported on CPU")
+        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+        for p in norm.parameters():
+            setattr(p, "sequence_parallel", config.sequence_parallel)
+        return norm
+
+    __new__._paradyse = True
+    torch_norm.WrappedTorchNorm.__new__ = __new__
+
+
+def _cpu_device(device):
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return torch.device("cpu")
+    if isinstance(device, torch.device):
+        return torch.device("cpu") if device.type == "cuda" else device
+    if isinstance(device, str) and device.startswith("cuda"):
+        return torch.device("cpu")
+    return device
+
+
+def _factory():
+    for name in ("tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint"):
+        orig = getattr(torch, name)
+        if getattr(orig, "_paradyse", False):
+            continue
+
+        @functools.wraps(orig)
+        def wrapped(*args, _orig=orig, **kwargs):
+            if "device" in kwargs:
+                kwargs["device"] = _cpu_device(kwargs["device"])
+            kwargs.pop("pin_memory", None)
+            return _orig(*args, **kwargs)
+
+        wrapped._paradyse = True
+        setattr(torch, name, wrapped)
+    for name in ("empty_like", "zeros_like", "ones_like", "full_like"):
+        orig = getattr(torch, name)
+        if getattr(orig, "_paradyse", False):
+            continue
+
+        @functools.wraps(orig)
+        def wrapped_like(*args, _orig=orig, **kwargs):
+            if "device" in kwargs:
+                kwargs["device"] = _cpu_device(kwargs["device"])
+            return _orig(*args, **kwargs)
+
+        wrapped_like._paradyse = True
+        setattr(torch, name, wrapped_like)
+    if not getattr(torch.Tensor.cuda, "_paradyse", False):
+        def cuda(self, *args, **kwargs):
+            return self
+
+        cuda._paradyse = True
+        torch.Tensor.cuda = cuda
+        orig_to = torch.Tensor.to
+
+        def to(self, *args, **kwargs):
+            args = tuple(_cpu_device(a) if isinstance(a, (str, torch.device)) else a for a in args)
+            if "device" in kwargs:
+                kwargs["device"] = _cpu_device(kwargs["device"])
+            return orig_to(self, *args, **kwargs)
+
+        torch.Tensor.to = to
+        orig_pin = torch.Tensor.pin_memory
+        torch.Tensor.pin_memory = lambda self, *a, **k: self
+        torch.Tensor._paradyse_orig = (orig_to, orig_pin)
+
+
+def _clip_grad():
+    from megatron.core.optimizer import clip_grads
+
+    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        grads = []
+        for p in parameters:
+            g = getattr(p, "decoupled_grad", None) if use_decoupled_grad else p.grad
+            if g is not None:
+                grads.append(g.detach())
+        clip_coeff = max_norm / (total_norm + 1.0e-6)
+        if clip_coeff < 1.0:
+            for g in grads:
+                g.mul_(clip_coeff)
+
+    _patch_everywhere(
+        ["megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer",
+         "megatron.core.optimizer.distrib_optimizer"],
+        "clip_grad_by_total_norm_fp32", clip_grad_by_total_norm_fp32,
+    )
+
+
+class _DummyStream:
+    def __init__(self, *a, **k):
+        pass
+
+    def wait_stream(self, *a, **k):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self, *a, **k):
+        return _DummyEvent()
+
+
+class _DummyEvent:
+    def __init__(self, *a, **k):
+        pass
+
+    def record(self, *a, **k):
+        pass
+
+    def wait(self, *a, **k):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+def _streams():
+    torch.cuda.current_stream = lambda *a, **k: _DummyStream()
+    torch.cuda.default_stream = lambda *a, **k: _DummyStream()
+    torch.cuda.Stream = _DummyStream
+    torch.cuda.Event = _DummyEvent
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+
+
+def _checkpoint():
+    try:
+        import psutil  # noqa: F401
+        return
+    except ImportError:
+        pass
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+    except ImportError:
+        return
+    filesystem_async._process_memory = lambda: 0
+
+
+_SHIMS = {
+    "device": _device, "rng": _rng, "sp_norm": _sp_norm, "factory": _factory,
+    "clip_grad": _clip_grad, "streams": _streams, "checkpoint": _checkpoint,
+}
