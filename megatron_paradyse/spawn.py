@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -32,7 +33,7 @@ def _worker(fn, rank, world_size, init_file, args, kwargs, results, env, coll_ti
             timeout=datetime.timedelta(seconds=coll_timeout),
         )
         out = fn(rank, world_size, *args, **kwargs)
-        results.put((rank, "ok", out))
+        results.put((rank, "ok", pickle.dumps(out)))  # by value: the child may exit first
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -104,4 +105,4 @@ def run_world(fn, world_size: int, *args, timeout: float = 300.0, env: dict | No
             why = "after another rank failed" if errors else f"within the {timeout:.0f} s timeout"
             parts.append(f"--- ranks {missing} did not finish {why}; killed ---")
         raise WorldError("\n".join(parts))
-    return [reports[r][1] for r in range(world_size)]
+    return [pickle.loads(reports[r][1]) for r in range(world_size)]

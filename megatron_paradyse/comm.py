@@ -1,0 +1,134 @@
+"""Collectives and communication buffers shared by every strategy.
+
+All communication runs over the switching group (the model's TP group). Receive buffers
+come from one named pool, megatron-core's global memory buffer, so communication memory is
+the maximum over strategies rather than the sum, and does not grow with the layer count.
+A pooled buffer is only ever a receive target: it never aliases parameter storage, and a
+tensor that outlives the current collective (a gradient, a saved activation) is never
+left in the pool.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+POOL_PREFIX = "paradyse:"
+
+
+def pool_buffer(name: str, shape, dtype, device=None) -> torch.Tensor:
+    """A view of the pooled buffer ``name``; its contents are only valid until its next use."""
+    from megatron.core import parallel_state
+
+    buf = parallel_state.get_global_memory_buffer().get_tensor(list(shape), dtype, POOL_PREFIX + name)
+    if device is not None and buf.device != torch.device(device) and torch.device(device).type != "cpu":
+        raise RuntimeError(f"pool buffer {name} is on {buf.device}, expected {device}")
+    return buf
+
+
+def pool_bytes() -> int:
+    """Bytes currently held by the plugin's pooled buffers."""
+    from megatron.core import parallel_state
+
+    buf = parallel_state.get_global_memory_buffer().buffer
+    return sum(t.numel() * t.element_size() for (n, _), t in buf.items() if n.startswith(POOL_PREFIX))
+
+
+def group_info(group):
+    """(rank in group, group size, list of global ranks) for the switching group."""
+    ranks = dist.get_process_group_ranks(group)
+    return dist.get_rank(group), len(ranks), ranks
+
+
+def all_gather_dim0(shard: torch.Tensor, group, name: str) -> torch.Tensor:
+    """Gather equal dim-0 shards into the pooled buffer ``name`` (rank order)."""
+    size = dist.get_world_size(group)
+    out = pool_buffer(name, (size * shard.shape[0],) + tuple(shard.shape[1:]), shard.dtype, shard.device)
+    dist.all_gather_into_tensor(out, shard.contiguous(), group=group)
+    return out
+
+
+def reduce_scatter_dim0(full: torch.Tensor, group) -> torch.Tensor:
+    """Sum ``full`` over the group and return this rank's dim-0 shard (a fresh tensor)."""
+    size = dist.get_world_size(group)
+    out = torch.empty((full.shape[0] // size,) + tuple(full.shape[1:]), dtype=full.dtype, device=full.device)
+    dist.reduce_scatter_tensor(out, full.contiguous(), group=group)
+    return out
+
+
+def gather_shards(shard: torch.Tensor, shard_dim: int, group, name: str) -> torch.Tensor:
+    """Rebuild a TP-sharded weight just in time (ZeRO-3 style) in the pool.
+
+    ``shard_dim`` 0 (column-parallel) returns ``W``; ``shard_dim`` 1 (row-parallel) returns
+    ``W^T`` gathered as dim-0 shards of the transposed weight, with no layout copy of ``W``.
+    """
+    src = shard if shard_dim == 0 else shard.t()
+    return all_gather_dim0(src, group, name)
+
+
+def scatter_grad(full_grad: torch.Tensor, shard_dim: int, group) -> torch.Tensor:
+    """Inverse of :func:`gather_shards` for gradients: reduce-scatter back to the owner's shard."""
+    g = reduce_scatter_dim0(full_grad, group)
+    return g if shard_dim == 0 else g.t()
+
+
+def ring_exchange(sends: list, recvs: list, group) -> list:
+    """Post sends of ``sends`` to the next rank and receives into ``recvs`` from the previous one.
+
+    Returns the requests; call :func:`wait` before touching ``recvs``. Ranks are ordered
+    within the group and mapped to global ranks for the point-to-point ops.
+    """
+    rank, size, ranks = group_info(group)
+    nxt, prv = ranks[(rank + 1) % size], ranks[(rank - 1) % size]
+    ops = []
+    for s in sends:
+        ops.append(dist.P2POp(dist.isend, s.contiguous(), nxt, group))
+    for r in recvs:
+        ops.append(dist.P2POp(dist.irecv, r, prv, group))
+    if rank % 2:  # odd ranks receive first so that neighbours never both block on send
+        ops = ops[len(sends):] + ops[:len(sends)]
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def wait(reqs) -> None:
+    for r in reqs:
+        r.wait()
+
+
+def broadcast_from(tensor: torch.Tensor, src: int, group, name: str) -> torch.Tensor:
+    """Group rank ``src``'s ``tensor`` on every rank, received into the pooled buffer ``name``."""
+    rank, _, ranks = group_info(group)
+    out = pool_buffer(name, tensor.shape, tensor.dtype, tensor.device)
+    if rank == src:
+        out.copy_(tensor)
+    dist.broadcast(out, src=ranks[src], group=group)
+    return out
+
+
+def reduce_to(tensor: torch.Tensor, dst: int, group) -> torch.Tensor | None:
+    """Sum ``tensor`` over the group onto group rank ``dst``; returns the sum there, else None."""
+    rank, _, ranks = group_info(group)
+    tensor = tensor.contiguous()
+    dist.reduce(tensor, dst=ranks[dst], group=group)
+    return tensor if rank == dst else None
+
+
+def seq_to_head(x: torch.Tensor, group) -> torch.Tensor:
+    """``[s/p, b, heads, d]`` (all heads, local tokens) to ``[s, b, heads/p, d]``; autograd pair."""
+    from megatron.core.tensor_parallel.mappings import all_to_all
+
+    size = dist.get_world_size(group)
+    s, b, n, d = x.shape
+    # [s/p, b, p, n/p, d] -> [p, s/p, b, n/p, d]: chunk j goes to rank j
+    y = x.reshape(s, b, size, n // size, d).permute(2, 0, 1, 3, 4).contiguous()
+    y = all_to_all(group, y.reshape(size * s, b * (n // size) * d))
+    return y.reshape(size * s, b, n // size, d)
+
+
+def head_to_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """Inverse of :func:`seq_to_head`: ``[s, b, heads/p, d]`` to ``[s/p, b, heads, d]``."""
+    from megatron.core.tensor_parallel.mappings import all_to_all
+
+    size = dist.get_world_size(group)
+    s, b, n, d = x.shape
+    y = all_to_all(group, x.reshape(s, b * n * d)).reshape(size, s // size, b, n, d)
+    return y.permute(1, 2, 0, 3, 4).reshape(s // size, b, size * n, d)

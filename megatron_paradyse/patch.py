@@ -1,0 +1,182 @@
+"""Install the switchable layers into megatron-core and set per-layer plans on a model.
+
+:func:`install` wraps ``SelfAttention.forward`` and ``MLP.forward`` so that a module
+carrying a strategy name dispatches to that strategy; a module without one runs stock
+megatron code. Nothing else is patched, parameters are untouched, and :func:`uninstall`
+restores the stock methods. :func:`set_plan` only sets attributes, so it costs nothing,
+needs no communication, and can change before every micro-batch: autograd replays
+whichever strategy ran in forward.
+"""
+from __future__ import annotations
+
+from . import strategies
+
+_ORIGINAL: dict = {}
+_ATTR = "_paradyse_strategy"
+
+
+def installed() -> bool:
+    return bool(_ORIGINAL)
+
+
+def install() -> None:
+    """Patch megatron.core's attention and MLP forwards; idempotent."""
+    if _ORIGINAL:
+        return
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.mlp import MLP
+
+    _ORIGINAL["attention"] = SelfAttention.forward
+    _ORIGINAL["mlp"] = MLP.forward
+    _ORIGINAL["gpt"] = GPTModel.forward
+    SelfAttention.forward = _attention_forward
+    MLP.forward = _mlp_forward
+    GPTModel.forward = _gpt_forward
+
+
+def uninstall() -> None:
+    """Restore stock megatron-core behaviour; idempotent. Plans set on models are ignored."""
+    if not _ORIGINAL:
+        return
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.mlp import MLP
+
+    SelfAttention.forward = _ORIGINAL.pop("attention")
+    MLP.forward = _ORIGINAL.pop("mlp")
+    GPTModel.forward = _ORIGINAL.pop("gpt")
+
+
+def stock_mlp_forward(mlp, hidden_states, **kwargs):
+    from megatron.core.transformer.mlp import MLP
+
+    return _ORIGINAL.get("mlp", MLP.forward)(mlp, hidden_states, **kwargs)
+
+
+_UNSUPPORTED_ATTENTION_ARGS = (
+    "key_value_states", "inference_context", "inference_params", "rotary_pos_cos",
+    "rotary_pos_sin", "rotary_pos_cos_sin", "attention_bias", "packed_seq_params",
+    "sequence_len_offset",
+)
+
+
+def _attention_forward(self, hidden_states, attention_mask=None, *args, **kwargs):
+    name = getattr(self, _ATTR, None)
+    if name is None:
+        return _ORIGINAL["attention"](self, hidden_states, attention_mask, *args, **kwargs)
+    if args:
+        raise TypeError("ParaDySe attention takes its optional arguments by keyword only")
+    used = [k for k in _UNSUPPORTED_ATTENTION_ARGS if kwargs.get(k) is not None]
+    if used:
+        raise NotImplementedError(f"ParaDySe strategy {name!r} does not support {', '.join(used)} "
+                                  "(training with causal self-attention only)")
+    if attention_mask is not None:
+        raise NotImplementedError("ParaDySe strategies implement the causal mask themselves; "
+                                  "pass attention_mask=None")
+    return strategies.get(name).attention(self, hidden_states, kwargs.get("rotary_pos_emb"))
+
+
+def _mlp_forward(self, hidden_states, *args, **kwargs):
+    name = getattr(self, _ATTR, None)
+    if name is None:
+        return _ORIGINAL["mlp"](self, hidden_states, *args, **kwargs)
+    if args or kwargs.get("per_token_scale") is not None:
+        raise NotImplementedError(f"ParaDySe strategy {name!r} supports plain dense MLPs only")
+    return strategies.get(name).mlp(self, hidden_states)
+
+
+def _gpt_forward(self, input_ids, position_ids, attention_mask, *args, **kwargs):
+    plan = getattr(self, "_paradyse_plan", None)
+    if plan is not None and input_ids is not None:
+        p = self.config.tensor_model_parallel_size
+        s = input_ids.shape[1]
+        if s % p:
+            raise ValueError(
+                f"sequence length {s} is not divisible by the switching group size p={p}: every "
+                f"strategy keeps [s/p, b, h] between layers; pad the batch to a multiple of {p} "
+                "(megatron_paradyse.data.pad_to_multiple does this and masks the padding)")
+    return _ORIGINAL["gpt"](self, input_ids, position_ids, attention_mask, *args, **kwargs)
+
+
+def unwrap(model):
+    """The ``GPTModel`` inside DDP / Float16Module wrappers (or a list of one)."""
+    if isinstance(model, (list, tuple)):
+        if len(model) != 1:
+            raise ValueError("set_plan takes one model chunk (no virtual pipeline stages)")
+        model = model[0]
+    while hasattr(model, "module") and not hasattr(model, "decoder"):
+        model = model.module
+    if not hasattr(model, "decoder"):
+        raise TypeError(f"expected a megatron GPTModel (or a wrapper of one), got {type(model).__name__}")
+    return model
+
+
+def normalize_plan(plan, num_layers: int) -> tuple:
+    """A plan as a tuple of one known strategy name per layer; ValueError otherwise."""
+    if isinstance(plan, str):
+        plan = [plan] * num_layers
+    plan = tuple(plan)
+    if len(plan) != num_layers:
+        raise ValueError(f"plan has {len(plan)} entries but the model has {num_layers} layers "
+                         "on this pipeline stage: give one strategy name per layer, or one name for all")
+    for name in plan:
+        if not isinstance(name, str):
+            raise TypeError(f"plan entries must be strategy names, got {name!r}")
+        strategies.get(name)
+    return plan
+
+
+def set_plan(model, plan) -> tuple:
+    """Run each decoder layer of ``model`` with the strategy the plan names.
+
+    ``plan`` is one name for all layers or a list with one name per layer. Every check
+    (length, names, what each strategy supports for this model and group size) happens here,
+    locally, before any collective, so a bad plan fails on every rank alike. Returns the plan
+    as a tuple. ``set_plan(model, None)`` returns the layers to stock megatron code.
+    """
+    if not installed():
+        raise RuntimeError("call megatron_paradyse.install() before set_plan()")
+    gpt = unwrap(model)
+    layers = list(gpt.decoder.layers)
+    if plan is None:
+        for layer in layers:
+            setattr(layer.self_attention, _ATTR, None)
+            setattr(layer.mlp, _ATTR, None)
+        gpt._paradyse_plan = None
+        return None
+    plan = normalize_plan(plan, len(layers))
+    cfg = gpt.config
+    p = cfg.tensor_model_parallel_size
+    if p > 1 and not cfg.sequence_parallel:
+        raise ValueError("ParaDySe needs sequence_parallel=True: every strategy keeps the "
+                         "[s/p, b, h] sequence-parallel layout between layers")
+    for name in sorted(set(plan)):
+        ok, why = strategies.supports(name, cfg, p)
+        if not ok:
+            raise ValueError(f"strategy {name!r} cannot run this model over p={p}: {why}")
+    for layer, name in zip(layers, plan):
+        setattr(layer.self_attention, _ATTR, name)
+        setattr(layer.mlp, _ATTR, name)
+    gpt._paradyse_plan = plan
+    return plan
+
+
+def get_plan(model):
+    return getattr(unwrap(model), "_paradyse_plan", None)
+
+
+def describe(plan) -> str:
+    """Compact run-length form for logs, e.g. ``tp_sp*20+metp*4``."""
+    if plan is None:
+        return "stock"
+    out, prev, n = [], None, 0
+    for name in plan:
+        if name == prev:
+            n += 1
+            continue
+        if prev is not None:
+            out.append(f"{prev}*{n}")
+        prev, n = name, 1
+    out.append(f"{prev}*{n}")
+    return "+".join(out)

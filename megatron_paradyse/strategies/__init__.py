@@ -1,0 +1,48 @@
+"""The strategy registry: one file per strategy, looked up by name."""
+from __future__ import annotations
+
+from .base import Strategy
+from .tp_sp import TPSP
+from .ulysses import Ulysses
+
+_ORDER = ("tp_sp", "ulysses", "ring", "colossal", "metp")
+REGISTRY: dict = {}
+
+
+def register(strategy: Strategy) -> Strategy:
+    REGISTRY[strategy.name] = strategy
+    return strategy
+
+
+for _cls in (TPSP, Ulysses):
+    register(_cls())
+
+try:
+    from .ring import Ring
+    register(Ring())
+except ImportError:
+    pass
+try:
+    from .colossal import Colossal
+    register(Colossal())
+except ImportError:
+    pass
+try:
+    from .metp import METP
+    register(METP())
+except ImportError:
+    pass
+
+STRATEGIES = tuple(n for n in _ORDER if n in REGISTRY)
+
+
+def get(name: str) -> Strategy:
+    """The strategy called ``name``; a ValueError naming the known ones otherwise."""
+    if name not in REGISTRY:
+        raise ValueError(f"unknown ParaDySe strategy {name!r}; known: {', '.join(STRATEGIES)}")
+    return REGISTRY[name]
+
+
+def supports(name: str, config, p: int) -> tuple[bool, str]:
+    """(True, "") if strategy ``name`` can run ``config`` over ``p`` ranks, else (False, reason)."""
+    return get(name).supports(config, p)

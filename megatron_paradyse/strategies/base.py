@@ -1,0 +1,181 @@
+"""What every strategy shares: the interface, and how to read a stock megatron layer.
+
+A strategy receives a stock ``SelfAttention`` or ``MLP`` module and its sequence-sharded
+input ``[s/p, b, h]``, and returns ``(output [s/p, b, h], bias)`` exactly as the stock
+module would under TP+SP (the row-parallel bias is returned, not added, for the
+bias-dropout-add). It reads the module's own TP shards and leaves their gradients in the
+same shards; it keeps no weight between calls.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+
+
+class Strategy:
+    """Base class: ``name``, ``supports``, ``attention`` and ``mlp``."""
+
+    name: str = ""
+    description: str = ""
+
+    def supports(self, config, p: int) -> tuple[bool, str]:
+        """(True, "") if this strategy can run ``config`` over a group of ``p`` ranks, else the reason."""
+        return common_support(config)
+
+    def attention(self, attn, hidden_states, rotary_pos_emb):
+        raise NotImplementedError
+
+    def mlp(self, mlp, hidden_states):
+        raise NotImplementedError
+
+
+def common_support(config) -> tuple[bool, str]:
+    """Conditions every strategy shares (what the plugin implements of megatron's GPT layer)."""
+    if getattr(config, "context_parallel_size", 1) != 1:
+        return False, "context_parallel_size must be 1: the strategies replace megatron's CP"
+    if getattr(config, "num_moe_experts", None):
+        return False, "MoE layers are not supported; the switching covers dense MLPs"
+    if getattr(config, "multi_latent_attention", False):
+        return False, "multi-latent attention is not supported"
+    if getattr(config, "use_te_activation_func", False):
+        return False, "use_te_activation_func is not supported"
+    if getattr(config, "attention_output_gate", False):
+        return False, "gated attention output is not supported"
+    if getattr(config, "qk_layernorm", False):
+        return False, "qk_layernorm is not supported"
+    if config.hidden_dropout or config.attention_dropout:
+        return False, ("dropout must be 0: strategies would draw different random masks than "
+                       "stock megatron (attention_dropout / hidden_dropout)")
+    return True, ""
+
+
+def zero_support(config, p: int) -> tuple[bool, str]:
+    """Extra conditions of the strategies that rebuild weights from their shards."""
+    ok, why = common_support(config)
+    if not ok:
+        return ok, why
+    if getattr(config, "gradient_accumulation_fusion", False):
+        return False, ("gradient_accumulation_fusion must be off: gathered-weight strategies "
+                       "return weight gradients through autograd")
+    return True, ""
+
+
+@dataclasses.dataclass
+class Geometry:
+    """Head and group layout of one attention layer over the switching group."""
+
+    group: object
+    rank: int
+    p: int
+    heads: int
+    groups: int
+    head_dim: int
+    scale: float
+
+    @property
+    def q_per_group(self) -> int:
+        return self.heads // self.groups
+
+
+def geometry(attn) -> Geometry:
+    cfg = attn.config
+    group = switching_group(attn)
+    heads = cfg.num_attention_heads
+    groups = cfg.num_query_groups or heads
+    d = cfg.kv_channels or cfg.hidden_size // heads
+    scale = getattr(attn.core_attention, "softmax_scale", None) or 1.0 / math.sqrt(d)
+    if cfg.apply_query_key_layer_scaling:
+        scale = 1.0 / math.sqrt(d)
+    return Geometry(group, dist.get_rank(group), dist.get_world_size(group), heads, groups, d, scale)
+
+
+def switching_group(module):
+    """The process group strategies run over: the module's own TP group."""
+    for attr in ("linear_qkv", "linear_fc1"):
+        lin = getattr(module, attr, None)
+        if lin is not None and getattr(lin, "tp_group", None) is not None:
+            return lin.tp_group
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def split_qkv(mixed, groups: int, q_per_group: int, d: int):
+    """Split fused QKV ``[s, b, groups*(q_per_group+2)*d]`` in megatron's per-group layout.
+
+    Returns q ``[s, b, groups*q_per_group, d]``, k and v ``[s, b, groups, d]``.
+    """
+    s, b = mixed.shape[:2]
+    mixed = mixed.view(s, b, groups, (q_per_group + 2) * d)
+    q, k, v = torch.split(mixed, [q_per_group * d, d, d], dim=3)
+    return q.reshape(s, b, groups * q_per_group, d), k, v
+
+
+def rope_freqs(rotary_pos_emb):
+    """(q freqs, k freqs) from what ``TransformerLayer`` passes, or (None, None)."""
+    if rotary_pos_emb is None:
+        return None, None
+    if not isinstance(rotary_pos_emb, tuple):
+        return rotary_pos_emb, rotary_pos_emb
+    return rotary_pos_emb
+
+
+def apply_rope(x, freqs, config, start: int):
+    """Megatron's RoPE on ``x [s, b, n, d]`` holding positions ``start .. start+s`` of the sequence."""
+    if freqs is None:
+        return x
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+    return apply_rotary_pos_emb(x, freqs[start:start + x.shape[0]], config=config)
+
+
+def to_bhsd(x):
+    """``[s, b, n, d]`` to the kernels' ``[b, n, s, d]``."""
+    return x.permute(1, 2, 0, 3)
+
+
+def from_bhsd(x):
+    """``[b, n, s, d]`` to ``[s, b, n*d]``."""
+    b, n, s, d = x.shape
+    return x.permute(2, 0, 1, 3).reshape(s, b, n * d)
+
+
+def apply_activation(mlp, x, bias, shards: int):
+    """The stock MLP activation on fc1's output laid out as ``shards`` TP shards side by side.
+
+    Each shard of a gated MLP is ``[gate_r; up_r]``, so the gate/up split happens per shard,
+    as on the rank that owns it. Returns ``[..., ffn]`` in TP=1 order.
+    """
+    cfg = mlp.config
+    lead = x.shape[:-1]
+    x = x.reshape(*lead, shards, x.shape[-1] // shards)
+    if bias is not None:
+        bias = bias.view(shards, -1)
+    import torch.nn.functional as F
+
+    if cfg.bias_activation_fusion and mlp.activation_func == F.gelu and bias is not None:
+        # megatron's fused GELU is the tanh approximation: use the same function
+        from megatron.core.fusions.fused_bias_geglu import bias_geglu_impl
+        from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl
+
+        y = bias_geglu_impl(x, bias) if cfg.gated_linear_unit else bias_gelu_impl(x, bias)
+    else:
+        if bias is not None:
+            x = x + bias
+        if cfg.gated_linear_unit:
+            g, u = torch.chunk(x, 2, dim=-1)
+            clamp = getattr(cfg, "activation_func_clamp_value", None)
+            if clamp is not None:
+                g, u = g.clamp(max=clamp), u.clamp(min=-clamp, max=clamp)
+            y = cfg.activation_func(g) * (u + getattr(cfg, "glu_linear_offset", 0.0))
+        else:
+            y = mlp.activation_func(x)
+    return y.reshape(*lead, -1)
+
+
+def bias_of(linear):
+    """A linear layer's bias parameter, or None."""
+    return getattr(linear, "bias", None)

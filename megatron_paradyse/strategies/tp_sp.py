@@ -1,0 +1,32 @@
+"""``tp_sp``: Megatron tensor + sequence parallelism (the paper's MegatronTS).
+
+Forward: all-gather the sequence, column-parallel QKV, attention on this rank's heads over
+the whole sequence, row-parallel projection, reduce-scatter; the same for the MLP.
+Backward: megatron's own ``LinearWithGradAccumulationAndAsyncCommunication`` re-gathers the
+input, reduce-scatters the input gradient and computes the shard's weight gradient. The
+linears are megatron-core's, unchanged; only the attention kernel is the plugin's (flash
+with log-sum-exp, so that attention memory is linear in s as with Transformer Engine).
+Memory: the stock shard only; full-sequence activations of width h/p, one gathered
+``[s, b, h]`` input per linear.
+"""
+from __future__ import annotations
+
+from .. import patch
+from ..attention_kernels import FlashAttention
+from .base import Strategy, apply_rope, from_bhsd, geometry, rope_freqs, to_bhsd
+
+
+class TPSP(Strategy):
+    name = "tp_sp"
+    description = "Megatron TP+SP: all-gather / reduce-scatter of activations, weights stay put"
+
+    def attention(self, attn, hidden_states, rotary_pos_emb):
+        geo = geometry(attn)
+        q, k, v = attn.get_query_key_value_tensors(hidden_states)
+        qf, kf = rope_freqs(rotary_pos_emb)
+        q, k = apply_rope(q, qf, attn.config, 0), apply_rope(k, kf, attn.config, 0)
+        ctx = FlashAttention.apply(to_bhsd(q), to_bhsd(k), to_bhsd(v), True, geo.scale)
+        return attn.linear_proj(from_bhsd(ctx))
+
+    def mlp(self, mlp, hidden_states):
+        return patch.stock_mlp_forward(mlp, hidden_states)

@@ -1,0 +1,53 @@
+"""``ulysses``: DeepSpeed-Ulysses with ZeRO-3-style weights (the paper's UlyssesZ).
+
+Forward: QKV for this rank's tokens and all heads with the weight gathered just in time;
+RoPE at the tokens' global positions; all-to-all from sequence-sharded to head-sharded;
+causal attention over the whole sequence for ``heads/p`` heads; all-to-all back; output
+projection with the gathered weight. MLP: both weights gathered just in time.
+Backward: the all-to-alls' adjoints are all-to-alls; each linear re-gathers its weight and
+reduce-scatters the weight gradient to the owner (see ``zero3.py``).
+With fewer KV heads than ranks, each KV head is replicated to the ranks whose query heads
+read it, and its gradient summed back.
+Memory: full-width activations of local tokens (``[s/p, b, 3h]``), one gathered weight
+at a time (the largest is fc1's), attention over ``s`` for ``heads/p`` heads.
+"""
+from __future__ import annotations
+
+from .. import comm
+from ..attention_kernels import FlashAttention
+from . import zero3
+from .base import Strategy, apply_rope, from_bhsd, geometry, rope_freqs, to_bhsd, zero_support
+
+
+class Ulysses(Strategy):
+    name = "ulysses"
+    description = "DeepSpeed-Ulysses all-to-all attention, ZeRO-3 weights gathered just in time"
+
+    def supports(self, config, p):
+        ok, why = zero_support(config, p)
+        if not ok:
+            return ok, why
+        groups = config.num_query_groups or config.num_attention_heads
+        if config.num_attention_heads % p:
+            return False, f"num_attention_heads ({config.num_attention_heads}) must be divisible by p ({p})"
+        if groups % p and p % groups:
+            return False, f"num_query_groups ({groups}) must divide or be divisible by p ({p})"
+        return True, ""
+
+    def attention(self, attn, hidden_states, rotary_pos_emb):
+        geo = geometry(attn)
+        q, k, v = zero3.qkv_local_tokens(attn, hidden_states, geo)
+        start = geo.rank * hidden_states.shape[0]
+        qf, kf = rope_freqs(rotary_pos_emb)
+        q, k = apply_rope(q, qf, attn.config, start), apply_rope(k, kf, attn.config, start)
+        if geo.groups < geo.p:
+            rep = geo.p // geo.groups
+            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        q, k, v = (comm.seq_to_head(t, geo.group) for t in (q, k, v))
+        ctx = FlashAttention.apply(to_bhsd(q), to_bhsd(k), to_bhsd(v), True, geo.scale)
+        s, b, _ = hidden_states.shape
+        ctx = comm.head_to_seq(ctx.permute(2, 0, 1, 3), geo.group).reshape(s, b, -1)
+        return zero3.row(attn.linear_proj, ctx, geo.group)
+
+    def mlp(self, mlp, hidden_states):
+        return zero3.mlp(mlp, hidden_states)
