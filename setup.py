@@ -1,0 +1,36 @@
+"""megatron_paradyse: ParaDySe per-batch, per-layer parallel-strategy switching for megatron-core."""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_paradyse",
+    version="0.1.0",
+    description="Hot-switching of per-layer parallel strategies for megatron-core (ParaDySe)",
+    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["megatron_paradyse", "megatron_paradyse.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        # Install torch first and explicitly (scripts/setup_env.sh does): a bare requirement
+        # lets pip pick a multi-GB CUDA build on a machine without one.
+        "torch>=2.6",
+        # 0.16.1 on Python 3.11; 0.17+ (tested API: 0.19.x) need Python 3.12.
+        "megatron-core>=0.16.1",
+        "xgboost-cpu>=2.0; platform_system=='Linux' and platform_machine=='x86_64'",
+        "scikit-learn>=1.3",
+        "numpy",
+        "einops",
+        "packaging",
+        # megatron's distributed-checkpoint writer needs psutil; without it a save hangs.
+        "psutil",
+    ],
+    extras_require={
+        "test": ["pytest>=7", "matplotlib"],
+        "plots": ["matplotlib"],
+        # GPU machines: flash-attn builds against the installed CUDA torch. Transformer Engine
+        # must be installed with its torch part ("transformer-engine[pytorch]"): the bare
+        # meta package makes `import megatron.core` crash. Never install the PyPI package
+        # named "apex" (an unrelated web toolkit); NVIDIA apex is built from source.
+        "gpu": ["flash-attn>=2.5", "transformer-engine[pytorch]"],
+    },
+    py_modules=["pretrain_gpt_paradyse"],
+)
