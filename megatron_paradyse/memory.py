@@ -1,0 +1,91 @@
+"""Peak memory of a region of code: the measure the strategies' table and the cost models use.
+
+On GPU it is ``torch.cuda.max_memory_allocated`` relative to the region's start. On CPU it
+is a deterministic tracker of live tensor bytes: a ``TorchDispatchMode`` that counts each
+new storage an op creates (views, in-place and ``out=`` ops reuse an input's storage and are
+not counted) and subtracts it when the storage is freed. It is exact to the byte and
+repeatable across runs, unlike RSS (glibc keeps freed heap). It sees tensor storages only:
+not Python objects, nor scratch memory a kernel allocates internally.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class _LiveBytes(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.current = 0
+        self.peak = 0
+        self._live: dict = {}
+
+    def _free(self, key):
+        nbytes = self._live.pop(key, 0)
+        self.current -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        seen = set()
+        for t in torch.utils._pytree.tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor):
+                seen.add(t.untyped_storage()._cdata)
+        for t in torch.utils._pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            st = t.untyped_storage()
+            key = st._cdata
+            if key in seen or key in self._live:
+                continue
+            nbytes = st.nbytes()
+            self._live[key] = nbytes
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
+            weakref.finalize(st, self._free, key)
+        return out
+
+
+class PeakMemory:
+    """Context manager: ``peak_bytes`` is the most memory live at once inside the region beyond
+    what was live at its start; ``end_bytes`` what the region left allocated.
+
+    ``with PeakMemory() as m: step();  m.peak_bytes``
+    """
+
+    def __init__(self, device=None):
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.peak_bytes = 0
+        self.end_bytes = 0
+        self._mode = None
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+        else:
+            self._mode = _LiveBytes()
+            self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._start
+            self.end_bytes = torch.cuda.memory_allocated(self.device) - self._start
+        else:
+            self._mode.__exit__(*exc)
+            self.peak_bytes = self._mode.peak
+            self.end_bytes = self._mode.current
+        return False
+
+
+def measure_peak(fn, *args, **kwargs):
+    """``(fn(*args, **kwargs), peak bytes)`` of one call."""
+    with PeakMemory() as m:
+        out = fn(*args, **kwargs)
+    return out, m.peak_bytes

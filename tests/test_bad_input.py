@@ -1,0 +1,89 @@
+"""Bad input fails with a clear error on every rank, before any collective: never a hang."""
+import time
+
+import megatron_paradyse as mp
+from megatron_paradyse.spawn import run_world
+
+
+def _try(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _bad_inputs(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    from megatron_paradyse import testing as T
+
+    T.init_megatron(world)
+    mp.install()
+    spec = T.TinyGPT(num_layers=2)
+    model = T.build_gpt(spec, world)
+    errors = {
+        "wrong_length": _try(lambda: mp.set_plan(model, ["tp_sp"] * 3)),
+        "unknown_name": _try(lambda: mp.set_plan(model, ["tp_sp", "zigzag_magic"])),
+        "not_a_name": _try(lambda: mp.set_plan(model, ["tp_sp", 3])),
+    }
+    mp.set_plan(model, "ring")
+    tok, lab = T.make_batch(spec, 2, 4 * world + 1, seed=0)
+    errors["seq_not_divisible"] = _try(lambda: T.forward_backward(model, tok, lab))
+
+    model.config.attention_dropout = 0.1
+    errors["unsupported_config"] = _try(lambda: mp.set_plan(model, "ulysses"))
+    model.config.attention_dropout = 0.0
+    model.config.sequence_parallel = False
+    errors["no_sequence_parallel"] = _try(lambda: mp.set_plan(model, "tp_sp"))
+    model.config.sequence_parallel = True
+
+    # the group is still healthy: a collective and a correct step both work afterwards
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    mp.set_plan(model, ["ulysses", "ring"])
+    tok, lab = T.make_batch(spec, 2, 4 * world, seed=0)
+    loss, _ = T.forward_backward(model, tok, lab)
+    return {"errors": errors, "allreduce": t.item(), "loss": loss.item()}
+
+
+def test_bad_input_errors_on_every_rank_without_hanging():
+    t0 = time.monotonic()
+    out = run_world(_bad_inputs, 2, timeout=240)
+    assert time.monotonic() - t0 < 200
+    for res in out:
+        e = res["errors"]
+        assert "ValueError" in e["wrong_length"] and "3 entries" in e["wrong_length"] and "2 layers" in e["wrong_length"]
+        assert "unknown ParaDySe strategy 'zigzag_magic'" in e["unknown_name"] and "tp_sp" in e["unknown_name"]
+        assert "TypeError" in e["not_a_name"]
+        assert "ValueError" in e["seq_not_divisible"] and "not divisible" in e["seq_not_divisible"]
+        assert "'ulysses' cannot run" in e["unsupported_config"] and "dropout" in e["unsupported_config"]
+        assert "sequence_parallel" in e["no_sequence_parallel"]
+        assert res["allreduce"] == 2.0
+    assert out[0]["loss"] == out[1]["loss"]
+
+
+def test_supports_reports_reasons():
+    from megatron_paradyse.testing import TinyGPT
+
+    cfg = TinyGPT().transformer_config(2, True)
+    for name in mp.STRATEGIES:
+        assert mp.supports(name, cfg, 2) == (True, "")
+    cfg.attention_dropout = 0.1
+    ok, why = mp.supports("ring", cfg, 2)
+    assert not ok and "dropout" in why
+    try:
+        mp.supports("nope", cfg, 2)
+    except ValueError as e:
+        assert "unknown ParaDySe strategy" in str(e)
+    else:
+        raise AssertionError("unknown name accepted")
+
+
+def test_set_plan_before_install_is_an_error():
+    import pytest
+
+    mp.uninstall()
+    with pytest.raises(RuntimeError, match="install"):
+        mp.set_plan(object(), "tp_sp")

@@ -1,0 +1,58 @@
+"""The multi-rank harness itself: results come back, failures carry tracebacks, hangs time out."""
+import time
+
+import pytest
+
+from megatron_paradyse.spawn import WorldError, run_world
+
+
+def _echo(rank, world, base):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return {"rank": rank, "world": world, "sum": t.item() + base}
+
+
+def _raise_on_rank_one(rank, world):
+    import torch.distributed as dist
+
+    if rank == 1:
+        raise RuntimeError("planted failure on rank one")
+    dist.barrier()  # the healthy rank blocks: the harness must still end the world
+    return rank
+
+
+def _hang_on_rank_zero(rank, world):
+    import torch.distributed as dist
+
+    if rank == 0:
+        time.sleep(3600)
+    dist.barrier()
+    return rank
+
+
+def test_results_come_back_per_rank():
+    out = run_world(_echo, 3, 10.0, timeout=120)
+    assert [o["rank"] for o in out] == [0, 1, 2]
+    assert all(o["world"] == 3 and o["sum"] == 13.0 for o in out)
+
+
+def test_failing_rank_reports_its_traceback():
+    t0 = time.monotonic()
+    with pytest.raises(WorldError) as info:
+        run_world(_raise_on_rank_one, 2, timeout=120, grace=3)
+    msg = str(info.value)
+    assert "rank 1 failed" in msg
+    assert "planted failure on rank one" in msg and "Traceback" in msg
+    assert time.monotonic() - t0 < 60
+
+
+def test_hung_rank_fails_within_timeout():
+    t0 = time.monotonic()
+    with pytest.raises(WorldError) as info:
+        run_world(_hang_on_rank_zero, 2, timeout=15)
+    elapsed = time.monotonic() - t0
+    assert "did not finish" in str(info.value)
+    assert elapsed < 45, elapsed
