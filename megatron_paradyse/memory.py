@@ -89,3 +89,19 @@ def measure_peak(fn, *args, **kwargs):
     with PeakMemory() as m:
         out = fn(*args, **kwargs)
     return out, m.peak_bytes
+
+
+def pass_memory(forward, backward) -> dict:
+    """Memory of one forward and backward pass, in bytes.
+
+    ``activations``: what the forward leaves alive for the backward (its output included);
+    ``peak``: the most live at once during the whole pass beyond the start. Call after a
+    warm-up pass so that persistent buffers (the communication pool, RoPE caches) are not
+    counted; report them separately.
+    """
+    with PeakMemory() as fwd:
+        out = forward()
+    with PeakMemory() as bwd:
+        backward(out)
+    del out
+    return {"activations": fwd.end_bytes, "peak": max(fwd.peak_bytes, fwd.end_bytes + bwd.peak_bytes)}

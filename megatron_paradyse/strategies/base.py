@@ -46,6 +46,10 @@ def common_support(config) -> tuple[bool, str]:
         return False, "gated attention output is not supported"
     if getattr(config, "qk_layernorm", False):
         return False, "qk_layernorm is not supported"
+    if getattr(config, "softmax_type", "vanilla") != "vanilla":
+        return False, f"softmax_type {config.softmax_type!r} is not supported (vanilla only)"
+    if getattr(config, "window_size", None) is not None:
+        return False, "sliding-window attention (window_size) is not supported"
     if config.hidden_dropout or config.attention_dropout:
         return False, ("dropout must be 0: strategies would draw different random masks than "
                        "stock megatron (attention_dropout / hidden_dropout)")

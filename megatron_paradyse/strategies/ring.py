@@ -76,8 +76,8 @@ class RingAttention(torch.autograd.Function):
                 dk_b = dv_b = None
             comm.wait(dreqs)
             if step == 0:
-                acc_k = dk_b if dk_b is not None else torch.zeros(k.shape, dtype=torch.float32)
-                acc_v = dv_b if dv_b is not None else torch.zeros(v.shape, dtype=torch.float32)
+                acc_k = dk_b if dk_b is not None else k.new_zeros(k.shape, dtype=torch.float32)
+                acc_v = dv_b if dv_b is not None else v.new_zeros(v.shape, dtype=torch.float32)
             else:
                 acc_k, acc_v = recv_k, recv_v
                 if dk_b is not None:
