@@ -15,6 +15,21 @@ import torch.distributed as dist
 POOL_PREFIX = "paradyse:"
 
 
+def weight_slot(k: int, slot: int) -> str:
+    """Pool name of the ``k``-th weight tensor in flight, double-buffer ``slot`` (0/1).
+
+    Every strategy names its gathered or travelling weights this way (ZeRO gathers use
+    slot ``weight0_0``, METP's broadcast and ring shards ``weight{k}_{0|1}``), so the pool
+    holds the largest use of each role, not one buffer per strategy.
+    """
+    return f"weight{k}_{slot}"
+
+
+def block_slot(kind: str, slot: int) -> str:
+    """Pool name of a visiting ring block (``kind`` "k" or "v"), double-buffer ``slot``."""
+    return f"kv_{kind}{slot}"
+
+
 def pool_buffer(name: str, shape, dtype, device=None) -> torch.Tensor:
     """A view of the pooled buffer ``name``; its contents are only valid until its next use."""
     from megatron.core import parallel_state

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 from .base import Strategy
+from .colossal import Colossal
+from .metp import METP
+from .ring import Ring
 from .tp_sp import TPSP
 from .ulysses import Ulysses
 
@@ -14,24 +17,8 @@ def register(strategy: Strategy) -> Strategy:
     return strategy
 
 
-for _cls in (TPSP, Ulysses):
+for _cls in (TPSP, Ulysses, Ring, Colossal, METP):
     register(_cls())
-
-try:
-    from .ring import Ring
-    register(Ring())
-except ImportError:
-    pass
-try:
-    from .colossal import Colossal
-    register(Colossal())
-except ImportError:
-    pass
-try:
-    from .metp import METP
-    register(METP())
-except ImportError:
-    pass
 
 STRATEGIES = tuple(n for n in _ORDER if n in REGISTRY)
 

@@ -48,7 +48,7 @@ def _ring(block, group, visit, grad: bool = False):
         src = (rank - step) % p
         reqs = []
         if step < p - 1:
-            nxt = comm.pool_buffer(f"colossal_blk{step % 2}", block.shape, block.dtype, block.device)
+            nxt = comm.pool_buffer(comm.block_slot("k", step % 2), block.shape, block.dtype, block.device)
             reqs = comm.ring_exchange([cur], [nxt], group)
         g = visit(src, cur) if src <= rank else None
         if grad:

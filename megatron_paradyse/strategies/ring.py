@@ -24,11 +24,10 @@ class RingAttention(torch.autograd.Function):
 
     Rank r holds the r-th contiguous chunk of the sequence. ``k``/``v`` are ``[b, kv, s/p, d]``
     with ``n % kv == 0``; each block is expanded to the query heads only for the kernel.
-    ``tag`` keeps pooled ring buffers of concurrent users apart.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, tag="ring"):
+    def forward(ctx, q, k, v, group, scale):
         rank, p, _ = comm.group_info(group)
         rep = q.shape[1] // k.shape[1]
         out = lse = None
@@ -37,8 +36,8 @@ class RingAttention(torch.autograd.Function):
             src = (rank - step) % p
             reqs = []
             if step < p - 1:
-                nk = comm.pool_buffer(f"{tag}_k{step % 2}", k.shape, k.dtype)
-                nv = comm.pool_buffer(f"{tag}_v{step % 2}", v.shape, v.dtype)
+                nk = comm.pool_buffer(comm.block_slot("k", step % 2), k.shape, k.dtype)
+                nv = comm.pool_buffer(comm.block_slot("v", step % 2), v.shape, v.dtype)
                 reqs = comm.ring_exchange([cur_k, cur_v], [nk, nv], group)
             if src <= rank:
                 o, l = attn_forward(q, expand_kv(cur_k, rep), expand_kv(cur_v, rep), src == rank, scale)
@@ -48,13 +47,13 @@ class RingAttention(torch.autograd.Function):
                 cur_k, cur_v = nk, nv
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale, ctx.rep, ctx.tag = group, scale, rep, tag
+        ctx.group, ctx.scale, ctx.rep = group, scale, rep
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, rep, tag = ctx.group, ctx.rep, ctx.tag
+        group, rep = ctx.group, ctx.rep
         rank, p, _ = comm.group_info(group)
         dq = torch.zeros_like(q, dtype=torch.float32)
         cur_k, cur_v = k, v
@@ -64,8 +63,8 @@ class RingAttention(torch.autograd.Function):
             src = (rank - step) % p
             reqs = []
             if step < p - 1:
-                nk = comm.pool_buffer(f"{tag}_k{step % 2}", k.shape, k.dtype)
-                nv = comm.pool_buffer(f"{tag}_v{step % 2}", v.shape, v.dtype)
+                nk = comm.pool_buffer(comm.block_slot("k", step % 2), k.shape, k.dtype)
+                nv = comm.pool_buffer(comm.block_slot("v", step % 2), v.shape, v.dtype)
                 reqs = comm.ring_exchange([cur_k, cur_v], [nk, nv], group)
             if src <= rank:
                 dq_b, dk_b, dv_b = attn_backward(dout, q, expand_kv(cur_k, rep), expand_kv(cur_v, rep),
@@ -90,16 +89,16 @@ class RingAttention(torch.autograd.Function):
             if step < p - 1:
                 cur_k, cur_v = nk, nv
         comm.wait(dreqs)  # after p hops our own block's gradient has come home
-        return dq.to(q.dtype), recv_k.to(k.dtype), recv_v.to(v.dtype), None, None, None
+        return dq.to(q.dtype), recv_k.to(k.dtype), recv_v.to(v.dtype), None, None
 
 
-def ring_attention(q, k, v, group, scale, tag="ring"):
+def ring_attention(q, k, v, group, scale):
     """``q [b, n, s/p, d]``, ``k``/``v`` ``[b, kv, s/p, d]`` to the causal output like ``q``."""
     if torch.distributed.get_world_size(group) == 1:
         from ..attention_kernels import FlashAttention
 
         return FlashAttention.apply(q, k, v, True, scale)
-    return RingAttention.apply(q, k, v, group, scale, tag)
+    return RingAttention.apply(q, k, v, group, scale)
 
 
 class Ring(Strategy):

@@ -23,10 +23,10 @@ class ZeroLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_shard, b_shard, group, shard_dim):
         wt = shard_dim == 1  # gathered tensor is W^T for row-parallel shards
-        w = comm.gather_shards(w_shard, shard_dim, group, "zero_weight")
+        w = comm.gather_shards(w_shard, shard_dim, group, comm.weight_slot(0, 0))
         y = x.matmul(w) if wt else x.matmul(w.t())
         if b_shard is not None:
-            y = y + comm.all_gather_dim0(b_shard, group, "zero_bias")
+            y = y + comm.all_gather_dim0(b_shard, group, comm.weight_slot(2, 0))
         ctx.save_for_backward(x, w_shard)
         ctx.group, ctx.shard_dim, ctx.has_bias = group, shard_dim, b_shard is not None
         return y
@@ -35,7 +35,7 @@ class ZeroLinear(torch.autograd.Function):
     def backward(ctx, dy):
         x, w_shard = ctx.saved_tensors
         wt = ctx.shard_dim == 1
-        w = comm.gather_shards(w_shard, ctx.shard_dim, ctx.group, "zero_weight")
+        w = comm.gather_shards(w_shard, ctx.shard_dim, ctx.group, comm.weight_slot(0, 0))
         dx = dy.matmul(w.t()) if wt else dy.matmul(w)
         x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
         dw_full = x2.t().matmul(dy2) if wt else dy2.t().matmul(x2)
@@ -72,7 +72,7 @@ class _GatherBias(torch.autograd.Function):
     @staticmethod
     def forward(ctx, b, group):
         ctx.group = group
-        return comm.all_gather_dim0(b, group, "zero_bias").clone()
+        return comm.all_gather_dim0(b, group, comm.weight_slot(2, 0)).clone()
 
     @staticmethod
     def backward(ctx, db):

@@ -1,0 +1,300 @@
+"""``metp``: memory-efficient tensor parallelism (Liang et al., FITEE 2025).
+
+Activations stay sequence-sharded ``[s/p, b, h]`` the whole time, so no rank holds a
+full-sequence activation; the weights travel instead, shard by shard, so besides its own
+stock shard a rank holds at most two other TP shards of a weight matrix (the one in use and
+the one arriving), never the gathered matrix.
+
+Attention, forward: for each head group ``i = 0..p-1`` (the heads whose ``linear_qkv`` and
+``linear_proj`` shards group rank ``i`` owns), rank ``i`` broadcasts those two shards (and its
+QKV bias shard); the next group's broadcast is posted before this group's compute
+(double-buffered). Every rank computes the QKV of its own tokens for group ``i``'s heads,
+applies RoPE at the tokens' global positions, runs causal ring attention over the group's
+heads (:class:`~.ring.RingAttention`, contiguous chunks) and adds ``ctx_i W_proj_i^T`` to
+its output. Backward: the same broadcasts in the same order; per group the QKV, RoPE and
+ring attention are recomputed (activation-checkpoint style) and differentiated, each weight
+gradient (a partial sum over this rank's tokens) is reduced onto its owner, and the input
+gradient ``dmixed_i W_qkv_i`` is accumulated locally.
+
+MLP, forward: the ``linear_fc1`` shards (``[gate_r; up_r]`` when gated, plus bias) and
+``linear_fc2`` shards rotate around the ring (double-buffered, the next shard in flight
+while the current one is used); at each of the p steps a rank adds
+``act(x W1_j^T + b1_j) W2_j^T`` for the shard ``j`` it holds. The ``[s/p, b, ffn/p]``
+intermediate is never stored. Backward: the shards rotate again, the intermediate is
+recomputed, and the weight gradients travel one hop behind their shard as accumulators
+(each rank adds its tokens' contribution); a last hop hands each owner its complete
+gradient, as :class:`~.ring.RingAttention` does for dK/dV.
+
+Collectives per layer, with ``k`` = 2 or 3 attention shards (W_qkv, W_proj, b_qkv if any):
+forward ``k*p`` broadcasts and ``p`` ring attentions (``p-1`` K/V hops each); backward the
+same broadcasts, ``p`` ring attentions recomputed and differentiated, and ``k*p`` reduces.
+MLP: ``p-1`` hops of (W1, W2, b1 if any) forward; backward ``p-1`` weight hops and ``p``
+gradient hops. The next group's broadcast and the next shard's hop are in flight while the
+current one computes.
+Memory: autograd saves only the layer input ``[s/p, b, h]`` and the rank's own shards
+(parameters, no copy): no other rank's weight, no QKV, no intermediate. Transient: two
+other ranks' shards of a matrix at a time (one in use, one arriving), in two pool slots
+that attention and MLP share; one head group's QKV ``[s/p, b, 3h/p]`` (with GQA less) and
+its ring state, or one shard's intermediate ``[s/p, b, ffn/p]``; in backward two fp32
+gradient accumulators per travelling MLP shard. Sums over shards and ranks (outputs, input
+and weight gradients) are accumulated in fp32.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from .base import (Strategy, apply_activation, apply_rope, bias_of, from_bhsd, geometry, rope_freqs,
+                   split_qkv, switching_group, to_bhsd, zero_support)
+from .ring import ring_attention
+
+_ACC = torch.float32  # dtype of every sum over shards or ranks
+
+
+def _output_bias(linear, y):
+    """``(y, bias)`` exactly as a stock row-parallel linear returns them (cf. ``zero3.row``)."""
+    bias = bias_of(linear)
+    if bias is not None and not linear.skip_bias_add:
+        return y + bias, None
+    return y, bias
+
+
+def _flat(t):
+    return t.reshape(-1, t.shape[-1])
+
+
+def _slot(k: int, slot: int, like):
+    """Pool slot ``slot`` (0/1) for the ``k``-th travelling tensor, shaped like ``like``.
+
+    Attention (W_qkv, W_proj, b_qkv) and MLP (W1, W2, b1) never run at the same time, so they
+    share the slots: METP's pool is two of each of the larger shards, not four.
+    """
+    return comm.pool_buffer(comm.weight_slot(k, slot), like.shape, like.dtype, like.device)
+
+
+# ---------------------------------------------------------------------------------------------
+# attention: weights broadcast one head group at a time
+
+
+def _group_weights(shards, src, group):
+    """Post the async broadcasts of group rank ``src``'s ``shards``; returns (tensors, works).
+
+    Non-owners receive into pool slot ``src % 2`` (like ``comm.broadcast_from``, but posted
+    ahead); the owner sends straight from its parameters, which a broadcast only reads.
+    """
+    rank, _, ranks = comm.group_info(group)
+    out, works = [], []
+    for k, t in enumerate(shards):
+        buf = t if rank == src else _slot(k, src % 2, t)
+        works.append(dist.broadcast(buf, src=ranks[src], group=group, async_op=True))
+        out.append(buf)
+    return out, works
+
+
+def _group_weight_stream(shards, group, p):
+    """Yield ``(i, shards of group rank i)`` for i = 0..p-1, the broadcast of group i+1 in flight.
+
+    A yielded list (pool slots, or the owner's parameters) is valid until the generator has
+    been advanced twice.
+    """
+    pending = _group_weights(shards, 0, group)
+    for i in range(p):
+        weights, works = pending
+        comm.wait(works)
+        if i + 1 < p:
+            pending = _group_weights(shards, i + 1, group)
+        yield i, weights
+
+
+def _group_qkv(x, wq, bq):
+    """Mixed QKV ``[s/p, b, (groups/p)*(q_per_group+2)*d]`` of the local tokens for one head group."""
+    mixed = x.matmul(wq.t())
+    return mixed + bq if bq is not None else mixed
+
+
+def _group_attention(mixed, geo, qf, kf, config, start):
+    """Split, RoPE and causal ring attention for one head group: ``[s/p, b, (heads/p)*d]``."""
+    q, k, v = split_qkv(mixed, geo.groups // geo.p, geo.q_per_group, geo.head_dim)
+    q, k = apply_rope(q, qf, config, start), apply_rope(k, kf, config, start)
+    ctx = ring_attention(to_bhsd(q), to_bhsd(k).contiguous(), to_bhsd(v).contiguous(), geo.group,
+                         geo.scale)
+    return from_bhsd(ctx)
+
+
+def _attn_shards(w_qkv, b_qkv, w_proj):
+    return [w_qkv, w_proj] + ([b_qkv] if b_qkv is not None else [])
+
+
+class METPAttention(torch.autograd.Function):
+    """Self-attention (QKV, RoPE, causal attention, output projection, no proj bias) on local tokens.
+
+    Takes this rank's stock shards ``w_qkv`` ``[(groups/p)*(q_per_group+2)*d, h]``, ``b_qkv``
+    (or None) and ``w_proj`` ``[h, (heads/p)*d]``; returns ``[s/p, b, h]``. Saves ``x`` and
+    this rank's own shards (parameters, no copy): never a broadcast shard.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w_qkv, b_qkv, w_proj, geo, qf, kf, config):
+        start = geo.rank * x.shape[0]
+        out = torch.zeros(x.shape[:-1] + (w_proj.shape[0],), dtype=_ACC, device=x.device)
+        shards = _attn_shards(w_qkv, b_qkv, w_proj)
+        for _, (wq, wp, *bq) in _group_weight_stream(shards, geo.group, geo.p):
+            bq = bq[0] if bq else None
+            attn = _group_attention(_group_qkv(x, wq, bq), geo, qf, kf, config, start)
+            out += attn.matmul(wp.t())
+        ctx.save_for_backward(x, w_qkv, b_qkv, w_proj)
+        ctx.geo, ctx.qf, ctx.kf, ctx.config = geo, qf, kf, config
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, w_qkv, b_qkv, w_proj = ctx.saved_tensors
+        geo = ctx.geo
+        start = geo.rank * x.shape[0]
+        dx = torch.zeros(x.shape, dtype=_ACC, device=x.device)
+        x2, dout2 = _flat(x), _flat(dout)
+        mine = (None, None, None)
+        shards = _attn_shards(w_qkv, b_qkv, w_proj)
+        for i, (wq, wp, *bq) in _group_weight_stream(shards, geo.group, geo.p):
+            bq = bq[0] if bq else None
+            mixed = _group_qkv(x, wq, bq).detach().requires_grad_(True)  # recomputed
+            with torch.enable_grad():
+                attn = _group_attention(mixed, geo, ctx.qf, ctx.kf, ctx.config, start)
+            dwp = dout2.t().matmul(_flat(attn.detach())).to(_ACC)
+            (dmixed,) = torch.autograd.grad(attn, mixed, dout.matmul(wp))
+            del attn
+            dx += dmixed.matmul(wq)
+            dm2 = _flat(dmixed)
+            dbq = dm2.sum(0, dtype=_ACC) if bq is not None else None
+            grads = (dm2.t().matmul(x2).to(_ACC), dbq, dwp)
+            # each weight gradient is a partial sum over this rank's tokens: sum it onto the owner
+            got = tuple(comm.reduce_to(g, i, geo.group) if g is not None else None for g in grads)
+            if i == geo.rank:
+                mine = got
+        dwq, dbq, dwp = (g.to(w.dtype) if g is not None else None
+                         for g, w in zip(mine, (w_qkv, b_qkv, w_proj)))
+        return dx.to(x.dtype), dwq, dbq, dwp, None, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# MLP: weight shards rotate around the ring
+
+
+def _rotate_start(cur, step, group):
+    """Post the hop of the shards ``cur`` to the next rank; returns (receive buffers, requests)."""
+    nxt = [_slot(k, step % 2, t) for k, t in enumerate(cur)]
+    return nxt, comm.ring_exchange(cur, nxt, group)
+
+
+def _shard_stream(shards, group, p):
+    """Yield ``(j, shards of owner j)`` for the p steps of the ring, starting with this rank's own.
+
+    The next shard is in flight while one is used; a yielded list (the own parameters, then
+    pool slots) is valid until the generator has been advanced twice.
+    """
+    rank = dist.get_rank(group)
+    cur = list(shards)
+    for step in range(p):
+        nxt, reqs = _rotate_start(cur, step, group) if step < p - 1 else (None, [])
+        yield (rank - step) % p, cur
+        comm.wait(reqs)
+        cur = nxt
+
+
+def _fc1(x, w1):
+    return x.matmul(w1.t())
+
+
+class METPMLP(torch.autograd.Function):
+    """The MLP (fc1, activation, fc2, no fc2 bias) on local tokens with rotating weight shards.
+
+    ``w1`` ``[ffn/p, h]`` (``[2*ffn/p, h]`` as ``[gate_r; up_r]`` when gated), ``b1`` (or None)
+    and ``w2`` ``[h, ffn/p]`` are this rank's stock shards; returns ``[s/p, b, h]``. Saves
+    ``x`` and the own shards (parameters, no copy); the intermediate is recomputed.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, mlp, group):
+        p = dist.get_world_size(group)
+        shards = [w1, w2] + ([b1] if b1 is not None else [])
+        out = torch.zeros(x.shape[:-1] + (w2.shape[0],), dtype=_ACC, device=x.device)
+        for _, cur in _shard_stream(shards, group, p):
+            bias = cur[2] if b1 is not None else None
+            out += apply_activation(mlp, _fc1(x, cur[0]), bias, shards=1).matmul(cur[1].t())
+        ctx.save_for_backward(x, w1, b1, w2)
+        ctx.mlp, ctx.group = mlp, group
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, w1, b1, w2 = ctx.saved_tensors
+        group = ctx.group
+        p = dist.get_world_size(group)
+        shards = [w1, w2] + ([b1] if b1 is not None else [])
+        x2, dout2 = _flat(x), _flat(dout)
+        dx = torch.zeros(x.shape, dtype=_ACC, device=x.device)
+        acc = recv = None  # gradients of the shards held now, summed over the ranks before us
+        dreqs = []
+        for step, (_, cur) in enumerate(_shard_stream(shards, group, p)):
+            wa, wb = cur[0], cur[1]
+            bias = cur[2].detach().requires_grad_(True) if b1 is not None else None
+            pre = _fc1(x, wa).detach().requires_grad_(True)  # recomputed
+            with torch.enable_grad():
+                act = apply_activation(ctx.mlp, pre, bias, shards=1)
+            dw2 = dout2.t().matmul(_flat(act.detach())).to(_ACC)
+            leaves = [pre] + ([bias] if bias is not None else [])
+            dpre, *dbias = torch.autograd.grad(act, leaves, dout.matmul(wb))
+            del act
+            dx += dpre.matmul(wa)
+            contrib = [_flat(dpre).t().matmul(x2).to(_ACC), dw2] + [db.to(_ACC) for db in dbias]
+            comm.wait(dreqs)  # the accumulators of this shard, from the previous rank
+            if step == 0:
+                acc = contrib
+            else:
+                acc = recv
+                for a, c in zip(acc, contrib):
+                    a += c
+            if p > 1:  # hand them on, one hop behind the shard; the last hop reaches the owner
+                recv = [torch.empty_like(a) for a in acc]
+                dreqs = comm.ring_exchange(acc, recv, group)
+        comm.wait(dreqs)
+        final = recv if p > 1 else acc
+        dw1, dw2 = final[0].to(w1.dtype), final[1].to(w2.dtype)
+        db1 = final[2].to(b1.dtype) if b1 is not None else None
+        return dx.to(x.dtype), dw1, db1, dw2, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class METP(Strategy):
+    name = "metp"
+    description = ("memory-efficient TP: activations stay sequence-sharded; attention weights "
+                   "broadcast per head group with ring attention, MLP weights rotate on a ring")
+
+    def supports(self, config, p):
+        ok, why = zero_support(config, p)
+        if not ok:
+            return ok, why
+        groups = config.num_query_groups or config.num_attention_heads
+        if groups % p:
+            return False, (f"num_query_groups ({groups}) must be divisible by p ({p}): each rank's "
+                           "linear_qkv shard must hold whole query groups")
+        return True, ""
+
+    def attention(self, attn, hidden_states, rotary_pos_emb):
+        geo = geometry(attn)
+        qkv = attn.linear_qkv
+        b = bias_of(qkv)
+        b = b if (b is not None and not qkv.skip_bias_add) else None
+        qf, kf = rope_freqs(rotary_pos_emb)
+        out = METPAttention.apply(hidden_states, qkv.weight, b, attn.linear_proj.weight, geo, qf, kf,
+                                  attn.config)
+        return _output_bias(attn.linear_proj, out)
+
+    def mlp(self, mlp, hidden_states):
+        group = switching_group(mlp)
+        out = METPMLP.apply(hidden_states, mlp.linear_fc1.weight, bias_of(mlp.linear_fc1),
+                            mlp.linear_fc2.weight, mlp, group)
+        return _output_bias(mlp.linear_fc2, out)
