@@ -40,14 +40,6 @@ def pool_buffer(name: str, shape, dtype, device=None) -> torch.Tensor:
     return buf
 
 
-def pool_bytes() -> int:
-    """Bytes currently held by the plugin's pooled buffers."""
-    from megatron.core import parallel_state
-
-    buf = parallel_state.get_global_memory_buffer().buffer
-    return sum(t.numel() * t.element_size() for (n, _), t in buf.items() if n.startswith(POOL_PREFIX))
-
-
 def group_info(group):
     """(rank in group, group size, list of global ranks) for the switching group."""
     ranks = dist.get_process_group_ranks(group)
@@ -109,14 +101,20 @@ def wait(reqs) -> None:
         r.wait()
 
 
-def broadcast_from(tensor: torch.Tensor, src: int, group, name: str) -> torch.Tensor:
-    """Group rank ``src``'s ``tensor`` on every rank, received into the pooled buffer ``name``."""
+def broadcast_start(tensors: list, src: int, group, names: list):
+    """Post async broadcasts of group rank ``src``'s ``tensors``; returns (tensors, works).
+
+    Non-owners receive into the pooled buffers ``names``; the owner sends straight from its
+    own tensors (parameters included: a broadcast only reads them). :func:`wait` the works
+    before reading the returned tensors.
+    """
     rank, _, ranks = group_info(group)
-    out = pool_buffer(name, tensor.shape, tensor.dtype, tensor.device)
-    if rank == src:
-        out.copy_(tensor)
-    dist.broadcast(out, src=ranks[src], group=group)
-    return out
+    out, works = [], []
+    for t, name in zip(tensors, names):
+        buf = t if rank == src else pool_buffer(name, t.shape, t.dtype, t.device)
+        works.append(dist.broadcast(buf, src=ranks[src], group=group, async_op=True))
+        out.append(buf)
+    return out, works
 
 
 def reduce_to(tensor: torch.Tensor, dst: int, group) -> torch.Tensor | None:

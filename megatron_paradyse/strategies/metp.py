@@ -78,18 +78,8 @@ def _slot(k: int, slot: int, like):
 
 
 def _group_weights(shards, src, group):
-    """Post the async broadcasts of group rank ``src``'s ``shards``; returns (tensors, works).
-
-    Non-owners receive into pool slot ``src % 2`` (like ``comm.broadcast_from``, but posted
-    ahead); the owner sends straight from its parameters, which a broadcast only reads.
-    """
-    rank, _, ranks = comm.group_info(group)
-    out, works = [], []
-    for k, t in enumerate(shards):
-        buf = t if rank == src else _slot(k, src % 2, t)
-        works.append(dist.broadcast(buf, src=ranks[src], group=group, async_op=True))
-        out.append(buf)
-    return out, works
+    """Post the broadcasts of group rank ``src``'s ``shards`` into pool slot ``src % 2``."""
+    return comm.broadcast_start(shards, src, group, [comm.weight_slot(k, src % 2) for k in range(len(shards))])
 
 
 def _group_weight_stream(shards, group, p):
