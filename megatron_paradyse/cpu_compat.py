@@ -233,8 +233,6 @@ def _factory():
 
 
 def _clip_grad():
-    from megatron.core.optimizer import clip_grads
-
     def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
         if isinstance(parameters, torch.Tensor):
             parameters = [parameters]
@@ -296,7 +294,7 @@ def _streams():
 
 def _checkpoint():
     try:
-        import psutil  # noqa: F401
+        import psutil  # noqa: F401  (only its presence matters)
         return
     except ImportError:
         pass

@@ -5,8 +5,6 @@ and every parameter's gradient gathered to its TP=1 shape.
 """
 from __future__ import annotations
 
-import torch
-
 REL_TOL = 1e-5
 
 

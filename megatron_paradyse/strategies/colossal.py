@@ -29,7 +29,6 @@ import torch
 from .. import comm
 from ..attention_kernels import expand_kv, reduce_kv
 from . import zero3
-from .base import Strategy, apply_rope, from_bhsd, geometry, rope_freqs, to_bhsd, zero_support
 
 
 def _ring(block, group, visit, grad: bool = False):
@@ -151,22 +150,9 @@ def rsa_attention(q, k, v, group, scale):
     return RingSelfAttention.apply(q, k, v, group, scale)
 
 
-class Colossal(Strategy):
+class Colossal(zero3.SequenceShardedStrategy):
     name = "colossal"
     description = "Colossal-AI ring self-attention (full score rows, K then V ring), ZeRO-3 weights"
 
-    def supports(self, config, p):
-        return zero_support(config, p)
-
-    def attention(self, attn, hidden_states, rotary_pos_emb):
-        geo = geometry(attn)
-        q, k, v = zero3.qkv_local_tokens(attn, hidden_states, geo)
-        start = geo.rank * hidden_states.shape[0]
-        qf, kf = rope_freqs(rotary_pos_emb)
-        q, k = apply_rope(q, qf, attn.config, start), apply_rope(k, kf, attn.config, start)
-        ctx = rsa_attention(to_bhsd(q), to_bhsd(k).contiguous(), to_bhsd(v).contiguous(),
-                            geo.group, geo.scale)
-        return zero3.row(attn.linear_proj, from_bhsd(ctx), geo.group)
-
-    def mlp(self, mlp, hidden_states):
-        return zero3.mlp(mlp, hidden_states)
+    def core(self, q, k, v, geo):
+        return rsa_attention(q, k, v, geo.group, geo.scale)

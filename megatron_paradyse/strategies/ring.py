@@ -12,11 +12,28 @@ owner. Memory: O(s/p) activations, two K/V blocks in flight, one gathered weight
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from .. import comm
 from ..attention_kernels import attn_backward, attn_forward, expand_kv, merge_lse, reduce_kv
 from . import zero3
-from .base import Strategy, apply_rope, from_bhsd, geometry, rope_freqs, to_bhsd, zero_support
+
+
+def _visiting_blocks(k, v, group):
+    """Yield ``(src, k_block, v_block)`` for the p ring steps, starting with this rank's own
+    block; the next block's hop is in flight while one is used. A yielded block (a pooled
+    buffer after step 0) is valid until the generator is advanced twice."""
+    rank, p, _ = comm.group_info(group)
+    cur = (k, v)
+    for step in range(p):
+        nxt, reqs = None, []
+        if step < p - 1:
+            nxt = (comm.pool_buffer(comm.block_slot("k", step % 2), k.shape, k.dtype),
+                   comm.pool_buffer(comm.block_slot("v", step % 2), v.shape, v.dtype))
+            reqs = comm.ring_exchange(list(cur), list(nxt), group)
+        yield (rank - step) % p, cur[0], cur[1]
+        comm.wait(reqs)
+        cur = nxt
 
 
 class RingAttention(torch.autograd.Function):
@@ -28,23 +45,13 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group, scale):
-        rank, p, _ = comm.group_info(group)
+        rank = dist.get_rank(group)
         rep = q.shape[1] // k.shape[1]
         out = lse = None
-        cur_k, cur_v = k, v
-        for step in range(p):
-            src = (rank - step) % p
-            reqs = []
-            if step < p - 1:
-                nk = comm.pool_buffer(comm.block_slot("k", step % 2), k.shape, k.dtype)
-                nv = comm.pool_buffer(comm.block_slot("v", step % 2), v.shape, v.dtype)
-                reqs = comm.ring_exchange([cur_k, cur_v], [nk, nv], group)
+        for src, cur_k, cur_v in _visiting_blocks(k, v, group):
             if src <= rank:
                 o, l = attn_forward(q, expand_kv(cur_k, rep), expand_kv(cur_v, rep), src == rank, scale)
                 out, lse = merge_lse(out, lse, o, l)
-            comm.wait(reqs)
-            if step < p - 1:
-                cur_k, cur_v = nk, nv
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.scale, ctx.rep = group, scale, rep
@@ -54,18 +61,11 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         group, rep = ctx.group, ctx.rep
-        rank, p, _ = comm.group_info(group)
+        rank = dist.get_rank(group)
         dq = torch.zeros_like(q, dtype=torch.float32)
-        cur_k, cur_v = k, v
         acc_k = acc_v = None  # gradient of the block held now, summed over the ranks before us
         dreqs = []
-        for step in range(p):
-            src = (rank - step) % p
-            reqs = []
-            if step < p - 1:
-                nk = comm.pool_buffer(comm.block_slot("k", step % 2), k.shape, k.dtype)
-                nv = comm.pool_buffer(comm.block_slot("v", step % 2), v.shape, v.dtype)
-                reqs = comm.ring_exchange([cur_k, cur_v], [nk, nv], group)
+        for step, (src, cur_k, cur_v) in enumerate(_visiting_blocks(k, v, group)):
             if src <= rank:
                 dq_b, dk_b, dv_b = attn_backward(dout, q, expand_kv(cur_k, rep), expand_kv(cur_v, rep),
                                                  out, lse, src == rank, ctx.scale)
@@ -85,9 +85,6 @@ class RingAttention(torch.autograd.Function):
             recv_k = torch.empty(k.shape, dtype=torch.float32, device=k.device)
             recv_v = torch.empty(v.shape, dtype=torch.float32, device=v.device)
             dreqs = comm.ring_exchange([acc_k, acc_v], [recv_k, recv_v], group)
-            comm.wait(reqs)
-            if step < p - 1:
-                cur_k, cur_v = nk, nv
         comm.wait(dreqs)  # after p hops our own block's gradient has come home
         return dq.to(q.dtype), recv_k.to(k.dtype), recv_v.to(v.dtype), None, None
 
@@ -101,22 +98,9 @@ def ring_attention(q, k, v, group, scale):
     return RingAttention.apply(q, k, v, group, scale)
 
 
-class Ring(Strategy):
+class Ring(zero3.SequenceShardedStrategy):
     name = "ring"
     description = "causal K/V ring attention with log-sum-exp merge, ZeRO-3 weights"
 
-    def supports(self, config, p):
-        return zero_support(config, p)
-
-    def attention(self, attn, hidden_states, rotary_pos_emb):
-        geo = geometry(attn)
-        q, k, v = zero3.qkv_local_tokens(attn, hidden_states, geo)
-        start = geo.rank * hidden_states.shape[0]
-        qf, kf = rope_freqs(rotary_pos_emb)
-        q, k = apply_rope(q, qf, attn.config, start), apply_rope(k, kf, attn.config, start)
-        ctx = ring_attention(to_bhsd(q), to_bhsd(k).contiguous(), to_bhsd(v).contiguous(),
-                             geo.group, geo.scale)
-        return zero3.row(attn.linear_proj, from_bhsd(ctx), geo.group)
-
-    def mlp(self, mlp, hidden_states):
-        return zero3.mlp(mlp, hidden_states)
+    def core(self, q, k, v, geo):
+        return ring_attention(q, k, v, geo.group, geo.scale)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from .. import comm
 from ..attention_kernels import FlashAttention
 from . import zero3
-from .base import Strategy, apply_rope, from_bhsd, geometry, rope_freqs, to_bhsd, zero_support
+from .base import Strategy, geometry, to_bhsd, zero_support
 
 
 class Ulysses(Strategy):
@@ -36,10 +36,7 @@ class Ulysses(Strategy):
 
     def attention(self, attn, hidden_states, rotary_pos_emb):
         geo = geometry(attn)
-        q, k, v = zero3.qkv_local_tokens(attn, hidden_states, geo)
-        start = geo.rank * hidden_states.shape[0]
-        qf, kf = rope_freqs(rotary_pos_emb)
-        q, k = apply_rope(q, qf, attn.config, start), apply_rope(k, kf, attn.config, start)
+        q, k, v = zero3.qkv_local_tokens(attn, hidden_states, rotary_pos_emb, geo)
         if geo.groups < geo.p:
             rep = geo.p // geo.groups
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)

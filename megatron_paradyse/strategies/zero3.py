@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from .. import comm
-from .base import apply_activation, bias_of, split_qkv, switching_group
+from .base import (Strategy, apply_activation, apply_rope, bias_of, from_bhsd, geometry, rope_freqs,
+                   split_qkv, switching_group, to_bhsd, zero_support)
 
 
 class ZeroLinear(torch.autograd.Function):
@@ -60,10 +61,14 @@ def row(linear, x, group):
     return y, bias
 
 
-def qkv_local_tokens(attn, hidden_states, geo):
-    """Q, K, V for this rank's tokens and *all* heads: ``[s/p, b, heads|groups, d]``."""
+def qkv_local_tokens(attn, hidden_states, rotary_pos_emb, geo):
+    """Q, K, V for this rank's tokens and *all* heads, ``[s/p, b, heads|groups, d]``, with RoPE
+    at the tokens' global positions."""
     mixed = column(attn.linear_qkv, hidden_states, geo.group)
-    return split_qkv(mixed, geo.groups, geo.q_per_group, geo.head_dim)
+    q, k, v = split_qkv(mixed, geo.groups, geo.q_per_group, geo.head_dim)
+    start = geo.rank * hidden_states.shape[0]
+    qf, kf = rope_freqs(rotary_pos_emb)
+    return apply_rope(q, qf, attn.config, start), apply_rope(k, kf, attn.config, start), v
 
 
 class _GatherBias(torch.autograd.Function):
@@ -88,3 +93,24 @@ def mlp(mlp_module, hidden_states):
     bias1 = _GatherBias.apply(bias1, group) if bias1 is not None else None
     act = apply_activation(mlp_module, inter, bias1, shards=torch.distributed.get_world_size(group))
     return row(mlp_module.linear_fc2, act, group)
+
+
+class SequenceShardedStrategy(Strategy):
+    """A strategy that attends from local tokens: QKV and output projection with gathered
+    weights, the ZeRO MLP, and a sequence-parallel attention core that subclasses provide."""
+
+    def supports(self, config, p):
+        return zero_support(config, p)
+
+    def core(self, q, k, v, geo):
+        """``q [b, n, s/p, d]``, ``k``/``v`` ``[b, kv, s/p, d]`` to the causal output like ``q``."""
+        raise NotImplementedError
+
+    def attention(self, attn, hidden_states, rotary_pos_emb):
+        geo = geometry(attn)
+        q, k, v = qkv_local_tokens(attn, hidden_states, rotary_pos_emb, geo)
+        ctx = self.core(to_bhsd(q), to_bhsd(k).contiguous(), to_bhsd(v).contiguous(), geo)
+        return row(attn.linear_proj, from_bhsd(ctx), geo.group)
+
+    def mlp(self, mlp_module, hidden_states):
+        return mlp(mlp_module, hidden_states)
