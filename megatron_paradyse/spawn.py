@@ -64,7 +64,7 @@ def run_world(fn, world_size: int, *args, timeout: float = 300.0, env: dict | No
     with tempfile.TemporaryDirectory(prefix="paradyse_world_") as tmpdir:
         init_file = os.path.join(tmpdir, "store")
         procs = [
-            ctx.Process(target=_worker, daemon=True,
+            ctx.Process(target=_worker, daemon=False,  # ranks may start children (checkpoint writers)
                         args=(fn, r, world_size, init_file, args, kwargs, results, child_env,
                               max(timeout, 1.0)))
             for r in range(world_size)

@@ -1,0 +1,341 @@
+"""Command-line arguments: Megatron-LM's flag names for what the trainer supports, plus ``--paradyse*``.
+
+* :func:`add_paradyse_args` adds only the plugin's flags. It has the signature of
+  Megatron-LM's ``extra_args_provider`` (``pretrain(..., extra_args_provider=add_paradyse_args)``).
+* :func:`build_parser` / :func:`parse_args` give the full parser of ``pretrain_gpt_paradyse.py``
+  on megatron-core alone (model, training, parallelism, data, checkpoint and logging flags as
+  Megatron-LM spells them, with Megatron-LM's defaults).
+* :func:`validate_args` checks flag combinations locally, before any process group or
+  collective exists, and raises :class:`ArgumentError` with a message naming the flags.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import warnings
+
+
+class ArgumentError(ValueError):
+    """A bad flag or flag combination, detected before any collective."""
+
+
+# ---------------------------------------------------------------------------- plugin flags
+def add_paradyse_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The ``--paradyse*`` flags; usable as Megatron-LM's ``extra_args_provider``."""
+    g = parser.add_argument_group("ParaDySe", "per-batch, per-layer parallel-strategy switching")
+    g.add_argument("--paradyse", action="store_true",
+                   help="Run each layer with the strategy of the plan (over the TP group, stock TP "
+                        "shards). Without it the model trains with stock Megatron TP+SP.")
+    g.add_argument("--paradyse-plan", type=str, default="tp_sp",
+                   help="The plan: a strategy name for every layer ('ulysses'); one name per layer "
+                        "('tp_sp,ring,...'); run-length ('tp_sp*2+ring*2'); or a rule on the "
+                        "micro-batch's padded sequence length "
+                        "('rule:512=tp_sp,2048=ulysses*2+ring*2,ring': s <= 512 -> tp_sp, "
+                        "s <= 2048 -> ..., longer -> ring).")
+    g.add_argument("--paradyse-pad-multiple", type=int, default=None,
+                   help="Pad each micro-batch's length to a multiple of this (default: the "
+                        "tensor-model-parallel size, the layout's divisor).")
+    g.add_argument("--paradyse-mock-min-length", type=int, default=16,
+                   help="Shortest document of --mock-data (lengths are log-uniform up to --seq-length).")
+    g.add_argument("--paradyse-cost-model", type=str, default=None,
+                   help="Reserved for the planner (cost model file); not used by fixed plans.")
+    g.add_argument("--paradyse-memory-budget", type=float, default=None,
+                   help="Reserved for the planner (GiB per rank); not used by fixed plans.")
+    g.add_argument("--paradyse-trainer", choices=("auto", "core", "megatron"), default="core",
+                   help="pretrain_gpt_paradyse.py: 'core' (default) = the megatron-core training "
+                        "loop of megatron_paradyse.training; 'megatron' = Megatron-LM's pretrain() "
+                        "with the ParaDySe hooks (needs megatron.training; untested in this "
+                        "repository); 'auto' = 'megatron' where megatron.training imports and "
+                        "CUDA is present, else 'core'.")
+    return parser
+
+
+def paradyse_args_provider(other=None):
+    """An ``extra_args_provider`` adding the ``--paradyse*`` flags after ``other``'s (or alone)."""
+
+    def provider(parser):
+        if other is not None:
+            parser = other(parser) or parser
+        return add_paradyse_args(parser)
+
+    return provider
+
+
+# ---------------------------------------------------------------------------- full parser
+_IGNORED = {  # accepted for drop-in compatibility with Megatron-LM scripts; no effect here
+    "--eval-interval": int, "--eval-iters": int, "--split": str, "--num-workers": int,
+    "--data-cache-path": str, "--tensorboard-dir": str, "--wandb-project": str,
+    "--exit-interval": int,
+}
+_IGNORED_SWITCHES = ("--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion",
+                     "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-gradient-accumulation-fusion",
+                     "--use-mcore-models", "--transformer-impl-local", "--log-throughput",
+                     "--log-timers-to-tensorboard", "--no-async-tensor-model-parallel-allreduce")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pretrain_gpt_paradyse.py", allow_abbrev=False,
+        description="Pretrain a GPT with megatron-core, optionally with ParaDySe strategy switching.")
+
+    g = p.add_argument_group("network size")
+    g.add_argument("--num-layers", type=int, required=True)
+    g.add_argument("--hidden-size", type=int, required=True)
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="default 4*hidden (SwiGLU: int(4*hidden*2/3 / 64) * 64, as Megatron-LM)")
+    g.add_argument("--num-attention-heads", type=int, required=True)
+    g.add_argument("--kv-channels", type=int, default=None)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=1)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope", "none"),
+                   default="learned_absolute")
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="token ids are 0 .. vocab-size-1 (Megatron-LM's NullTokenizer)")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--tokenizer-type", type=str, default="NullTokenizer",
+                   help="only NullTokenizer: data is token ids")
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, required=True)
+    g.add_argument("--global-batch-size", type=int, default=None)
+    g.add_argument("--seq-length", type=int, required=True,
+                   help="the longest sequence; shorter documents make shorter micro-batches")
+    g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    g.add_argument("--lr", type=float, default=None)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine", "inverse-square-root"),
+                   default="linear")
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-08)
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--use-cpu-initialization", action="store_true")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="always on: the loss is summed over real tokens and divided by the step's "
+                        "real-token count, so padding never changes loss or gradient")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
+
+    g = p.add_argument_group("distributed")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
+                   help="default: nccl with CUDA, gloo without")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument("--local-rank", "--local_rank", type=int, default=None)
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="one IndexedDataset prefix (PREFIX.bin / PREFIX.idx); one document per sample")
+    g.add_argument("--mock-data", action="store_true",
+                   help="synthetic documents of long-tailed lengths up to --seq-length")
+
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", type=str, default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--load", type=str, default=None)
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="load this iteration instead of the tracker's latest")
+    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--no-save-rng", action="store_true")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true")
+    g.add_argument("--ckpt-format", choices=("torch_dist",), default="torch_dist")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true")
+
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=100)
+
+    g = p.add_argument_group("accepted for compatibility, no effect")
+    for flag, typ in _IGNORED.items():
+        g.add_argument(flag, type=typ, default=None, help=argparse.SUPPRESS)
+    for flag in _IGNORED_SWITCHES:
+        g.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+
+    add_paradyse_args(p)
+    return p
+
+
+def parse_args(argv=None, world_size: int | None = None, validate: bool = True) -> argparse.Namespace:
+    """Parse and (by default) validate; ``world_size`` defaults to ``$WORLD_SIZE`` (1)."""
+    args = build_parser().parse_args(argv)
+    if validate:
+        validate_args(args, world_size)
+    return args
+
+
+def _err(msg: str):
+    raise ArgumentError(msg)
+
+
+def validate_args(args, world_size: int | None = None) -> argparse.Namespace:
+    """Check and complete ``args`` in place; every check is local (no collective)."""
+    import torch
+
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    args.world_size = world_size
+    tp = args.tensor_model_parallel_size
+    if tp < 1 or world_size % tp:
+        _err(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp}")
+    args.data_parallel_size = world_size // tp
+    if args.pipeline_model_parallel_size != 1:
+        _err("--pipeline-model-parallel-size must be 1: this trainer (and ParaDySe) runs without "
+             "pipeline parallelism")
+    if args.context_parallel_size != 1:
+        _err("--context-parallel-size must be 1: ParaDySe's ulysses/ring strategies replace "
+             "context parallelism inside the TP group")
+    if args.sequence_parallel and tp == 1:
+        args.sequence_parallel = False  # as Megatron-LM: nothing to shard
+    if args.paradyse and tp > 1 and not args.sequence_parallel:
+        _err("--paradyse needs --sequence-parallel: every strategy keeps the [s/p, b, h] "
+             "sequence-parallel layout between layers")
+    if args.fp16:
+        _err("--fp16 is not supported (its loss scaler needs CUDA and apex); use --bf16 or fp32")
+    if args.bf16 and not torch.cuda.is_available():
+        _err("--bf16 needs a GPU: on CPU train in fp32 (drop --bf16)")
+    if args.use_distributed_optimizer and not torch.cuda.is_available():
+        _err("--use-distributed-optimizer needs CUDA tensors (megatron's type check); on CPU the "
+             "plain optimizer is used: drop the flag")
+    if args.overlap_grad_reduce and not torch.cuda.is_available():
+        _err("--overlap-grad-reduce needs CUDA streams; drop it on CPU")
+    if args.tokenizer_type != "NullTokenizer":
+        _err(f"--tokenizer-type {args.tokenizer_type}: only NullTokenizer (token-id data) is "
+             "supported by this trainer; use Megatron-LM's pretrain() path for text tokenizers")
+    if args.vocab_size is None or args.vocab_size < 2:
+        _err("--vocab-size is required (token ids are 0 .. vocab-size-1)")
+    if args.lr is None:
+        _err("--lr is required")
+    if args.micro_batch_size < 1 or args.train_iters < 1 or args.seq_length < 1:
+        _err("--micro-batch-size, --train-iters and --seq-length must be positive")
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size % (args.micro_batch_size * args.data_parallel_size):
+        _err(f"--global-batch-size {args.global_batch_size} must be a multiple of --micro-batch-size "
+             f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size} "
+             f"(world {world_size} / TP {tp})")
+    args.num_microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    if bool(args.mock_data) == bool(args.data_path):
+        _err("give exactly one of --mock-data and --data-path PREFIX")
+    if args.data_path and len(args.data_path) != 1:
+        _err("--data-path takes one IndexedDataset prefix here (no weighted blends)")
+    if args.data_path and not os.path.exists(args.data_path[0] + ".idx"):
+        _err(f"--data-path {args.data_path[0]}: {args.data_path[0]}.idx not found")
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.position_embedding_type == "learned_absolute" and args.seq_length > args.max_position_embeddings:
+        _err(f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}")
+    if args.hidden_size % args.num_attention_heads and args.kv_channels is None:
+        _err("--hidden-size must be divisible by --num-attention-heads (or give --kv-channels)")
+    if args.num_attention_heads % tp:
+        _err(f"--num-attention-heads {args.num_attention_heads} must be divisible by "
+             f"--tensor-model-parallel-size {tp}")
+    if not args.group_query_attention:
+        args.num_query_groups = args.num_attention_heads
+    if args.num_attention_heads % args.num_query_groups or args.num_query_groups % tp:
+        _err(f"--num-query-groups {args.num_query_groups} must divide --num-attention-heads and be "
+             f"divisible by --tensor-model-parallel-size {tp}")
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64 if args.swiglu else 4 * args.hidden_size
+    if args.ffn_hidden_size % tp:
+        _err(f"--ffn-hidden-size {args.ffn_hidden_size} must be divisible by TP {tp}")
+    mult = args.make_vocab_size_divisible_by * tp
+    args.padded_vocab_size = -(-args.vocab_size // mult) * mult
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_iters >= args.lr_decay_iters:
+        _err(f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters {args.lr_decay_iters}")
+    if args.min_lr > args.lr:
+        _err(f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
+    if args.save_interval is not None and not args.save:
+        _err("--save-interval needs --save DIR")
+    if args.log_interval < 1:
+        _err("--log-interval must be >= 1")
+    if args.distributed_backend is None:
+        args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if args.distributed_backend == "nccl" and not torch.cuda.is_available():
+        _err("--distributed-backend nccl needs CUDA; use gloo on CPU")
+    if args.paradyse_pad_multiple is None:
+        args.paradyse_pad_multiple = tp if (args.sequence_parallel or args.paradyse) else 1
+    if args.paradyse_pad_multiple < 1 or args.paradyse_pad_multiple % (tp if args.sequence_parallel else 1):
+        _err(f"--paradyse-pad-multiple {args.paradyse_pad_multiple} must be a positive multiple of TP {tp}")
+    args.params_dtype = torch.bfloat16 if args.bf16 else torch.float32
+    args.calculate_per_token_loss = True
+    if not torch.cuda.is_available():
+        args.use_cpu_initialization = True
+    for flag in list(_IGNORED) + list(_IGNORED_SWITCHES):
+        dest = flag.lstrip("-").replace("-", "_")
+        if getattr(args, dest, None) not in (None, False) and int(os.environ.get("RANK", "0")) == 0:
+            warnings.warn(f"{flag} is accepted for compatibility with Megatron-LM scripts and has "
+                          "no effect in this trainer", stacklevel=2)
+    # the plan: parsed and checked for this model here, before any collective
+    if args.paradyse:
+        from .plans import parse_plan
+
+        for flag in ("paradyse_cost_model", "paradyse_memory_budget"):
+            if getattr(args, flag) is not None and int(os.environ.get("RANK", "0")) == 0:
+                warnings.warn(f"--{flag.replace('_', '-')} is reserved for the planner and has no "
+                              "effect on a fixed --paradyse-plan", stacklevel=2)
+        try:
+            rule = parse_plan(args.paradyse_plan, args.num_layers)
+        except ValueError as e:
+            _err(f"--paradyse-plan {args.paradyse_plan!r}: {e}")
+        config = transformer_config_from_args(args)
+        import megatron_paradyse as mp
+
+        for name in rule.strategies():
+            ok, why = mp.supports(name, config, tp)
+            if not ok:
+                _err(f"--paradyse-plan uses {name!r}, which cannot run this model over "
+                     f"TP={tp}: {why}")
+    return args
+
+
+def transformer_config_from_args(args, **overrides):
+    """megatron-core's ``TransformerConfig`` for the parsed flags (no collective)."""
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    kw = dict(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
+        gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
+        add_bias_linear=not args.disable_bias_linear, normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon, init_method_std=args.init_method_std,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        use_cpu_initialization=args.use_cpu_initialization,
+        params_dtype=args.params_dtype, bf16=args.bf16,
+        pipeline_dtype=args.params_dtype,
+        calculate_per_token_loss=True,
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        persist_layer_norm=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
+    )
+    kw.update(overrides)
+    return TransformerConfig(**kw)

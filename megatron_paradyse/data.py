@@ -1,0 +1,315 @@
+"""Variable-length micro-batches for ParaDySe training.
+
+Every sample is one document, ``L + 1`` token ids (inputs are the first ``L``, labels the
+last ``L``), truncated to ``seq_length + 1``. Two sources:
+
+* :class:`DocumentDataset`: megatron-core's ``IndexedDataset`` (``--data-path PREFIX``,
+  the ``PREFIX.bin`` / ``PREFIX.idx`` pair written by Megatron-LM's
+  ``tools/preprocess_data.py`` or :func:`write_indexed_dataset`), one document per sample,
+  read per document from the memory-mapped ``.bin``, shuffled per epoch with the seed.
+  megatron-core's own ``GPTDataset`` only yields packed fixed-length samples.
+* :class:`MockDataset` (``--mock-data``): a deterministic synthetic corpus whose lengths
+  follow a long-tailed (log-uniform) distribution up to ``seq_length``. Each document is a
+  learnable pattern (an arithmetic progression of token ids with a per-document start and
+  stride), so the loss falls visibly in a demo.
+
+Both are pure functions of ``(seed, index)``: every rank of a switching group computes the
+same micro-batch without communication, which is what lets every rank derive the same plan.
+
+:func:`pad_to_multiple` turns a micro-batch of samples into tensors padded at the end to a
+multiple of the layout's divisor (``p``: every strategy keeps ``[s/p, b, h]`` between layers),
+with a loss mask that removes the padding. Padding sits after the real tokens, so with causal
+attention it cannot influence them: the per-token loss summed over the mask, divided by the
+number of real tokens in the whole step (across micro-batches and data-parallel replicas, as
+megatron's ``calculate_per_token_loss`` does), equals the loss of the unpadded batch, and so
+does its gradient.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import torch
+
+
+# --------------------------------------------------------------------------- datasets
+class MockDataset:
+    """Deterministic synthetic documents with log-uniform lengths in ``[min_length, seq_length]``.
+
+    ``dataset[i]`` is an int64 array of ``L + 1`` token ids, a function of ``(seed, i)`` only.
+    """
+
+    def __init__(self, seq_length: int, vocab_size: int, seed: int = 1234, min_length: int = 16,
+                 num_samples: int = 1 << 40):
+        if seq_length < 1:
+            raise ValueError(f"seq_length must be >= 1, got {seq_length}")
+        if vocab_size < 2:
+            raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
+        self.seq_length = seq_length
+        self.vocab_size = vocab_size
+        self.seed = seed
+        self.min_length = max(1, min(min_length, seq_length))
+        self.num_samples = num_samples
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def length(self, i: int) -> int:
+        """The number of training tokens (inputs) of sample ``i``."""
+        rng = np.random.default_rng([self.seed, i, 0])
+        lo, hi = math.log(self.min_length), math.log(self.seq_length + 1)
+        return int(min(self.seq_length, max(self.min_length, math.exp(rng.uniform(lo, hi)))))
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if not 0 <= i < self.num_samples:
+            raise IndexError(i)
+        n = self.length(i) + 1
+        rng = np.random.default_rng([self.seed, i, 1])
+        start = int(rng.integers(0, self.vocab_size))
+        stride = int(rng.integers(1, 4))
+        return (start + stride * np.arange(n, dtype=np.int64)) % self.vocab_size
+
+
+class DocumentDataset:
+    """One document of megatron-core's ``IndexedDataset`` per sample, truncated to ``seq_length + 1``.
+
+    Documents shorter than two tokens are skipped. The order is a seeded permutation of the
+    documents, a new one per epoch, so ``dataset[i]`` is defined for every ``i >= 0``.
+    """
+
+    def __init__(self, prefix: str, seq_length: int, seed: int = 1234, shuffle: bool = True):
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+        self.prefix = prefix
+        self.seq_length = seq_length
+        self.seed = seed
+        self.shuffle = shuffle
+        self.indexed = IndexedDataset(prefix)
+        seq_lens = np.asarray(self.indexed.sequence_lengths, dtype=np.int64)
+        bounds = np.asarray(self.indexed.document_indices, dtype=np.int64)
+        starts, ends = bounds[:-1], bounds[1:]
+        csum = np.concatenate([[0], np.cumsum(seq_lens)])
+        doc_tokens = csum[ends] - csum[starts]
+        self.docs = np.nonzero(doc_tokens >= 2)[0]
+        if len(self.docs) == 0:
+            raise ValueError(f"{prefix}: no document has at least two tokens")
+        self._starts, self._ends = starts, ends
+        self._perms: dict = {}
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def _doc_for(self, i: int) -> int:
+        n = len(self.docs)
+        epoch, j = divmod(i, n)
+        if not self.shuffle:
+            return int(self.docs[j])
+        perm = self._perms.get(epoch)
+        if perm is None:
+            perm = np.random.default_rng([self.seed, epoch]).permutation(n)
+            self._perms = {epoch: perm}  # keep one epoch's permutation
+        return int(self.docs[perm[j]])
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if i < 0:
+            raise IndexError(i)
+        d = self._doc_for(i)
+        want = self.seq_length + 1
+        parts, have = [], 0
+        for s in range(int(self._starts[d]), int(self._ends[d])):
+            if have >= want:
+                break
+            n = int(self.indexed.sequence_lengths[s])
+            take = min(n, want - have)
+            if take > 0:
+                parts.append(np.asarray(self.indexed.get(s, offset=0, length=take), dtype=np.int64))
+                have += take
+        return np.concatenate(parts)
+
+
+def write_indexed_dataset(prefix: str, documents, vocab_size: int) -> None:
+    """Write ``documents`` (iterables of token ids) as megatron-core ``PREFIX.bin`` / ``PREFIX.idx``."""
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
+
+    builder = IndexedDatasetBuilder(get_bin_path(prefix), dtype=DType.optimal_dtype(vocab_size))
+    for doc in documents:
+        builder.add_item(torch.as_tensor(np.asarray(doc, dtype=np.int64)))
+        builder.end_document()
+    builder.finalize(get_idx_path(prefix))
+
+
+def build_dataset(args):
+    """The training dataset the parsed arguments name (``--mock-data`` or ``--data-path``)."""
+    if args.mock_data:
+        return MockDataset(args.seq_length, args.vocab_size, seed=args.seed,
+                           min_length=args.paradyse_mock_min_length)
+    paths = list(args.data_path or [])
+    if len(paths) != 1:
+        raise ValueError(f"--data-path: give one IndexedDataset prefix, got {paths}")
+    return DocumentDataset(paths[0], args.seq_length, seed=args.seed)
+
+
+# --------------------------------------------------------------------------- batches
+@dataclasses.dataclass
+class MicroBatch:
+    """One padded micro-batch. ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` are
+    ``[b, s]`` with ``s`` a multiple of the layout's divisor; ``lengths`` are the real lengths."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+    lengths: tuple
+    plan: tuple | None = None  # set by hooks.PlannedIterator: one strategy name per layer
+
+    @property
+    def seq_length(self) -> int:
+        """The padded length the model runs."""
+        return int(self.tokens.shape[1])
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (loss-bearing) tokens: the loss mask's sum."""
+        return int(self.loss_mask.sum())
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.tokens.shape)
+
+    def to(self, device) -> "MicroBatch":
+        return dataclasses.replace(
+            self, tokens=self.tokens.to(device), labels=self.labels.to(device),
+            loss_mask=self.loss_mask.to(device), position_ids=self.position_ids.to(device))
+
+
+def padded_length(length: int, multiple: int) -> int:
+    """``length`` rounded up to a multiple of ``multiple`` (at least ``multiple``)."""
+    multiple = max(1, int(multiple))
+    return max(multiple, -(-int(length) // multiple) * multiple)
+
+
+def pad_to_multiple(samples, multiple: int, pad_id: int = 0) -> MicroBatch:
+    """Pad a micro-batch of documents (each ``L_i + 1`` token ids) to ``s``, a multiple of ``multiple``.
+
+    ``s`` is ``max_i L_i`` rounded up. Inputs are ``doc[:-1]``, labels ``doc[1:]``; positions
+    past ``L_i`` hold ``pad_id`` and have ``loss_mask == 0``. With the loss summed over the
+    mask and divided by the step's total of ``num_tokens`` (megatron's per-token loss), loss and
+    gradient equal those of the unpadded documents, because padding only follows real tokens
+    and attention is causal.
+    """
+    docs = [np.asarray(d, dtype=np.int64).reshape(-1) for d in samples]
+    if not docs:
+        raise ValueError("a micro-batch needs at least one sample")
+    lengths = tuple(len(d) - 1 for d in docs)
+    if min(lengths) < 1:
+        raise ValueError("every sample needs at least two token ids (one input, one label)")
+    s = padded_length(max(lengths), multiple)
+    b = len(docs)
+    tokens = torch.full((b, s), pad_id, dtype=torch.long)
+    labels = torch.full((b, s), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros((b, s), dtype=torch.float32)
+    for i, d in enumerate(docs):
+        n = lengths[i]
+        t = torch.from_numpy(d)
+        tokens[i, :n] = t[:n]
+        labels[i, :n] = t[1:n + 1]
+        loss_mask[i, :n] = 1.0
+    position_ids = torch.arange(s, dtype=torch.long).unsqueeze(0).expand(b, s).contiguous()
+    return MicroBatch(tokens, labels, loss_mask, position_ids, lengths)
+
+
+def trim_to_multiple(tokens, labels, loss_mask, multiple: int, position_ids=None) -> MicroBatch:
+    """A fixed-shape ``[b, seq_length]`` batch (Megatron-LM's data loaders) cut after its last
+    loss-bearing position, rounded up to ``multiple``. Causal attention makes the cut exact."""
+    mask = loss_mask.float()
+    b, full = tokens.shape
+    nz = torch.nonzero(mask.sum(0) > 0)
+    last = int(nz.max()) + 1 if nz.numel() else 1
+    s = padded_length(last, multiple)
+    if s > full:
+        raise ValueError(f"cannot pad a [{b}, {full}] batch to a multiple of {multiple}")
+    lengths = []
+    for i in range(b):
+        row = torch.nonzero(mask[i] > 0)
+        lengths.append(int(row.max()) + 1 if row.numel() else 0)
+    if position_ids is None:
+        position_ids = torch.arange(full, device=tokens.device).unsqueeze(0).expand(b, full)
+    return MicroBatch(tokens[:, :s].contiguous(), labels[:, :s].contiguous(), mask[:, :s].contiguous(),
+                      position_ids[:, :s].contiguous(), tuple(lengths))
+
+
+class FixedLengthView:
+    """A dataset of variable-length documents seen as fixed-shape samples of ``seq_length``.
+
+    For Megatron-LM's data loaders (default collation needs equal shapes): each item is a dict
+    of ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` padded to ``seq_length``; the
+    ParaDySe forward step trims each micro-batch back with :func:`trim_to_multiple`.
+    """
+
+    def __init__(self, dataset, seq_length: int, num_samples: int | None = None, pad_id: int = 0):
+        self.dataset, self.seq_length, self.pad_id = dataset, seq_length, pad_id
+        self.num_samples = num_samples if num_samples is not None else len(dataset)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> dict:
+        mb = pad_to_multiple([self.dataset[int(i)]], 1, self.pad_id)
+        s = mb.seq_length
+        out = {}
+        for key, t in (("tokens", mb.tokens), ("labels", mb.labels), ("loss_mask", mb.loss_mask),
+                       ("position_ids", None)):
+            row = torch.arange(self.seq_length, dtype=torch.long) if t is None else \
+                torch.nn.functional.pad(t[0], (0, self.seq_length - s), value=0 if key == "loss_mask" else self.pad_id)
+            out[key] = row
+        return out
+
+
+def sample_indices(step: int, micro: int, global_batch_size: int, micro_batch_size: int,
+                   dp_rank: int, dp_size: int, first_sample: int = 0) -> list:
+    """Indices of micro-batch ``micro`` of iteration ``step`` on data-parallel rank ``dp_rank``.
+
+    The order of Megatron-LM's ``MegatronPretrainingSampler``: each global batch is read in
+    rounds of ``micro_batch_size * dp_size`` consecutive samples, rank ``r`` taking the r-th
+    ``micro_batch_size`` of each round.
+    """
+    base = first_sample + step * global_batch_size + (micro * dp_size + dp_rank) * micro_batch_size
+    return list(range(base, base + micro_batch_size))
+
+
+class MicroBatchLoader:
+    """An endless iterator of this data-parallel rank's padded micro-batches, in Megatron order.
+
+    ``consumed_samples`` (``iteration * global_batch_size`` on resume) skips what a previous
+    run consumed; every rank of a switching group yields the same micro-batches.
+    """
+
+    def __init__(self, dataset, micro_batch_size: int, global_batch_size: int, dp_rank: int,
+                 dp_size: int, multiple: int, consumed_samples: int = 0, pad_id: int = 0):
+        if global_batch_size % (micro_batch_size * dp_size):
+            raise ValueError(f"global batch size {global_batch_size} is not divisible by micro batch "
+                             f"size {micro_batch_size} x data-parallel size {dp_size}")
+        self.dataset = dataset
+        self.mbs, self.gbs, self.dp_rank, self.dp_size = micro_batch_size, global_batch_size, dp_rank, dp_size
+        self.multiple, self.pad_id = multiple, pad_id
+        self.num_microbatches = global_batch_size // (micro_batch_size * dp_size)
+        if consumed_samples % global_batch_size:
+            raise ValueError(f"consumed samples {consumed_samples} is not a multiple of the global batch size")
+        self.step = consumed_samples // global_batch_size
+        self.micro = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> MicroBatch:
+        idx = sample_indices(self.step, self.micro, self.gbs, self.mbs, self.dp_rank, self.dp_size)
+        self.micro += 1
+        if self.micro == self.num_microbatches:
+            self.micro, self.step = 0, self.step + 1
+        return pad_to_multiple([self.dataset[i] for i in idx], self.multiple, self.pad_id)
+
+
+def step_lengths(dataset, step: int, global_batch_size: int) -> list:
+    """Every document length of iteration ``step`` across all replicas (for logs and planners)."""
+    return [len(dataset[i]) - 1 for i in range(step * global_batch_size, (step + 1) * global_batch_size)]

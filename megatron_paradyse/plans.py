@@ -1,0 +1,121 @@
+"""Plans from the user: ``--paradyse-plan`` parsed into a deterministic rule per micro-batch.
+
+A plan spec is a strategy name (all layers), a comma list (one per layer), run-length
+``tp_sp*2+ring*2``, or a length rule ``rule:512=tp_sp,2048=ulysses,ring`` (the first bound
+at or above the micro-batch's padded length wins; the last entry has no bound). The rule is
+a pure function of data every rank has, so every rank of a switching group derives the same
+plan without communicating; :mod:`megatron_paradyse.hooks` verifies that it did.
+"""
+from __future__ import annotations
+
+
+def _strategy_names():
+    from .strategies import STRATEGIES
+
+    return STRATEGIES
+
+
+def _one_plan(text: str, num_layers: int) -> tuple:
+    """A single plan: ``name``, ``a,b,c,...`` (one per layer) or ``a*2+b*2`` (run-length)."""
+    from . import strategies
+
+    text = text.strip()
+    if not text:
+        raise ValueError("empty plan")
+    if "," in text:
+        names = [t.strip() for t in text.split(",")]
+    elif "+" in text or "*" in text:
+        names = []
+        for item in text.split("+"):
+            name, _, count = item.strip().partition("*")
+            name = name.strip()
+            try:
+                n = int(count) if count else 1
+            except ValueError:
+                raise ValueError(f"bad run-length item {item!r} (expected name*count)") from None
+            if n < 1:
+                raise ValueError(f"bad run-length count in {item!r}")
+            names += [name] * n
+    else:
+        names = [text] * num_layers
+    if len(names) != num_layers:
+        raise ValueError(f"plan {text!r} has {len(names)} layers but the model has {num_layers} "
+                         "(--num-layers)")
+    for name in names:
+        strategies.get(name)  # ValueError naming the known strategies
+    return tuple(names)
+
+
+class PlanRule:
+    """A plan as a deterministic function of a micro-batch's padded sequence length.
+
+    ``thresholds`` is ascending; a micro-batch of padded length ``s`` runs the plan of the
+    first threshold ``>= s``, or ``default`` beyond the last.
+    """
+
+    def __init__(self, spec: str, thresholds: list, plans: list, default: tuple):
+        self.spec, self.thresholds, self.plans, self.default = spec, thresholds, plans, default
+
+    def __call__(self, seq_length: int) -> tuple:
+        for limit, plan in zip(self.thresholds, self.plans):
+            if seq_length <= limit:
+                return plan
+        return self.default
+
+    def strategies(self) -> list:
+        names = set(self.default)
+        for plan in self.plans:
+            names.update(plan)
+        return sorted(names)
+
+    def __repr__(self):
+        return f"PlanRule({self.spec!r})"
+
+
+def parse_plan(spec: str, num_layers: int) -> PlanRule:
+    """Parse ``--paradyse-plan``; ValueError with the reason on a bad spec (local, no collective)."""
+    if spec is None:
+        raise ValueError("no plan given")
+    spec = spec.strip()
+    if not spec.startswith("rule:"):
+        return PlanRule(spec, [], [], _one_plan(spec, num_layers))
+    entries = [e.strip() for e in spec[len("rule:"):].split(",") if e.strip()]
+    if not entries:
+        raise ValueError("a rule needs entries, e.g. rule:512=tp_sp,2048=ulysses,ring")
+    thresholds, plans, default = [], [], None
+    for k, entry in enumerate(entries):
+        limit, eq, plan = entry.partition("=")
+        if not eq:
+            if k != len(entries) - 1:
+                raise ValueError(f"rule entry {entry!r} without '=' must come last (the default)")
+            default = _one_plan(entry, num_layers)
+            continue
+        try:
+            limit = int(limit)
+        except ValueError:
+            raise ValueError(f"rule threshold {limit!r} is not an integer length") from None
+        if thresholds and limit <= thresholds[-1]:
+            raise ValueError("rule thresholds must be strictly ascending")
+        thresholds.append(limit)
+        plans.append(_one_plan(plan, num_layers))
+    if default is None:
+        raise ValueError("a rule needs a final default plan without '=' for longer sequences, "
+                         "e.g. rule:512=tp_sp,ring")
+    return PlanRule(spec, thresholds, plans, default)
+
+
+def describe_plans(plans) -> str:
+    """The plans of a step's micro-batches, compactly: one ``mp.describe`` if all agree."""
+    from .patch import describe
+
+    texts = [describe(p) for p in plans]
+    if len(set(texts)) == 1:
+        return texts[0]
+    if len(texts) > 8:
+        return ",".join(texts[:8]) + f",...(+{len(texts) - 8})"
+    return ",".join(texts)
+
+
+def rule_plan_fn(rule: PlanRule):
+    """``plan_fn`` for :class:`PlannedIterator`: the rule applied to the padded length."""
+    return lambda mb, step, index: rule(mb.seq_length)

@@ -1,0 +1,375 @@
+"""Training with per-batch, per-layer strategy switching on megatron-core.
+
+The pieces, each usable alone:
+
+* :func:`parse_plan`: ``--paradyse-plan`` (a name, a comma list per layer, run-length
+  ``tp_sp*2+ring*2``, or a length rule ``rule:512=tp_sp,2048=ulysses,ring``) into a
+  :class:`PlanRule`, a deterministic function of a micro-batch's padded length.
+* :class:`PlannedIterator`: the data-iterator hook. megatron's schedule pulls micro-batches
+  lazily, so on the first pull of a step the wrapper prefetches the step's micro-batches,
+  decides one plan per micro-batch, and checks with one all-reduce over the world (MAX of
+  each plan's hash and of its negation) that every rank of each switching group holds the
+  same plans and shapes. A divergence, or a data or planning error on any rank, raises
+  :class:`PlanMismatchError` on every rank together, naming each rank's plan: never a hang.
+* :func:`forward_step`: megatron's ``forward_step_func``: ``mp.set_plan(model, plan)``, then
+  the stock GPT forward with labels, and megatron's per-token loss.
+* :class:`Trainer`: megatron-core's training path: ``DistributedDataParallel``,
+  ``get_forward_backward_func``, ``finalize_model_grads`` (sequence-parallel norm gradients
+  summed over TP, gradients divided by the step's real-token count across replicas),
+  ``get_megatron_optimizer`` (Adam, gradient clipping), ``OptimizerParamScheduler``,
+  data parallelism over replicas of the switching group (world = dp x p), Megatron-style
+  per-iteration logs, ``--save`` / ``--load``.
+* :func:`main`: ``pretrain_gpt_paradyse.py`` on megatron-core (torchrun or spawned ranks).
+* Megatron-LM hooks (:func:`paradyse_forward_step`, :func:`paradyse_datasets_provider`,
+  :func:`paradyse_model_provider`) for Megatron-LM's own ``pretrain()`` where
+  ``megatron.training`` is importable.
+"""
+
+
+import dataclasses
+import datetime
+import os
+import sys
+import time
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from . import data as pdata
+from .hooks import PlannedIterator, _check_device, forward_step
+from .plans import describe_plans, parse_plan, rule_plan_fn
+
+# ============================================================================ model & optimizer
+
+
+def build_model(args, config):
+    """The stock GPTModel (megatron-core's local layer spec) for the parsed flags."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    torch.manual_seed(args.seed)  # CPU init draws the full master weights: same on every rank
+    spec = get_gpt_layer_local_spec(normalization=args.normalization)
+    if torch.cuda.is_available() and config.sequence_parallel and not _has_apex():
+        # GPU without apex: megatron's torch norm refuses sequence parallelism; use the same
+        # torch norm with its parameters tagged sequence_parallel (as apex's FusedLayerNorm).
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+        spec.submodules.input_layernorm = sp_torch_norm
+        spec.submodules.pre_mlp_layernorm = sp_torch_norm
+        spec = TransformerBlockSubmodules(layer_specs=[spec] * config.num_layers, layer_norm=sp_torch_norm)
+    model = GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    if args.bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
+    return model
+
+
+def _has_apex() -> bool:
+    try:
+        from apex.normalization import FusedLayerNorm  # noqa: F401
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+def sp_torch_norm(config, hidden_size, eps=1e-5, **unused):
+    """torch LayerNorm / RMSNorm whose parameters carry ``sequence_parallel`` (summed over TP
+    by ``finalize_model_grads``), for GPUs without apex. Same maths and state-dict keys as
+    megatron's ``WrappedTorchNorm``."""
+    cls = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}[config.normalization]
+    norm = cls(hidden_size, eps=eps)
+    for p in norm.parameters():
+        p.sequence_parallel = config.sequence_parallel
+    return norm
+
+
+def build_optimizer(args, model):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    opt_config = OptimizerConfig(
+        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, bf16=args.bf16,
+        params_dtype=args.params_dtype, use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(opt_config, [model])
+    gbs = args.global_batch_size
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * gbs, lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * gbs, wd_incr_style="constant",
+    )
+    return optimizer, scheduler
+
+
+# ============================================================================ trainer
+
+
+@dataclasses.dataclass
+class StepStats:
+    iteration: int
+    loss: float
+    grad_norm: float | None
+    lr: float
+    seconds: float
+    tokens: int          # real tokens in the global batch (all replicas)
+    padded_tokens: int   # tokens the model ran, padding included
+    seq_lengths: tuple   # padded lengths of this rank's micro-batches
+    plans: tuple         # this rank's plans, one per micro-batch
+    skipped: bool = False
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+
+class Trainer:
+    """megatron-core training of a GPT with optional ParaDySe switching.
+
+    Expects ``torch.distributed`` to be initialised (world = dp x p). ``plan_fn(mb, step,
+    index)`` overrides ``--paradyse-plan`` (tests, planners); it must be deterministic in the
+    data every rank of the switching group has.
+    """
+
+    def __init__(self, args, plan_fn=None, log=None):
+        self.args = args
+        self.log = log if log is not None else _print_rank0
+        self.plan_fn = plan_fn
+        self.history: list = []
+        self.iteration = 0
+        self._setup()
+
+    # ------------------------------------------------------------------ setup
+    def _setup(self):
+        from megatron.core import parallel_state, tensor_parallel
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads
+
+        from . import cpu_compat
+        from .arguments import transformer_config_from_args
+
+        args = self.args
+        if not dist.is_initialized():
+            raise RuntimeError("initialise torch.distributed first (megatron_paradyse.training.main does)")
+        if dist.get_world_size() != args.world_size:
+            raise RuntimeError(f"arguments were validated for world size {args.world_size}, "
+                               f"but the process group has {dist.get_world_size()} ranks")
+        cpu_compat.apply()
+        if args.paradyse:
+            import megatron_paradyse as mp
+
+            mp.install()
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size)
+        import random
+
+        import numpy as np
+
+        random.seed(args.seed)
+        np.random.seed(args.seed)
+        torch.manual_seed(args.seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+
+        self.config = transformer_config_from_args(args)
+        model = build_model(args, self.config)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+            overlap_grad_reduce=args.overlap_grad_reduce,
+            use_distributed_optimizer=args.use_distributed_optimizer,
+        )
+        self.model = DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=model)
+        self.optimizer, self.scheduler = build_optimizer(args, self.model)
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.no_sync_func = self.model.no_sync
+        self.config.grad_scale_func = self.optimizer.scale_loss
+
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.dp_group = parallel_state.get_data_parallel_group()
+
+        if args.load:
+            from . import checkpointing
+
+            self.iteration = checkpointing.load_checkpoint(args, self.model, self.optimizer, self.scheduler,
+                                                           iteration=getattr(args, "ckpt_step", None))
+        self.dataset = pdata.build_dataset(args)
+        loader = pdata.MicroBatchLoader(
+            self.dataset, args.micro_batch_size, args.global_batch_size, self.dp_rank, self.dp_size,
+            args.paradyse_pad_multiple, consumed_samples=self.iteration * args.global_batch_size)
+        plan_fn = self.plan_fn
+        if plan_fn is None and args.paradyse:
+            plan_fn = rule_plan_fn(parse_plan(args.paradyse_plan, args.num_layers))
+        self.data_iterator = PlannedIterator(
+            loader, plan_fn if args.paradyse else None, args.num_microbatches,
+            group_index=self.dp_rank, num_groups=self.dp_size, start_step=self.iteration)
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self) -> StepStats:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        args = self.args
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        micro = self.data_iterator.prefetch()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        fwd_bwd = get_forward_backward_func()
+        reports = fwd_bwd(
+            forward_step_func=partial(forward_step, paradyse=args.paradyse),
+            data_iterator=self.data_iterator, model=[self.model],
+            num_microbatches=len(micro), seq_length=max(mb.seq_length for mb in micro),
+            micro_batch_size=args.micro_batch_size, forward_only=False,
+        )
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=args.global_batch_size)
+        total = torch.zeros(3, dtype=torch.float64)
+        for r in reports:
+            total[:2] += r["lm loss"].detach().double().cpu()
+        total[2] = sum(mb.tokens.numel() for mb in micro)
+        if self.dp_size > 1:
+            t = total.to(_check_device())
+            dist.all_reduce(t, group=self.dp_group)
+            total = t.cpu()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        self.iteration += 1
+        stats = StepStats(
+            iteration=self.iteration, loss=float(total[0] / max(total[1], 1)),
+            grad_norm=None if grad_norm is None else float(grad_norm),
+            lr=float(self.optimizer.param_groups[0]["lr"]), seconds=seconds,
+            tokens=int(total[1]), padded_tokens=int(total[2]),
+            seq_lengths=tuple(mb.seq_length for mb in micro),
+            plans=tuple(mb.plan for mb in micro), skipped=not ok)
+        self.history.append(stats)
+        return stats
+
+    # ------------------------------------------------------------------ loop
+    def train(self, train_iters: int | None = None) -> list:
+        args = self.args
+        end = args.train_iters if train_iters is None else train_iters
+        window: list = []
+        last_saved = None
+        self.log(f"> training {describe_setup(args, custom_plan=self.plan_fn is not None)} "
+                 f"from iteration {self.iteration} to {end}")
+        while self.iteration < end:
+            stats = self.train_step()
+            window.append(stats)
+            if stats.iteration % args.log_interval == 0 or stats.iteration == end:
+                self.log(format_log_line(window, args, end))
+                window = []
+            if args.save and args.save_interval and stats.iteration % args.save_interval == 0:
+                self.save()
+                last_saved = stats.iteration
+        if args.save and last_saved != self.iteration and self.iteration > 0:
+            self.save()
+        return self.history
+
+    def save(self):
+        from . import checkpointing
+
+        t0 = time.perf_counter()
+        path = checkpointing.save_checkpoint(self.args, self.iteration, self.model, self.optimizer,
+                                             self.scheduler)
+        self.log(f"  saved checkpoint at iteration {self.iteration:8d} to {path} "
+                 f"({time.perf_counter() - t0:.2f} s)")
+
+
+def describe_setup(args, custom_plan: bool = False) -> str:
+    plan = "a custom plan_fn" if custom_plan else f"plan {args.paradyse_plan!r}"
+    mode = (f"with ParaDySe ({plan})" if args.paradyse
+            else "with stock Megatron TP+SP" if args.sequence_parallel else "with stock Megatron TP")
+    return (f"GPT {args.num_layers}L h{args.hidden_size} a{args.num_attention_heads} on "
+            f"{args.world_size} ranks (TP={args.tensor_model_parallel_size} x DP={args.data_parallel_size}) "
+            f"{mode}")
+
+
+def format_log_line(window: list, args, train_iters: int) -> str:
+    """A Megatron-LM-style iteration line averaged over ``window``; lengths and plans of its last step."""
+    last = window[-1]
+    n = len(window)
+    ms = 1000.0 * sum(s.seconds for s in window) / n
+    tok_s = sum(s.tokens for s in window) / max(sum(s.seconds for s in window), 1e-9)
+    loss = sum(s.loss for s in window) / n
+    gn = [s.grad_norm for s in window if s.grad_norm is not None]
+    parts = [
+        f" [{datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S')}] iteration {last.iteration:8d}/{train_iters:8d}",
+        f"consumed samples: {last.iteration * args.global_batch_size:12d}",
+        f"elapsed time per iteration (ms): {ms:.1f}",
+        f"tokens/s: {tok_s:.0f}",
+        f"learning rate: {last.lr:.6E}",
+        f"global batch size: {args.global_batch_size:5d}",
+        f"lm loss: {loss:.6E}",
+        f"grad norm: {sum(gn) / len(gn):.3f}" if gn else "grad norm: n/a",
+        f"seq len: {','.join(str(s) for s in last.seq_lengths)} "
+        f"(pad {100.0 * (1 - last.tokens / max(last.padded_tokens, 1)):.0f}%)",
+    ]
+    if args.paradyse:
+        parts.append(f"plan: {describe_plans(last.plans)}")
+    parts.append(f"number of skipped iterations: {sum(s.skipped for s in window):3d}")
+    return " | ".join(parts) + " |"
+
+
+def _print_rank0(msg: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+# ============================================================================ entry point
+
+
+def init_distributed(args) -> None:
+    """``torch.distributed`` from torchrun's environment (a single process without it)."""
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    if args.distributed_backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group(args.distributed_backend,
+                            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+
+
+def main(argv=None) -> int:
+    """``pretrain_gpt_paradyse.py`` on megatron-core: parse, validate (before any collective), train."""
+    from .arguments import ArgumentError, parse_args
+
+    try:
+        args = parse_args(argv)
+    except ArgumentError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"pretrain_gpt_paradyse.py: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    init_distributed(args)
+    try:
+        Trainer(args).train()
+    finally:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+    return 0

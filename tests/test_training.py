@@ -1,0 +1,512 @@
+"""Training with hot switching (issue 4): equality with stock Megatron TP+SP, resume, plan checks.
+
+Two 4-rank gloo worlds (spawning costs ~5 s of imports per rank on 2 cores, so each world runs
+many checks):
+
+* world A, TP=p=4: stock megatron-core TP+SP and ParaDySe train the same small GPT for 20
+  steps over variable-length micro-batches; ParaDySe's plan changes per step, per
+  micro-batch and per layer. Both save at step 10.
+* world B (fresh): resume from step 10 (ParaDySe -> ParaDySe, ParaDySe -> stock,
+  stock -> ParaDySe); a divergent plan planted on one rank; dp=2 x p=2 equality; padding
+  invariance of loss and gradient at TP=1.
+
+The comparisons run in this process on what the worlds return.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from megatron_paradyse.spawn import run_world
+
+STEPS = 20
+SAVE_AT = 10
+
+BASE = [
+    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "64", "--max-position-embeddings", "64", "--position-embedding-type", "rope",
+    "--vocab-size", "128", "--make-vocab-size-divisible-by", "32",
+    "--micro-batch-size", "2", "--global-batch-size", "4",
+    "--attention-dropout", "0", "--hidden-dropout", "0",
+    "--lr", "2e-3", "--min-lr", "2e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
+    "--weight-decay", "0.01", "--clip-grad", "1.0", "--adam-beta2", "0.95",
+    "--mock-data", "--paradyse-mock-min-length", "6", "--seed", "1234",
+    "--log-interval", "1", "--sequence-parallel",
+]
+
+
+def _argv(tp, extra):
+    return BASE + ["--tensor-model-parallel-size", str(tp), "--train-iters", str(STEPS)] + list(extra)
+
+
+def _cycling_plan_fn(config, p):
+    """A plan per (step, micro-batch, layer) cycling over every strategy that supports the model."""
+    import megatron_paradyse as mp
+
+    names = [n for n in mp.STRATEGIES if mp.supports(n, config, p)[0]]
+
+    def plan_fn(mb, step, index):
+        return tuple(names[(step + 2 * index + layer) % len(names)] for layer in range(config.num_layers))
+
+    return plan_fn
+
+
+def _train(tp, world, extra, paradyse, plan_fn_factory=None, steps=None, lines=None):
+    """One Trainer run inside a world; returns (history, full params on rank 0, trainer)."""
+    import megatron_paradyse as mp
+    from megatron_paradyse import arguments, training
+    from megatron_paradyse.testing import gather_full
+
+    if not paradyse:
+        mp.uninstall()
+    args = arguments.parse_args(_argv(tp, extra + (["--paradyse"] if paradyse else [])), world_size=world)
+    plan_fn = None
+    if plan_fn_factory is not None:
+        plan_fn = plan_fn_factory(arguments.transformer_config_from_args(args), tp)
+    log = (lambda m: lines.append(m)) if lines is not None else (lambda m: None)
+    trainer = training.Trainer(args, plan_fn=plan_fn, log=log)
+    trainer.train(steps)
+    params = gather_full(mp.patch.unwrap(trainer.model))
+    return trainer.history, params, trainer
+
+
+def _summary(history):
+    return [dict(it=h.iteration, loss=h.loss, gn=h.grad_norm, lr=h.lr, s=h.seq_lengths,
+                 plans=h.plans, tokens=h.tokens, padded=h.padded_tokens, sec=h.seconds) for h in history]
+
+
+def _world_a(rank, world, ckpt_root):
+    import torch.distributed as dist
+
+    out = {}
+    lines = []
+    t0 = time.perf_counter()
+    hist, params, _ = _train(4, world, ["--save", f"{ckpt_root}/stock", "--save-interval", str(SAVE_AT)],
+                             paradyse=False)
+    out["stock"] = _summary(hist)
+    out["stock_params"] = params if rank == 0 else None
+    out["stock_seconds"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    hist, params, _ = _train(4, world, ["--save", f"{ckpt_root}/paradyse", "--save-interval", str(SAVE_AT)],
+                             paradyse=True, plan_fn_factory=_cycling_plan_fn, lines=lines)
+    out["paradyse"] = _summary(hist)
+    out["paradyse_params"] = params if rank == 0 else None
+    out["paradyse_seconds"] = time.perf_counter() - t0
+    out["log"] = lines if rank == 0 else None
+    dist.barrier()
+    return out
+
+
+class _Planted:
+    """The cycling plan, except on global rank 3 at iteration 2 (a divergent rank)."""
+
+    def __init__(self, rank):
+        self.rank = rank
+
+    def __call__(self, config, p):
+        base = _cycling_plan_fn(config, p)
+        rank = self.rank
+
+        def plan_fn(mb, step, index):
+            plan = base(mb, step, index)
+            if rank == 3 and step == 2 and index == 1:
+                plan = tuple(reversed(plan)) if len(set(plan)) > 1 else ("tp_sp",) * len(plan)
+                if plan == base(mb, step, index):
+                    plan = ("ulysses",) * len(plan)
+            return plan
+
+        return plan_fn
+
+
+def _world_b(rank, world, ckpt_root):
+    import torch
+    import torch.distributed as dist
+
+    from megatron_paradyse import hooks, training
+
+    out = {}
+    load = ["--ckpt-step", str(SAVE_AT)]
+    # (b) resume from step 10 in a fresh world
+    hist, params, _ = _train(4, world, ["--load", f"{ckpt_root}/paradyse"] + load, paradyse=True,
+                             plan_fn_factory=_cycling_plan_fn)
+    out["resume_pd_pd"] = _summary(hist)
+    out["resume_pd_pd_params"] = params if rank == 0 else None
+    hist, _, _ = _train(4, world, ["--load", f"{ckpt_root}/stock"] + load, paradyse=True,
+                        plan_fn_factory=_cycling_plan_fn)
+    out["resume_stock_pd"] = _summary(hist)
+    hist, _, trainer = _train(4, world, ["--load", f"{ckpt_root}/paradyse"] + load, paradyse=False)
+    out["resume_pd_stock"] = _summary(hist)
+    out["crash"] = _crash_during_save(trainer, f"{ckpt_root}/crash")
+
+    # (c) a divergent plan planted on rank 3 at iteration 2
+    from megatron_paradyse import arguments
+
+    args_div = arguments.parse_args(_argv(4, ["--paradyse"]), world_size=world)
+    trainer = training.Trainer(args_div, plan_fn=_Planted(rank)(arguments.transformer_config_from_args(args_div), 4),
+                               log=lambda m: None)
+    trainer.train(2)
+    t0 = time.perf_counter()
+    try:
+        trainer.train_step()
+        out["divergence"] = ("no error", None, time.perf_counter() - t0)
+    except hooks.PlanMismatchError as e:
+        out["divergence"] = ("PlanMismatchError", str(e), time.perf_counter() - t0)
+    # the world is still usable: every rank left the check together
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    out["after_divergence_allreduce"] = float(t)
+
+    # dp=2 x p=2: equality with stock, 10 steps
+    hist_s, params_s, _ = _train(2, world, [], paradyse=False, steps=10)
+    hist_p, params_p, _ = _train(2, world, [], paradyse=True, plan_fn_factory=_cycling_plan_fn, steps=10)
+    out["dp2_stock"], out["dp2_paradyse"] = _summary(hist_s), _summary(hist_p)
+    out["dp2_params"] = (params_s, params_p) if rank == 0 else None
+
+    # padding: loss and gradient of a padded micro-batch equal those of its unpadded documents (TP=1)
+    out["padding"] = _padding_check()
+    out["megatron_lm_hooks"] = _megatron_lm_hooks_check(world)
+    dist.barrier()
+    return out
+
+
+def _crash_during_save(trainer, root):
+    """A save that dies after writing its data but before the rename leaves the last complete
+    checkpoint as the latest; the next save removes the debris."""
+    import copy
+
+    from megatron.core import dist_checkpointing
+
+    from megatron_paradyse import checkpointing
+
+    args = copy.copy(trainer.args)
+    args.save = args.load = root
+    checkpointing.save_checkpoint(args, 20, trainer.model, trainer.optimizer, trainer.scheduler)
+    real = dist_checkpointing.save
+
+    def dying_save(sd, path, *a, **k):
+        real(sd, path, *a, **k)
+        raise RuntimeError("simulated crash")
+
+    dist_checkpointing.save = dying_save
+    try:
+        checkpointing.save_checkpoint(args, 21, trainer.model, trainer.optimizer, trainer.scheduler)
+        crashed = False
+    except RuntimeError:
+        crashed = True
+    finally:
+        dist_checkpointing.save = real
+    after_crash = sorted(os.listdir(root))
+    tracker = checkpointing.read_tracker(root)
+    loaded = checkpointing.load_checkpoint(args, trainer.model, trainer.optimizer, trainer.scheduler)
+    checkpointing.save_checkpoint(args, 22, trainer.model, trainer.optimizer, trainer.scheduler)
+    return dict(crashed=crashed, after_crash=after_crash, tracker=tracker, loaded=loaded,
+                after_next=sorted(os.listdir(root)))
+
+
+def _megatron_lm_hooks_check(world):
+    """The Megatron-LM pretrain() hooks against a stand-in ``megatron.training`` (get_args only):
+    a forward-only step through paradyse_forward_step + paradyse_datasets_provider + a torch
+    DataLoader equals the same step through the core path's PlannedIterator."""
+    import sys
+    import types
+
+    import torch
+
+    from megatron.core.num_microbatches_calculator import (
+        destroy_num_microbatches_calculator, init_num_microbatches_calculator)
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_paradyse import arguments, data, hooks, megatron_lm, training
+
+    args = arguments.parse_args(_argv(2, ["--paradyse", "--paradyse-plan", "rule:32=tp_sp,ulysses*2+ring*2"]),
+                                world_size=world)
+    stand_in = types.ModuleType("megatron.training")
+    stand_in.get_args = lambda: args
+    saved = sys.modules.get("megatron.training")
+    sys.modules["megatron.training"] = stand_in
+    try:
+        trainer = training.Trainer(args, log=lambda m: None)
+        init_num_microbatches_calculator(0, None, args.global_batch_size, args.micro_batch_size,
+                                         args.data_parallel_size)
+        train_ds = megatron_lm.paradyse_datasets_provider([64, 0, 0])[0]
+        sampler = [data.sample_indices(0, m, args.global_batch_size, args.micro_batch_size,
+                                       trainer.dp_rank, trainer.dp_size) for m in range(args.num_microbatches)]
+        loader = iter(torch.utils.data.DataLoader(train_ds, batch_sampler=sampler))
+        fwd = get_forward_backward_func()
+        kw = dict(model=[trainer.model], num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+                  micro_batch_size=args.micro_batch_size, forward_only=True)
+        hooked = fwd(forward_step_func=megatron_lm.paradyse_forward_step(None), data_iterator=loader, **kw)
+        planned = list(megatron_lm._MEGATRON_ITERATORS.values())[-1].current
+        core = fwd(forward_step_func=hooks.forward_step, data_iterator=trainer.data_iterator, **kw)
+        return dict(hooked=[r["lm loss"].tolist() for r in hooked], core=[r["lm loss"].tolist() for r in core],
+                    plans=[m.plan for m in planned], core_plans=[m.plan for m in trainer.data_iterator.current])
+    finally:
+        destroy_num_microbatches_calculator()
+        if saved is None:
+            sys.modules.pop("megatron.training", None)
+        else:
+            sys.modules["megatron.training"] = saved
+
+
+def _padding_check():
+    import megatron_paradyse as mp
+    from megatron_paradyse import arguments, data, hooks, training
+
+    from megatron_paradyse.testing import init_megatron
+
+    mp.uninstall()
+    init_megatron(1)  # every rank: TP=1, nothing shared
+    args = arguments.parse_args(_argv(1, []), world_size=1)
+    config = arguments.transformer_config_from_args(args)
+    model = training.build_model(args, config)
+    ds = data.MockDataset(64, 128, seed=5, min_length=6)
+    docs = [ds[i] for i in range(3)]
+    mb = data.pad_to_multiple(docs, 8)
+
+    def grads():
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    model.zero_grad()
+    out = model(mb.tokens, mb.position_ids, None, labels=mb.labels)
+    loss_sum, ntok, _ = hooks.loss_func(mb.loss_mask, out)
+    (loss_sum / ntok).backward()
+    g_pad, l_pad = grads(), float(loss_sum / ntok)
+    model.zero_grad()
+    total, count = 0.0, 0
+    for d in docs:  # one document at a time, no padding at all
+        one = data.pad_to_multiple([d], 1)
+        o = model(one.tokens, one.position_ids, None, labels=one.labels)
+        s, n, _ = hooks.loss_func(one.loss_mask, o)
+        total, count = total + s, count + int(n)
+    (total / count).backward()
+    g_ref, l_ref = grads(), float(total / count)
+    gerr = max(float((g_pad[k] - g_ref[k]).norm() / g_ref[k].norm().clamp_min(1e-30)) for k in g_ref)
+    return dict(lengths=mb.lengths, padded=mb.seq_length, loss_pad=l_pad, loss_ref=l_ref,
+                loss_rel=abs(l_pad - l_ref) / abs(l_ref), grad_rel=gerr, tokens=mb.num_tokens, count=count)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _rel(a, b):
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def _param_rel(pa, pb):
+    """Worst per-tensor relative error ||a - b|| / ||b|| over the final parameters.
+
+    One slice is compared in the global norm only: the key part of ``linear_qkv.bias``. Its
+    true gradient is exactly zero (softmax is invariant to adding ``q.b_k`` to every score of
+    a query), so its gradient is rounding noise in any run, and Adam normalises that noise
+    into steps of up to ``lr``: two stock runs that merely sum in another order differ there
+    too. Every other tensor, including the query and value biases, must match to 1e-5.
+    """
+    import torch
+
+    worst, num, den = 0.0, 0.0, 0.0
+    for k in pb:
+        a, b = pa[k], pb[k]
+        num, den = num + float((a - b).norm() ** 2), den + float(b.norm() ** 2)
+        if k.endswith("linear_qkv.bias"):
+            a, b = a.view(4, 3, -1), b.view(4, 3, -1)  # [groups, (q, k, v), head_dim] of the test model
+            keep = torch.tensor([0, 2])
+            a, b = a[:, keep], b[:, keep]
+        worst = max(worst, float((a - b).norm() / b.norm().clamp_min(1e-30)))
+    return max(worst, (num / den) ** 0.5)
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("ckpt"))
+    t0 = time.perf_counter()
+    a = run_world(_world_a, 4, root, timeout=240)
+    ta = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    b = run_world(_world_b, 4, root, timeout=240)
+    tb = time.perf_counter() - t0
+    print(f"\nworld A {ta:.1f} s, world B {tb:.1f} s")
+    return a, b, root
+
+
+def test_paradyse_training_equals_stock(worlds):
+    a, _, _ = worlds
+    r0 = a[0]
+    stock, pd = r0["stock"], r0["paradyse"]
+    assert len(stock) == len(pd) == STEPS
+    # the plans really changed per step, per micro-batch and per layer
+    plans = [p for step in pd for p in step["plans"]]
+    assert all(p is not None for p in plans)
+    assert len({p for p in plans}) > 1
+    assert any(len(set(p)) > 1 for p in plans)
+    assert len({step["plans"] for step in pd}) > 1
+    # and so did the lengths (several padded lengths, padding present)
+    lengths = {s for step in pd for s in step["s"]}
+    assert len(lengths) > 3 and any(step["padded"] > step["tokens"] for step in pd)
+    worst = max(_rel(x["loss"], y["loss"]) for x, y in zip(pd, stock))
+    worst_gn = max(_rel(x["gn"], y["gn"]) for x, y in zip(pd, stock))
+    prel = _param_rel(r0["paradyse_params"], r0["stock_params"])
+    print(f"\np=4 20 steps: max rel loss err {worst:.2e}, grad-norm {worst_gn:.2e}, params {prel:.2e}; "
+          f"stock {r0['stock_seconds']:.1f} s, paradyse {r0['paradyse_seconds']:.1f} s")
+    print("\n".join(r0["log"][:6]))
+    assert worst < 1e-5 and prel < 1e-5
+    assert worst_gn < 1e-4
+    # every rank saw the same losses (TP ranks replicate the loss)
+    for r in a[1:]:
+        assert [x["loss"] for x in r["paradyse"]] == [x["loss"] for x in pd]
+    # loss decreased: the model trains
+    assert pd[-1]["loss"] < pd[0]["loss"]
+
+
+def test_resume_and_cross_loading(worlds):
+    a, b, root = worlds
+    full_pd, full_stock = a[0]["paradyse"], a[0]["stock"]
+    assert os.path.isdir(os.path.join(root, "paradyse", "iter_0000010"))
+    assert open(os.path.join(root, "paradyse", "latest_checkpointed_iteration.txt")).read().strip() == "20"
+    assert not [n for n in os.listdir(os.path.join(root, "paradyse")) if n.endswith(".tmp")]
+    res = b[0]["resume_pd_pd"]
+    assert [x["it"] for x in res] == list(range(SAVE_AT + 1, STEPS + 1))
+    diffs = [abs(x["loss"] - y["loss"]) for x, y in zip(res, full_pd[SAVE_AT:])]
+    print(f"\nresume ParaDySe->ParaDySe steps 11-20: max |loss diff| {max(diffs):.3e}")
+    assert max(_rel(x["loss"], y["loss"]) for x, y in zip(res, full_pd[SAVE_AT:])) < 1e-5
+    assert [x["plans"] for x in res] == [x["plans"] for x in full_pd[SAVE_AT:]]
+    assert _param_rel(b[0]["resume_pd_pd_params"], a[0]["paradyse_params"]) < 1e-5
+    for key, ref in (("resume_pd_stock", full_stock), ("resume_stock_pd", full_pd)):
+        got = b[0][key]
+        err = max(_rel(x["loss"], y["loss"]) for x, y in zip(got, ref[SAVE_AT:]))
+        print(f"{key}: steps 11-20 max rel loss err vs uninterrupted {err:.2e}")
+        assert [x["it"] for x in got] == list(range(SAVE_AT + 1, STEPS + 1))
+        assert err < 1e-5
+
+
+def test_interrupted_save_never_becomes_the_latest(worlds):
+    _, b, _ = worlds
+    c = b[0]["crash"]
+    assert c["crashed"] and c["tracker"] == 20 and c["loaded"] == 20
+    assert c["after_crash"] == ["iter_0000020", "iter_0000021.tmp", "latest_checkpointed_iteration.txt"]
+    assert c["after_next"] == ["iter_0000020", "iter_0000022", "latest_checkpointed_iteration.txt"]
+
+
+def test_divergent_plan_is_an_error_on_every_rank(worlds):
+    _, b, _ = worlds
+    for rank, r in enumerate(b):
+        kind, msg, seconds = r["divergence"]
+        assert kind == "PlanMismatchError", (rank, kind)
+        assert "plan mismatch at iteration 2, micro-batch 1" in msg
+        assert "rank 3" in msg and "rank 0" in msg
+        assert seconds < 5.0
+        assert r["after_divergence_allreduce"] == 4.0
+    print(f"\ndivergence caught on all 4 ranks in {max(r['divergence'][2] for r in b) * 1000:.0f} ms (max):\n"
+          + b[0]["divergence"][1])
+
+
+def test_dp2_tp2_equals_stock(worlds):
+    _, b, _ = worlds
+    s, p = b[0]["dp2_stock"], b[0]["dp2_paradyse"]
+    worst = max(_rel(x["loss"], y["loss"]) for x, y in zip(p, s))
+    ps, pp = b[0]["dp2_params"]
+    prel = _param_rel(pp, ps)
+    print(f"\ndp=2 x p=2, 10 steps: max rel loss err {worst:.2e}, params {prel:.2e}")
+    assert worst < 1e-5 and prel < 1e-5
+    # the two replicas saw different micro-batches (different lengths) yet agree on the loss
+    assert b[0]["dp2_paradyse"][0]["s"] != b[2]["dp2_paradyse"][0]["s"] or \
+        any(x["s"] != y["s"] for x, y in zip(b[0]["dp2_paradyse"], b[2]["dp2_paradyse"]))
+    assert [x["loss"] for x in b[2]["dp2_paradyse"]] == [x["loss"] for x in p]
+
+
+def test_padding_keeps_loss_and_gradient(worlds):
+    _, b, _ = worlds
+    r = b[0]["padding"]
+    print(f"\npadding {r['lengths']} -> {r['padded']}: loss rel err {r['loss_rel']:.2e}, grad rel err {r['grad_rel']:.2e}")
+    assert r["padded"] % 8 == 0 and r["padded"] > min(r["lengths"])
+    assert r["tokens"] == r["count"] == sum(r["lengths"])
+    assert r["loss_rel"] < 1e-6 and r["grad_rel"] < 1e-5
+
+
+# ----------------------------------------------------------------------------- local (no world)
+
+
+def test_plan_parsing():
+    from megatron_paradyse.plans import parse_plan
+
+    assert parse_plan("tp_sp", 3)(100) == ("tp_sp",) * 3
+    assert parse_plan("tp_sp,ulysses,ring", 3)(1) == ("tp_sp", "ulysses", "ring")
+    assert parse_plan("tp_sp*2+ring", 3)(1) == ("tp_sp", "tp_sp", "ring")
+    rule = parse_plan("rule:32=tp_sp,64=ulysses*1+ring*1,ring", 2)
+    assert rule(32) == ("tp_sp", "tp_sp") and rule(33) == ("ulysses", "ring") and rule(65) == ("ring", "ring")
+    assert rule.strategies() == ["ring", "tp_sp", "ulysses"]
+    for bad, why in (("tp_sp*3", "has 3 layers"), ("nope", "unknown ParaDySe strategy"),
+                     ("rule:64=tp_sp", "default"), ("rule:64=tp_sp,32=ring,ring", "ascending"),
+                     ("tp_sp,ring", "has 2 layers")):
+        with pytest.raises(ValueError, match=why):
+            parse_plan(bad, 4 if bad != "tp_sp,ring" else 3)
+
+
+def test_bad_flags_fail_before_any_collective():
+    from megatron_paradyse.arguments import ArgumentError, parse_args
+
+    base = [a for a in BASE if a != "--sequence-parallel"]
+    cases = [
+        (base + ["--tensor-model-parallel-size", "4", "--train-iters", "2", "--paradyse"], 4, "--sequence-parallel"),
+        (_argv(3, []), 4, "not divisible by --tensor-model-parallel-size"),
+        (_argv(4, ["--paradyse", "--paradyse-plan", "tp_sp*3"]), 4, "has 3 layers"),
+        (_argv(4, ["--global-batch-size", "6"]), 8, "global-batch-size"),
+        (_argv(4, ["--paradyse", "--attention-dropout", "0.1"]), 4, "dropout"),
+        (_argv(4, ["--bf16"]), 4, "bf16"),
+        (_argv(4, ["--use-distributed-optimizer"]), 4, "distributed-optimizer"),
+        ([a for a in _argv(4, []) if a != "--mock-data"], 4, "--mock-data"),
+    ]
+    for argv, world, needle in cases:
+        with pytest.raises(ArgumentError, match=needle.replace("-", r"\-")):
+            parse_args(argv, world_size=world)
+    args = parse_args(_argv(4, ["--paradyse"]), world_size=8)
+    assert args.data_parallel_size == 2 and args.num_microbatches == 1 and args.paradyse_pad_multiple == 4
+
+
+def test_pad_to_multiple_and_data():
+    import numpy as np
+    import torch
+
+    from megatron_paradyse import data
+
+    mb = data.pad_to_multiple([np.arange(6), np.arange(11)], 4)
+    assert mb.shape == (2, 12) and mb.lengths == (5, 10) and mb.num_tokens == 15
+    assert mb.loss_mask[0].tolist() == [1] * 5 + [0] * 7
+    assert torch.equal(mb.labels[1, :10], torch.arange(1, 11))
+    ds = data.MockDataset(128, 100, seed=3, min_length=4)
+    lens = [len(ds[i]) - 1 for i in range(400)]
+    assert min(lens) >= 4 and max(lens) <= 128 and np.median(lens) < 40 and max(lens) > 100  # long tail
+    assert all(np.array_equal(ds[i], data.MockDataset(128, 100, seed=3, min_length=4)[i]) for i in range(5))
+    # Megatron's sampler order: rank r takes the r-th micro-batch of each round
+    assert data.sample_indices(1, 1, 8, 2, 1, 2) == [8 + 6, 8 + 7]
+    view = data.FixedLengthView(ds, 128)
+    item = view[0]
+    back = data.trim_to_multiple(item["tokens"][None], item["labels"][None], item["loss_mask"][None], 4)
+    ref = data.pad_to_multiple([ds[0]], 4)
+    assert torch.equal(back.tokens, ref.tokens) and back.num_tokens == ref.num_tokens
+
+
+def test_indexed_document_dataset(tmp_path):
+    import numpy as np
+
+    from megatron_paradyse import data
+
+    docs = [np.arange(n) % 50 for n in (3, 1, 40, 200, 7)]
+    prefix = str(tmp_path / "docs")
+    data.write_indexed_dataset(prefix, docs, 50)
+    ds = data.DocumentDataset(prefix, seq_length=64, seed=0, shuffle=False)
+    assert len(ds) == 4  # the 1-token document is skipped
+    got = sorted(len(ds[i]) for i in range(4))
+    assert got == [3, 7, 40, 65]  # truncated to seq_length + 1
+    shuffled = data.DocumentDataset(prefix, seq_length=64, seed=0)
+    assert sorted(len(shuffled[i]) for i in range(4, 8)) == got  # a second epoch, reshuffled
+
+
+def test_megatron_lm_hooks_with_a_stand_in(worlds):
+    _, b, _ = worlds
+    for r in b:
+        m = r["megatron_lm_hooks"]
+        assert m["plans"] == m["core_plans"] and all(p is not None for p in m["plans"])
+        for x, y in zip(m["hooked"], m["core"]):
+            assert x[1] == y[1] and abs(x[0] - y[0]) <= 1e-6 * abs(y[0])
