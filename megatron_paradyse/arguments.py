@@ -38,9 +38,9 @@ def add_paradyse_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--paradyse-mock-min-length", type=int, default=16,
                    help="Shortest document of --mock-data (lengths are log-uniform up to --seq-length).")
     g.add_argument("--paradyse-cost-model", type=str, default=None,
-                   help="Reserved for the planner (cost model file); not used by fixed plans.")
+                   help="Reserved for the cost-model planner (not implemented yet: an error for now).")
     g.add_argument("--paradyse-memory-budget", type=float, default=None,
-                   help="Reserved for the planner (GiB per rank); not used by fixed plans.")
+                   help="Reserved for the cost-model planner, GiB per rank (not implemented yet: an error for now).")
     g.add_argument("--paradyse-trainer", choices=("auto", "core", "megatron"), default="core",
                    help="pretrain_gpt_paradyse.py: 'core' (default) = the megatron-core training "
                         "loop of megatron_paradyse.training; 'megatron' = Megatron-LM's pretrain() "
@@ -297,9 +297,9 @@ def validate_args(args, world_size: int | None = None) -> argparse.Namespace:
         from .plans import parse_plan
 
         for flag in ("paradyse_cost_model", "paradyse_memory_budget"):
-            if getattr(args, flag) is not None and int(os.environ.get("RANK", "0")) == 0:
-                warnings.warn(f"--{flag.replace('_', '-')} is reserved for the planner and has no "
-                              "effect on a fixed --paradyse-plan", stacklevel=2)
+            if getattr(args, flag) is not None:
+                _err(f"--{flag.replace('_', '-')} needs the cost-model planner, which is not "
+                     "implemented yet; give the plan with --paradyse-plan")
         try:
             rule = parse_plan(args.paradyse_plan, args.num_layers)
         except ValueError as e:

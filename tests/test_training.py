@@ -456,6 +456,8 @@ def test_bad_flags_fail_before_any_collective():
         (_argv(4, ["--bf16"]), 4, "bf16"),
         (_argv(4, ["--use-distributed-optimizer"]), 4, "distributed-optimizer"),
         ([a for a in _argv(4, []) if a != "--mock-data"], 4, "--mock-data"),
+        (_argv(4, ["--paradyse", "--paradyse-memory-budget", "70"]), 4, "not implemented yet"),
+        (_argv(4, ["--paradyse", "--paradyse-cost-model", "cm.json"]), 4, "not implemented yet"),
     ]
     for argv, world, needle in cases:
         with pytest.raises(ArgumentError, match=needle.replace("-", r"\-")):
