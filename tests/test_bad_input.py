@@ -87,3 +87,21 @@ def test_set_plan_before_install_is_an_error():
     mp.uninstall()
     with pytest.raises(RuntimeError, match="install"):
         mp.set_plan(object(), "tp_sp")
+
+
+def test_install_and_uninstall_are_idempotent_and_restore_stock():
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.mlp import MLP
+
+    mp.uninstall()
+    stock = (SelfAttention.forward, MLP.forward, GPTModel.forward)
+    mp.install()
+    patched = (SelfAttention.forward, MLP.forward, GPTModel.forward)
+    assert all(a is not b for a, b in zip(stock, patched))
+    mp.install()
+    assert (SelfAttention.forward, MLP.forward, GPTModel.forward) == patched
+    mp.uninstall()
+    mp.uninstall()
+    assert (SelfAttention.forward, MLP.forward, GPTModel.forward) == stock
+    assert not mp.installed()
