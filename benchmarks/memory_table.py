@@ -77,11 +77,14 @@ def main():
     res = table(spec_kw, args.batch, args.seq, args.p, list(mp.STRATEGIES))
     print(f"p={args.p} s={args.seq} b={args.batch} h={args.hidden} heads={args.heads} "
           f"layers={args.layers} fp32; MiB per rank (max over ranks)\n")
-    print("| strategy | activations | step peak | comm buffers | peak + buffers |")
-    print("|---|---:|---:|---:|---:|")
+    base = res["tp_sp"]
+    print("| strategy | activations | vs tp_sp | step peak | comm buffers | peak + buffers | vs tp_sp |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for n, r in res.items():
-        print(f"| {n} | {r['activations'] / MIB:.1f} | {r['peak'] / MIB:.1f} | "
-              f"{r['buffers'] / MIB:.1f} | {(r['peak'] + r['buffers']) / MIB:.1f} |")
+        total, base_total = r["peak"] + r["buffers"], base["peak"] + base["buffers"]
+        print(f"| {n} | {r['activations'] / MIB:.1f} | {r['activations'] / base['activations']:.2f}x | "
+              f"{r['peak'] / MIB:.1f} | {r['buffers'] / MIB:.1f} | {total / MIB:.1f} | "
+              f"{total / base_total:.2f}x |")
 
 
 if __name__ == "__main__":
