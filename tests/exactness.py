@@ -19,28 +19,32 @@ def _pass(model, spec, batch, seq, seed):
 
 
 def run_cases(rank, world, cases):
-    """In each rank: for each case build one model, then run each of its passes.
+    """In each rank (TP = world): for each case build one model, then run each of its passes.
 
-    A case is ``(spec_kwargs, [(plan_or_None, batch, seq, seed), ...])``. With world == 1 the
-    model is stock megatron-core TP=1 and plans are ignored. Returns results from rank 0.
+    A case is ``(spec_kwargs, [(plan, batch, seq, seed), ...])``; plan ``None`` runs stock
+    megatron-core code (``set_plan(model, None)``). Returns the results of rank 0.
     """
     import megatron_paradyse as mp
     from megatron_paradyse import testing as T
 
     T.init_megatron(world)
-    if world > 1:
-        mp.install()
+    mp.install()
     results = []
     for spec_kw, passes in cases:
         spec = T.TinyGPT(**spec_kw)
         model = T.build_gpt(spec, world)
         out = []
         for plan, batch, seq, seed in passes:
-            if world > 1:
+            if plugin:
                 mp.set_plan(model, plan)
             out.append(_pass(model, spec, batch, seq, seed))
         results.append(out)
     return results if rank == 0 else None
+
+
+def stock(cases):
+    """The same cases with every plan replaced by stock megatron code: the reference at TP=1."""
+    return [(spec_kw, [(None, *rest) for _, *rest in passes]) for spec_kw, passes in cases]
 
 
 def rel_err(a, b) -> float:

@@ -13,7 +13,8 @@ import pytest
 
 from megatron_paradyse.spawn import run_world
 
-TOL = 1e-5
+from .exactness import assert_exact
+
 MHA_GELU = dict()
 GQA_SWIGLU_NOBIAS = dict(swiglu=True, num_attention_heads=8, num_query_groups=4, bias=False)
 GQA2_GELU_NOBIAS = dict(num_attention_heads=8, num_query_groups=2, bias=False)
@@ -127,26 +128,6 @@ def _world(rank, world, cases):
     return results if rank == 0 else None
 
 
-def _rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def _errors(got, ref):
-    assert set(got["grads"]) == set(ref["grads"])
-    grads = {k: _rel(got["grads"][k], ref["grads"][k]) for k in ref["grads"]}
-    worst = max(grads, key=grads.get)
-    return {"loss": _rel(got["loss"], ref["loss"]), "logits": _rel(got["logits"], ref["logits"]),
-            "grad": grads[worst], "worst_grad": worst}
-
-
-def _assert_exact(got, ref, label):
-    errs = _errors(got, ref)
-    for key in ("loss", "logits", "grad"):
-        assert errs[key] < TOL, f"{label}: {key} rel. error {errs[key]:.2e} ({errs})"
-    return errs
-
-
 @pytest.fixture(scope="module")
 def reference():
     out = run_world(_world, 1, [(kw, b, s, None) for kw, b, s in CASES[1]], timeout=300)[0]
@@ -156,7 +137,7 @@ def reference():
 def test_metp_p1_matches_stock_tp1(reference):
     for (kw, b, s), (stock, metp) in reference.items():
         assert "METPAttentionBackward" in metp["nodes"] and "METPMLPBackward" in metp["nodes"]
-        errs = _assert_exact(metp, stock, f"p=1 {dict(kw)} b={b} s={s}")
+        errs = assert_exact(metp, stock, f"p=1 {dict(kw)} b={b} s={s}")
         print(f"p=1 {dict(kw)} b={b} s={s}: loss {errs['loss']:.1e} logits {errs['logits']:.1e} "
               f"grad {errs['grad']:.1e}")
 
@@ -170,7 +151,7 @@ def test_metp_matches_stock_tp1(p, reference):
         label = f"p={p} {kw} b={b} s={s} plan={plan}"
         assert "METPAttentionBackward" in g["nodes"] and "METPMLPBackward" in g["nodes"], label
         assert not g["problems"], f"{label}: {g['problems']}"
-        errs = _assert_exact(g, reference[(tuple(sorted(kw.items())), b, s)][0], label)
+        errs = assert_exact(g, reference[(tuple(sorted(kw.items())), b, s)][0], label)
         worst = max(worst, errs["loss"], errs["logits"], errs["grad"])
         print(f"{label}: loss {errs['loss']:.1e} logits {errs['logits']:.1e} grad {errs['grad']:.1e}")
     print(f"p={p}: worst rel. error {worst:.2e}")

@@ -10,7 +10,7 @@ import pytest
 import megatron_paradyse as mp
 from megatron_paradyse.spawn import run_world
 
-from .exactness import assert_exact, run_cases
+from .exactness import assert_exact, run_cases, stock
 
 ALL = ("tp_sp", "ulysses", "ring", "colossal", "metp")
 
@@ -50,7 +50,7 @@ def test_registry_has_the_five_strategies():
 @pytest.mark.parametrize("p", [2, 4])
 def test_every_strategy_and_mixed_plans_match_stock_tp1(p):
     cases = _matrix(p)
-    ref = run_world(run_cases, 1, cases, timeout=300)[0]
+    ref = run_world(run_cases, 1, stock(cases), timeout=300)[0]
     got = run_world(run_cases, p, cases, timeout=600)[0]
     covered = set()
     worst = 0.0
