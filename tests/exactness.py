@@ -22,13 +22,16 @@ def run_cases(rank, world, cases):
     """In each rank (TP = world): for each case build one model, then run each of its passes.
 
     A case is ``(spec_kwargs, [(plan, batch, seq, seed), ...])``; plan ``None`` runs stock
-    megatron-core code (``set_plan(model, None)``). Returns the results of rank 0.
+    megatron-core code; a world whose passes are all ``None`` never installs the plugin, so the
+    reference is untouched megatron-core. Returns the results of rank 0.
     """
     import megatron_paradyse as mp
     from megatron_paradyse import testing as T
 
     T.init_megatron(world)
-    mp.install()
+    plugin = any(plan is not None for _, passes in cases for plan, *_ in passes)
+    if plugin:
+        mp.install()
     results = []
     for spec_kw, passes in cases:
         spec = T.TinyGPT(**spec_kw)
