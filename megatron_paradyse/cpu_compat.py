@@ -156,17 +156,10 @@ def _sp_norm():
     if getattr(torch_norm.WrappedTorchNorm.__new__, "_paradyse", False):
         return
 
-    def __new__(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False,
-                zero_centered_gamma=False, normalization="LayerNorm"):
-        if config.layernorm_zero_centered_gamma or config.persist_layer_norm:
-            raise ValueError("zero_centered_gamma / persist_layer_norm not supported by torch norms")
-        norm_cls = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}.get(config.normalization)
-        if norm_cls is None:
-            raise ValueError(f"normalization {config.normalization!r} not supported on CPU")
-        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
-        for p in norm.parameters():
-            setattr(p, "sequence_parallel", config.sequence_parallel)
-        return norm
+    from .norms import sp_torch_norm
+
+    def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
+        return sp_torch_norm(config, hidden_size, eps)
 
     __new__._paradyse = True
     torch_norm.WrappedTorchNorm.__new__ = __new__

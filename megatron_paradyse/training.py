@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from . import data as pdata
 from .hooks import PlannedIterator, _check_device, forward_step
+from .norms import sp_torch_norm
 from .plans import describe_plans, parse_plan, rule_plan_fn
 
 # ============================================================================ model & optimizer
@@ -81,17 +82,6 @@ def _has_apex() -> bool:
     except Exception:  # noqa: BLE001
         return False
     return True
-
-
-def sp_torch_norm(config, hidden_size, eps=1e-5, **unused):
-    """torch LayerNorm / RMSNorm whose parameters carry ``sequence_parallel`` (summed over TP
-    by ``finalize_model_grads``), for GPUs without apex. Same maths and state-dict keys as
-    megatron's ``WrappedTorchNorm``."""
-    cls = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}[config.normalization]
-    norm = cls(hidden_size, eps=eps)
-    for p in norm.parameters():
-        p.sequence_parallel = config.sequence_parallel
-    return norm
 
 
 def build_optimizer(args, model):
