@@ -35,39 +35,16 @@ def _ring(block, group, visit, grad: bool = False):
     """Pass ``block`` once around the ring, calling ``visit(src, blk)`` for every causal block.
 
     ``visit`` sees blocks from ranks ``src <= rank`` only (later ones are fully masked). With
-    ``grad``, ``visit`` returns this rank's fp32 gradient contribution to the block it sees;
-    the contributions are summed in an accumulator that travels one hop behind the block,
-    and the complete gradient of this rank's own block is returned.
+    ``grad``, ``visit`` returns this rank's fp32 gradient contribution to the block it sees,
+    and the complete gradient of this rank's own block is returned (``comm.GradRing``).
     """
-    rank, p, _ = comm.group_info(group)
-    cur = block
-    recv = None
-    dreqs = []
-    for step in range(p):
-        src = (rank - step) % p
-        reqs = []
-        if step < p - 1:
-            nxt = comm.pool_buffer(comm.block_slot("k", step % 2), block.shape, block.dtype, block.device)
-            reqs = comm.ring_exchange([cur], [nxt], group)
-        g = visit(src, cur) if src <= rank else None
+    rank = torch.distributed.get_rank(group)
+    grads = comm.GradRing([block], group) if grad else None
+    for src, (blk,) in comm.ring_stream([block], group, lambda k, slot: comm.block_slot("k", slot)):
+        g = visit(src, blk) if src <= rank else None
         if grad:
-            comm.wait(dreqs)
-            if step == 0:
-                acc = g if g is not None else torch.zeros(block.shape, dtype=torch.float32,
-                                                           device=block.device)
-            else:
-                acc = recv if g is None else recv + g
-            if p == 1:
-                recv = acc
-            else:
-                # hand the block's gradient on, one hop behind the block itself
-                recv = torch.empty(block.shape, dtype=torch.float32, device=block.device)
-                dreqs = comm.ring_exchange([acc], [recv], group)
-        comm.wait(reqs)
-        if step < p - 1:
-            cur = nxt
-    comm.wait(dreqs)  # after p hops our own block's gradient has come home
-    return recv
+            grads.add(None if g is None else [g])
+    return grads.result()[0] if grad else None
 
 
 class RingSelfAttention(torch.autograd.Function):

@@ -23,7 +23,7 @@ while the current one is used); at each of the p steps a rank adds
 intermediate is never stored. Backward: the shards rotate again, the intermediate is
 recomputed, and the weight gradients travel one hop behind their shard as accumulators
 (each rank adds its tokens' contribution); a last hop hands each owner its complete
-gradient, as :class:`~.ring.RingAttention` does for dK/dV.
+gradient (``comm.ring_stream`` and ``comm.GradRing``, as ``ring`` does for dK/dV).
 
 Collectives per layer, with ``k`` = 2 or 3 attention shards (W_qkv, W_proj, b_qkv if any):
 forward ``k*p`` broadcasts and ``p`` ring attentions (``p-1`` K/V hops each); backward the
@@ -42,7 +42,6 @@ and weight gradients) are accumulated in fp32.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from .. import comm
 from .base import (Strategy, apply_activation, apply_rope, bias_of, from_bhsd, geometry, rope_freqs,
@@ -62,15 +61,6 @@ def _output_bias(linear, y):
 
 def _flat(t):
     return t.reshape(-1, t.shape[-1])
-
-
-def _slot(k: int, slot: int, like):
-    """Pool slot ``slot`` (0/1) for the ``k``-th travelling tensor, shaped like ``like``.
-
-    Attention (W_qkv, W_proj, b_qkv) and MLP (W1, W2, b1) never run at the same time, so they
-    share the slots: METP's pool is two of each of the larger shards, not four.
-    """
-    return comm.pool_buffer(comm.weight_slot(k, slot), like.shape, like.dtype, like.device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,27 +161,6 @@ class METPAttention(torch.autograd.Function):
 # MLP: weight shards rotate around the ring
 
 
-def _rotate_start(cur, step, group):
-    """Post the hop of the shards ``cur`` to the next rank; returns (receive buffers, requests)."""
-    nxt = [_slot(k, step % 2, t) for k, t in enumerate(cur)]
-    return nxt, comm.ring_exchange(cur, nxt, group)
-
-
-def _shard_stream(shards, group, p):
-    """Yield ``(j, shards of owner j)`` for the p steps of the ring, starting with this rank's own.
-
-    The next shard is in flight while one is used; a yielded list (the own parameters, then
-    pool slots) is valid until the generator has been advanced twice.
-    """
-    rank = dist.get_rank(group)
-    cur = list(shards)
-    for step in range(p):
-        nxt, reqs = _rotate_start(cur, step, group) if step < p - 1 else (None, [])
-        yield (rank - step) % p, cur
-        comm.wait(reqs)
-        cur = nxt
-
-
 def _fc1(x, w1):
     return x.matmul(w1.t())
 
@@ -206,10 +175,9 @@ class METPMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, mlp, group):
-        p = dist.get_world_size(group)
         shards = [w1, w2] + ([b1] if b1 is not None else [])
         out = torch.zeros(x.shape[:-1] + (w2.shape[0],), dtype=_ACC, device=x.device)
-        for _, cur in _shard_stream(shards, group, p):
+        for _, cur in comm.ring_stream(shards, group, comm.weight_slot):
             bias = cur[2] if b1 is not None else None
             out += apply_activation(mlp, _fc1(x, cur[0]), bias, shards=1).matmul(cur[1].t())
         ctx.save_for_backward(x, w1, b1, w2)
@@ -220,13 +188,11 @@ class METPMLP(torch.autograd.Function):
     def backward(ctx, dout):
         x, w1, b1, w2 = ctx.saved_tensors
         group = ctx.group
-        p = dist.get_world_size(group)
         shards = [w1, w2] + ([b1] if b1 is not None else [])
         x2, dout2 = _flat(x), _flat(dout)
         dx = torch.zeros(x.shape, dtype=_ACC, device=x.device)
-        acc = recv = None  # gradients of the shards held now, summed over the ranks before us
-        dreqs = []
-        for step, (_, cur) in enumerate(_shard_stream(shards, group, p)):
+        grads = comm.GradRing(shards, group)
+        for _, cur in comm.ring_stream(shards, group, comm.weight_slot):
             wa, wb = cur[0], cur[1]
             bias = cur[2].detach().requires_grad_(True) if b1 is not None else None
             pre = _fc1(x, wa).detach().requires_grad_(True)  # recomputed
@@ -238,18 +204,8 @@ class METPMLP(torch.autograd.Function):
             del act
             dx += dpre.matmul(wa)
             contrib = [_flat(dpre).t().matmul(x2).to(_ACC), dw2] + [db.to(_ACC) for db in dbias]
-            comm.wait(dreqs)  # the accumulators of this shard, from the previous rank
-            if step == 0:
-                acc = contrib
-            else:
-                acc = recv
-                for a, c in zip(acc, contrib):
-                    a += c
-            if p > 1:  # hand them on, one hop behind the shard; the last hop reaches the owner
-                recv = [torch.empty_like(a) for a in acc]
-                dreqs = comm.ring_exchange(acc, recv, group)
-        comm.wait(dreqs)
-        final = recv if p > 1 else acc
+            grads.add(contrib)
+        final = grads.result()
         dw1, dw2 = final[0].to(w1.dtype), final[1].to(w2.dtype)
         db1 = final[2].to(b1.dtype) if b1 is not None else None
         return dx.to(x.dtype), dw1, db1, dw2, None, None

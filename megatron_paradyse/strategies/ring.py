@@ -19,21 +19,8 @@ from ..attention_kernels import attn_backward, attn_forward, expand_kv, merge_ls
 from . import zero3
 
 
-def _visiting_blocks(k, v, group):
-    """Yield ``(src, k_block, v_block)`` for the p ring steps, starting with this rank's own
-    block; the next block's hop is in flight while one is used. A yielded block (a pooled
-    buffer after step 0) is valid until the generator is advanced twice."""
-    rank, p, _ = comm.group_info(group)
-    cur = (k, v)
-    for step in range(p):
-        nxt, reqs = None, []
-        if step < p - 1:
-            nxt = (comm.pool_buffer(comm.block_slot("k", step % 2), k.shape, k.dtype),
-                   comm.pool_buffer(comm.block_slot("v", step % 2), v.shape, v.dtype))
-            reqs = comm.ring_exchange(list(cur), list(nxt), group)
-        yield (rank - step) % p, cur[0], cur[1]
-        comm.wait(reqs)
-        cur = nxt
+def _slot(k, slot):
+    return comm.block_slot("kv"[k], slot)
 
 
 class RingAttention(torch.autograd.Function):
@@ -48,7 +35,7 @@ class RingAttention(torch.autograd.Function):
         rank = dist.get_rank(group)
         rep = q.shape[1] // k.shape[1]
         out = lse = None
-        for src, cur_k, cur_v in _visiting_blocks(k, v, group):
+        for src, (cur_k, cur_v) in comm.ring_stream([k, v], group, _slot):
             if src <= rank:
                 o, l = attn_forward(q, expand_kv(cur_k, rep), expand_kv(cur_v, rep), src == rank, scale)
                 out, lse = merge_lse(out, lse, o, l)
@@ -63,30 +50,17 @@ class RingAttention(torch.autograd.Function):
         group, rep = ctx.group, ctx.rep
         rank = dist.get_rank(group)
         dq = torch.zeros_like(q, dtype=torch.float32)
-        acc_k = acc_v = None  # gradient of the block held now, summed over the ranks before us
-        dreqs = []
-        for step, (src, cur_k, cur_v) in enumerate(_visiting_blocks(k, v, group)):
+        grads = comm.GradRing([k, v], group)
+        for src, (cur_k, cur_v) in comm.ring_stream([k, v], group, _slot):
+            contrib = None
             if src <= rank:
                 dq_b, dk_b, dv_b = attn_backward(dout, q, expand_kv(cur_k, rep), expand_kv(cur_v, rep),
                                                  out, lse, src == rank, ctx.scale)
                 dq += dq_b
-                dk_b, dv_b = reduce_kv(dk_b, rep).float(), reduce_kv(dv_b, rep).float()
-            else:
-                dk_b = dv_b = None
-            comm.wait(dreqs)
-            if step == 0:
-                acc_k = dk_b if dk_b is not None else k.new_zeros(k.shape, dtype=torch.float32)
-                acc_v = dv_b if dv_b is not None else v.new_zeros(v.shape, dtype=torch.float32)
-            else:
-                acc_k, acc_v = recv_k, recv_v
-                if dk_b is not None:
-                    acc_k, acc_v = acc_k + dk_b, acc_v + dv_b
-            # hand the block's gradient on, one hop behind the block itself
-            recv_k = torch.empty(k.shape, dtype=torch.float32, device=k.device)
-            recv_v = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-            dreqs = comm.ring_exchange([acc_k, acc_v], [recv_k, recv_v], group)
-        comm.wait(dreqs)  # after p hops our own block's gradient has come home
-        return dq.to(q.dtype), recv_k.to(k.dtype), recv_v.to(v.dtype), None, None
+                contrib = [reduce_kv(dk_b, rep).float(), reduce_kv(dv_b, rep).float()]
+            grads.add(contrib)
+        dk, dv = grads.result()
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 def ring_attention(q, k, v, group, scale):
