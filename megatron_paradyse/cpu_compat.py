@@ -156,7 +156,7 @@ def _sp_norm():
     if getattr(torch_norm.WrappedTorchNorm.__new__, "_paradyse", False):
         return
 
-    from .norms import sp_torch_norm
+    from .parallel.norms import sp_torch_norm
 
     def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
         return sp_torch_norm(config, hidden_size, eps)

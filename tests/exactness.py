@@ -9,7 +9,7 @@ REL_TOL = 1e-5
 
 
 def _pass(model, spec, batch, seq, seed):
-    from megatron_paradyse import testing as T
+    from megatron_paradyse.testing import models as T
 
     model.zero_grad(set_to_none=True)
     tok, lab = T.make_batch(spec, batch, seq, seed=seed)
@@ -26,7 +26,7 @@ def run_cases(rank, world, cases):
     reference is untouched megatron-core. Returns the results of rank 0.
     """
     import megatron_paradyse as mp
-    from megatron_paradyse import testing as T
+    from megatron_paradyse.testing import models as T
 
     T.init_megatron(world)
     plugin = any(plan is not None for _, passes in cases for plan, *_ in passes)

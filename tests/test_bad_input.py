@@ -2,7 +2,7 @@
 import time
 
 import megatron_paradyse as mp
-from megatron_paradyse.spawn import run_world
+from megatron_paradyse.testing.spawn import run_world
 
 
 def _try(fn):
@@ -17,7 +17,7 @@ def _bad_inputs(rank, world):
     import torch
     import torch.distributed as dist
 
-    from megatron_paradyse import testing as T
+    from megatron_paradyse.testing import models as T
 
     T.init_megatron(world)
     mp.install()
@@ -65,7 +65,7 @@ def test_bad_input_errors_on_every_rank_without_hanging():
 
 
 def test_supports_reports_reasons():
-    from megatron_paradyse.testing import TinyGPT
+    from megatron_paradyse.testing.models import TinyGPT
 
     cfg = TinyGPT().transformer_config(2, True)
     for name in mp.STRATEGIES:

@@ -7,7 +7,7 @@ within bf16 tolerance and not much worse than that baseline's.
 import torch
 
 import megatron_paradyse as mp
-from megatron_paradyse.spawn import run_world
+from megatron_paradyse.testing.spawn import run_world
 
 from .exactness import run_cases, stock, worst_errors
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_paradyse.spawn import run_world
+from megatron_paradyse.testing.spawn import run_world
 
 from .exactness import assert_exact, run_cases
 

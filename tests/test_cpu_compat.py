@@ -1,7 +1,7 @@
 """The CPU compatibility layer: applied only without CUDA, idempotent, and each shim skippable."""
 import torch
 
-from megatron_paradyse.spawn import run_world
+from megatron_paradyse.testing.spawn import run_world
 
 
 def _apply_twice(rank, world):

@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from megatron_paradyse.spawn import WorldError, run_world
+from megatron_paradyse.testing.spawn import WorldError, run_world
 
 
 def _echo(rank, world, base):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_paradyse.spawn import run_world
+from megatron_paradyse.testing.spawn import run_world
 
 from .exactness import assert_exact
 
@@ -42,7 +42,7 @@ CASES[1] = sorted({(tuple(sorted(kw.items())), b, s) for p in (2, 4) for kw, b, 
 def _pool_and_param_storages(model):
     from megatron.core import parallel_state
 
-    from megatron_paradyse.comm import POOL_PREFIX
+    from megatron_paradyse.parallel.comm import POOL_PREFIX
 
     pool = {t.untyped_storage().data_ptr()
             for (name, _), t in parallel_state.get_global_memory_buffer().buffer.items()
@@ -65,7 +65,7 @@ def _pass(model, spec, batch, seq, check_memory):
     """Forward (saved tensors recorded) and backward; loss, full logits, full grads, findings."""
     import torch
 
-    from megatron_paradyse import testing as T
+    from megatron_paradyse.testing import models as T
 
     model.zero_grad(set_to_none=True)
     tokens, labels = T.make_batch(spec, batch, seq, seed=5)
@@ -110,7 +110,7 @@ def _pass(model, spec, batch, seq, check_memory):
 
 def _world(rank, world, cases):
     import megatron_paradyse as mp
-    from megatron_paradyse import testing as T
+    from megatron_paradyse.testing import models as T
 
     T.init_megatron(world)
     mp.install()
@@ -159,7 +159,7 @@ def test_metp_matches_stock_tp1(p, reference):
 
 def test_metp_needs_whole_query_groups_per_rank():
     import megatron_paradyse as mp
-    from megatron_paradyse.testing import TinyGPT
+    from megatron_paradyse.testing.models import TinyGPT
 
     cfg = TinyGPT(**GQA2_GELU_NOBIAS).transformer_config(4, True)
     ok, why = mp.supports("metp", cfg, 4)

@@ -1,11 +1,11 @@
 """The harness proves itself on stock megatron-core: TP=2 + SP equals TP=1 (no plugin)."""
-from megatron_paradyse.spawn import run_world
+from megatron_paradyse.testing.spawn import run_world
 
 from .exactness import assert_exact
 
 
 def _stock(rank, world, spec_kw, batch, seq):
-    from megatron_paradyse import testing as T
+    from megatron_paradyse.testing import models as T
 
     T.init_megatron(world)
     spec = T.TinyGPT(**spec_kw)

@@ -8,7 +8,7 @@ import random
 import pytest
 
 import megatron_paradyse as mp
-from megatron_paradyse.spawn import run_world
+from megatron_paradyse.testing.spawn import run_world
 
 from .exactness import assert_exact, run_cases, stock
 
@@ -26,7 +26,7 @@ CASES = [
 
 
 def _plans(spec_kw, p, rng):
-    from megatron_paradyse.testing import TinyGPT
+    from megatron_paradyse.testing.models import TinyGPT
 
     cfg = TinyGPT(**spec_kw).transformer_config(p, True)
     usable = [s for s in mp.STRATEGIES if mp.supports(s, cfg, p)[0]]

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from megatron_paradyse.spawn import run_world
+from megatron_paradyse.testing.spawn import run_world
 
 STEPS = 20
 SAVE_AT = 10
@@ -56,8 +56,8 @@ def _cycling_plan_fn(config, p):
 def _train(tp, world, extra, paradyse, plan_fn_factory=None, steps=None, lines=None):
     """One Trainer run inside a world; returns (history, full params on rank 0, trainer)."""
     import megatron_paradyse as mp
-    from megatron_paradyse import arguments, training
-    from megatron_paradyse.testing import gather_full
+    from megatron_paradyse.training import arguments, trainer as training
+    from megatron_paradyse.testing.models import gather_full
 
     if not paradyse:
         mp.uninstall()
@@ -68,7 +68,7 @@ def _train(tp, world, extra, paradyse, plan_fn_factory=None, steps=None, lines=N
     log = (lambda m: lines.append(m)) if lines is not None else (lambda m: None)
     trainer = training.Trainer(args, plan_fn=plan_fn, log=log)
     trainer.train(steps)
-    params = gather_full(mp.patch.unwrap(trainer.model))
+    params = gather_full(mp.unwrap(trainer.model))
     return trainer.history, params, trainer
 
 
@@ -124,7 +124,8 @@ def _world_b(rank, world, ckpt_root):
     import torch
     import torch.distributed as dist
 
-    from megatron_paradyse import hooks, training
+    from megatron_paradyse.training import trainer as training
+    from megatron_paradyse.parallel.plan_check import PlanMismatchError
 
     out = {}
     load = ["--ckpt-step", str(SAVE_AT)]
@@ -141,7 +142,7 @@ def _world_b(rank, world, ckpt_root):
     out["crash"] = _crash_during_save(trainer, f"{ckpt_root}/crash")
 
     # (c) a divergent plan planted on rank 3 at iteration 2
-    from megatron_paradyse import arguments
+    from megatron_paradyse.training import arguments
 
     args_div = arguments.parse_args(_argv(4, ["--paradyse"]), world_size=world)
     trainer = training.Trainer(args_div, plan_fn=_Planted(rank)(arguments.transformer_config_from_args(args_div), 4),
@@ -151,7 +152,7 @@ def _world_b(rank, world, ckpt_root):
     try:
         trainer.train_step()
         out["divergence"] = ("no error", None, time.perf_counter() - t0)
-    except hooks.PlanMismatchError as e:
+    except PlanMismatchError as e:
         out["divergence"] = ("PlanMismatchError", str(e), time.perf_counter() - t0)
     # the world is still usable: every rank left the check together
     t = torch.ones(1)
@@ -178,7 +179,7 @@ def _crash_during_save(trainer, root):
 
     from megatron.core import dist_checkpointing
 
-    from megatron_paradyse import checkpointing
+    from megatron_paradyse.training import checkpointing
 
     args = copy.copy(trainer.args)
     args.save = args.load = root
@@ -218,7 +219,9 @@ def _megatron_lm_hooks_check(world):
         destroy_num_microbatches_calculator, init_num_microbatches_calculator)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_paradyse import arguments, data, hooks, megatron_lm, training
+    from megatron_paradyse import data
+    from megatron_paradyse.training import arguments, megatron_lm, trainer as training
+    from megatron_paradyse.training import forward_step as hooks
 
     args = arguments.parse_args(_argv(2, ["--paradyse", "--paradyse-plan", "rule:32=tp_sp,ulysses*2+ring*2"]),
                                 world_size=world)
@@ -252,9 +255,11 @@ def _megatron_lm_hooks_check(world):
 
 def _padding_check():
     import megatron_paradyse as mp
-    from megatron_paradyse import arguments, data, hooks, training
+    from megatron_paradyse import data
+    from megatron_paradyse.training import arguments, trainer as training
+    from megatron_paradyse.training import forward_step as hooks
 
-    from megatron_paradyse.testing import init_megatron
+    from megatron_paradyse.testing.models import init_megatron
 
     mp.uninstall()
     init_megatron(1)  # every rank: TP=1, nothing shared
@@ -428,7 +433,7 @@ def test_padding_keeps_loss_and_gradient(worlds):
 
 
 def test_plan_parsing():
-    from megatron_paradyse.plans import parse_plan
+    from megatron_paradyse.parallel.plans import parse_plan
 
     assert parse_plan("tp_sp", 3)(100) == ("tp_sp",) * 3
     assert parse_plan("tp_sp,ulysses,ring", 3)(1) == ("tp_sp", "ulysses", "ring")
@@ -444,7 +449,7 @@ def test_plan_parsing():
 
 
 def test_bad_flags_fail_before_any_collective():
-    from megatron_paradyse.arguments import ArgumentError, parse_args
+    from megatron_paradyse.training.arguments import ArgumentError, parse_args
 
     base = [a for a in BASE if a != "--sequence-parallel"]
     cases = [

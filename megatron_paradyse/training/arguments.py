@@ -294,7 +294,7 @@ def validate_args(args, world_size: int | None = None) -> argparse.Namespace:
                           "no effect in this trainer", stacklevel=2)
     # the plan: parsed and checked for this model here, before any collective
     if args.paradyse:
-        from .plans import parse_plan
+        from ..parallel.plans import parse_plan
 
         for flag in ("paradyse_cost_model", "paradyse_memory_budget"):
             if getattr(args, flag) is not None:

@@ -11,9 +11,8 @@ Memory: the stock shard only; full-sequence activations of width h/p, one gather
 """
 from __future__ import annotations
 
-from .. import patch
 from ..attention_kernels import FlashAttention
-from .base import Strategy, apply_rope, from_bhsd, geometry, rope_freqs, to_bhsd
+from .base import Strategy, apply_rope, from_bhsd, geometry, rope_freqs, stock_forward, to_bhsd
 
 
 class TPSP(Strategy):
@@ -29,4 +28,4 @@ class TPSP(Strategy):
         return attn.linear_proj(from_bhsd(ctx))
 
     def mlp(self, mlp, hidden_states):
-        return patch.stock_mlp_forward(mlp, hidden_states)
+        return stock_forward(mlp, hidden_states)

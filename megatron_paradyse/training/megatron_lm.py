@@ -6,9 +6,10 @@ repository's tests (megatron-core 0.16.1 has none); only against a stand-in modu
 """
 from __future__ import annotations
 
-from . import data as pdata
-from .hooks import PlannedIterator, forward_step
-from .plans import parse_plan, rule_plan_fn
+from .. import data as pdata
+from .forward_step import forward_step
+from .iterator import PlannedIterator
+from ..parallel.plans import parse_plan, rule_plan_fn
 
 
 # For Megatron-LM's own pretrain() (a Megatron-LM checkout, or megatron-core >= 0.17 on

@@ -10,6 +10,8 @@ whichever strategy ran in forward.
 from __future__ import annotations
 
 from . import strategies
+from .plans import normalize_plan
+from .strategies.base import STOCK_FORWARD
 
 _ORIGINAL: dict = {}
 _ATTR = "_paradyse_strategy"
@@ -30,6 +32,8 @@ def install() -> None:
     _ORIGINAL["attention"] = SelfAttention.forward
     _ORIGINAL["mlp"] = MLP.forward
     _ORIGINAL["gpt"] = GPTModel.forward
+    setattr(SelfAttention, STOCK_FORWARD, _ORIGINAL["attention"])
+    setattr(MLP, STOCK_FORWARD, _ORIGINAL["mlp"])
     SelfAttention.forward = _attention_forward
     MLP.forward = _mlp_forward
     GPTModel.forward = _gpt_forward
@@ -46,12 +50,8 @@ def uninstall() -> None:
     SelfAttention.forward = _ORIGINAL.pop("attention")
     MLP.forward = _ORIGINAL.pop("mlp")
     GPTModel.forward = _ORIGINAL.pop("gpt")
-
-
-def stock_mlp_forward(mlp, hidden_states, **kwargs):
-    from megatron.core.transformer.mlp import MLP
-
-    return _ORIGINAL.get("mlp", MLP.forward)(mlp, hidden_states, **kwargs)
+    delattr(SelfAttention, STOCK_FORWARD)
+    delattr(MLP, STOCK_FORWARD)
 
 
 _UNSUPPORTED_ATTENTION_ARGS = (
@@ -112,21 +112,6 @@ def unwrap(model):
     return model
 
 
-def normalize_plan(plan, num_layers: int) -> tuple:
-    """A plan as a tuple of one known strategy name per layer; ValueError otherwise."""
-    if isinstance(plan, str):
-        plan = [plan] * num_layers
-    plan = tuple(plan)
-    if len(plan) != num_layers:
-        raise ValueError(f"plan has {len(plan)} entries but the model has {num_layers} layers "
-                         "on this pipeline stage: give one strategy name per layer, or one name for all")
-    for name in plan:
-        if not isinstance(name, str):
-            raise TypeError(f"plan entries must be strategy names, got {name!r}")
-        strategies.get(name)
-    return plan
-
-
 def set_plan(model, plan) -> tuple:
     """Run each decoder layer of ``model`` with the strategy the plan names.
 
@@ -164,19 +149,3 @@ def set_plan(model, plan) -> tuple:
 
 def get_plan(model):
     return getattr(unwrap(model), "_paradyse_plan", None)
-
-
-def describe(plan) -> str:
-    """Compact run-length form for logs, e.g. ``tp_sp*20+metp*4``."""
-    if plan is None:
-        return "stock"
-    out, prev, n = [], None, 0
-    for name in plan:
-        if name == prev:
-            n += 1
-            continue
-        if prev is not None:
-            out.append(f"{prev}*{n}")
-        prev, n = name, 1
-    out.append(f"{prev}*{n}")
-    return "+".join(out)

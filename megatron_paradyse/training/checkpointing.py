@@ -128,7 +128,7 @@ def _rng_sharded_object(state_list=None):
 
 
 def _unwrap(model):
-    from .patch import unwrap
+    from ..parallel.dispatch import unwrap
 
     return unwrap(model)
 

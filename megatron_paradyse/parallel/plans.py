@@ -1,24 +1,73 @@
-"""Plans from the user: ``--paradyse-plan`` parsed into a deterministic rule per micro-batch.
+"""Plans: one module for what a plan is, how it is checked, parsed, printed and hashed.
 
-A plan spec is a strategy name (all layers), a comma list (one per layer), run-length
-``tp_sp*2+ring*2``, or a length rule ``rule:512=tp_sp,2048=ulysses,ring`` (the first bound
-at or above the micro-batch's padded length wins; the last entry has no bound). The rule is
-a pure function of data every rank has, so every rank of a switching group derives the same
-plan without communicating; :mod:`megatron_paradyse.hooks` verifies that it did.
+A plan is a tuple with one strategy name per decoder layer (``None`` means stock megatron
+code). Every place that touches a plan (``set_plan``, ``--paradyse-plan``, the trainer's
+logs, the cross-rank check, the planner) goes through this module:
+
+* :func:`normalize_plan` / :func:`validate_names`: the type and the local checks;
+* :func:`parse_plan`: ``--paradyse-plan``, a strategy name (all layers), a comma list (one per
+  layer), run-length ``tp_sp*2+ring*2``, or a length rule ``rule:512=tp_sp,2048=ulysses,ring``
+  (the first bound at or above the micro-batch's padded length wins; the last entry has no
+  bound), parsed into a :class:`PlanRule`, a pure function of data every rank has;
+* :func:`describe`: the compact run-length form for logs;
+* :func:`plan_hash`: the deterministic hash the cross-rank check compares.
 """
 from __future__ import annotations
 
+import hashlib
 
-def _strategy_names():
-    from .strategies import STRATEGIES
+from .strategies import get as _get_strategy
 
-    return STRATEGIES
+Plan = tuple  # one strategy name per layer
+
+_HASH_BITS = 62
+
+
+def validate_names(names) -> Plan:
+    """``names`` as a tuple of known strategy names; ValueError naming the known ones otherwise."""
+    names = tuple(names)
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"plan entries must be strategy names, got {name!r}")
+        _get_strategy(name)
+    return names
+
+
+def normalize_plan(plan, num_layers: int) -> Plan:
+    """A plan as a tuple of one known strategy name per layer; ValueError otherwise."""
+    if isinstance(plan, str):
+        plan = [plan] * num_layers
+    plan = tuple(plan)
+    if len(plan) != num_layers:
+        raise ValueError(f"plan has {len(plan)} entries but the model has {num_layers} layers "
+                         "on this pipeline stage: give one strategy name per layer, or one name for all")
+    return validate_names(plan)
+
+
+def describe(plan) -> str:
+    """Compact run-length form for logs, e.g. ``tp_sp*20+metp*4``; ``stock`` for None."""
+    if plan is None:
+        return "stock"
+    out, prev, n = [], None, 0
+    for name in plan:
+        if name == prev:
+            n += 1
+            continue
+        if prev is not None:
+            out.append(f"{prev}*{n}")
+        prev, n = name, 1
+    out.append(f"{prev}*{n}")
+    return "+".join(out)
+
+
+def plan_hash(obj) -> int:
+    """A deterministic 62-bit hash of a plan (or any repr-able value); Python's ``hash`` is salted."""
+    digest = hashlib.blake2b(repr(obj).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << _HASH_BITS) - 1)
 
 
 def _one_plan(text: str, num_layers: int) -> tuple:
     """A single plan: ``name``, ``a,b,c,...`` (one per layer) or ``a*2+b*2`` (run-length)."""
-    from . import strategies
-
     text = text.strip()
     if not text:
         raise ValueError("empty plan")
@@ -41,9 +90,7 @@ def _one_plan(text: str, num_layers: int) -> tuple:
     if len(names) != num_layers:
         raise ValueError(f"plan {text!r} has {len(names)} layers but the model has {num_layers} "
                          "(--num-layers)")
-    for name in names:
-        strategies.get(name)  # ValueError naming the known strategies
-    return tuple(names)
+    return validate_names(names)
 
 
 class PlanRule:
@@ -105,9 +152,7 @@ def parse_plan(spec: str, num_layers: int) -> PlanRule:
 
 
 def describe_plans(plans) -> str:
-    """The plans of a step's micro-batches, compactly: one ``mp.describe`` if all agree."""
-    from .patch import describe
-
+    """The plans of a step's micro-batches, compactly: one :func:`describe` if all agree."""
     texts = [describe(p) for p in plans]
     if len(set(texts)) == 1:
         return texts[0]

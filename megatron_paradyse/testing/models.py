@@ -51,7 +51,7 @@ def init_megatron(tp: int, seed: int = 1234, **kwargs) -> None:
     """Initialise megatron's parallel state over the already-initialised world (CPU shims included)."""
     from megatron.core import parallel_state, tensor_parallel
 
-    from . import cpu_compat
+    from .. import cpu_compat
 
     cpu_compat.apply()
     if parallel_state.model_parallel_is_initialized():

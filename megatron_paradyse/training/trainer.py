@@ -36,10 +36,12 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from . import data as pdata
-from .hooks import PlannedIterator, _check_device, forward_step
-from .norms import sp_torch_norm
-from .plans import describe_plans, parse_plan, rule_plan_fn
+from .. import data as pdata
+from ..parallel.plan_check import collective_device
+from .forward_step import forward_step
+from .iterator import PlannedIterator
+from ..parallel.norms import sp_torch_norm
+from ..parallel.plans import describe_plans, parse_plan, rule_plan_fn
 
 # ============================================================================ model & optimizer
 
@@ -148,7 +150,7 @@ class Trainer:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
 
-        from . import cpu_compat
+        from .. import cpu_compat
         from .arguments import transformer_config_from_args
 
         args = self.args
@@ -234,7 +236,7 @@ class Trainer:
             total[:2] += r["lm loss"].detach().double().cpu()
         total[2] = sum(mb.tokens.numel() for mb in micro)
         if self.dp_size > 1:
-            t = total.to(_check_device())
+            t = total.to(collective_device())
             dist.all_reduce(t, group=self.dp_group)
             total = t.cpu()
         if torch.cuda.is_available():

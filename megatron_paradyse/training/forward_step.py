@@ -1,0 +1,29 @@
+"""megatron's ``forward_step_func`` with ParaDySe: install the micro-batch's plan, run the stock forward."""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Megatron-LM's per-token GPT loss: (sum of masked token losses, real tokens, report)."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.float().view(1)])}
+    return loss, num_tokens, report
+
+
+def forward_step(data_iterator, model, paradyse: bool = True):
+    """megatron ``forward_step_func``: install this micro-batch's plan, then the stock forward."""
+    mb = next(data_iterator)
+    if paradyse:
+        import megatron_paradyse as mp
+
+        mp.set_plan(model, mb.plan)
+    dev = next(model.parameters()).device
+    mb = mb.to(dev)
+    output = model(mb.tokens, mb.position_ids, None, labels=mb.labels)
+    return output, partial(loss_func, mb.loss_mask)

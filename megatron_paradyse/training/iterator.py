@@ -1,0 +1,81 @@
+"""The per-step iterator hook: plan each micro-batch of a step, verify the plans agree.
+
+megatron's schedule pulls micro-batches lazily, so on the first pull of a step
+:class:`PlannedIterator` prefetches the step's micro-batches, decides one plan per
+micro-batch, and checks with one all-reduce (:func:`~megatron_paradyse.parallel.plan_check.verify_plans`)
+that every rank of each switching group holds the same plans and shapes.
+"""
+from __future__ import annotations
+
+import collections
+import time
+import traceback
+
+from ..parallel.plan_check import verify_plans
+from ..parallel.plans import validate_names
+
+
+class PlannedIterator:
+    """Wraps an iterator of :class:`~megatron_paradyse.data.MicroBatch` for megatron's schedule.
+
+    On the first ``next()`` of a step (or on :meth:`prefetch`) it reads the step's
+    ``num_microbatches`` micro-batches, sets ``mb.plan = plan_fn(mb, step, index)`` on each
+    (``None`` = stock code), and calls :func:`verify_plans`. ``plan_fn`` must be a
+    deterministic function of the data; ``plan_fn=None`` leaves every plan ``None``.
+    """
+
+    def __init__(self, source, plan_fn, num_microbatches, group_index: int = 0, num_groups: int = 1,
+                 start_step: int = 0, check: bool = True, group=None):
+        self.source = source
+        self.plan_fn = plan_fn
+        self._nmb = num_microbatches
+        self.group_index, self.num_groups = group_index, num_groups
+        self.step = start_step
+        self.check = check
+        self.group = group
+        self._buffer = collections.deque()
+        self.current: list = []  # the micro-batches of the step being run
+        self.last_check_seconds = 0.0
+
+    def num_microbatches(self) -> int:
+        return int(self._nmb() if callable(self._nmb) else self._nmb)
+
+    def __iter__(self):
+        return self
+
+    def prefetch(self) -> list:
+        """Read, plan and verify the next step's micro-batches (no-op if already done)."""
+        if self._buffer:
+            return self.current
+        n = self.num_microbatches()
+        items, error = [], None
+        try:
+            for i in range(n):
+                mb = next(self.source)
+                if self.plan_fn is not None:
+                    plan = self.plan_fn(mb, self.step, i)
+                    if plan is not None:
+                        plan = tuple(plan)
+                        validate_names(plan)
+                    mb.plan = plan
+                items.append(mb)
+        except StopIteration:
+            error = f"the data iterator ran out after {len(items)} of {n} micro-batches"
+        except Exception:  # noqa: BLE001 - reported to every rank by verify_plans
+            error = traceback.format_exc()
+        t0 = time.perf_counter()
+        if self.check:
+            verify_plans(self.step, [(mb.plan, mb.shape) for mb in items], n, self.group_index,
+                         self.num_groups, error, self.group)
+        elif error:
+            raise RuntimeError(error)
+        self.last_check_seconds = time.perf_counter() - t0
+        self.current = items
+        self._buffer.extend(items)
+        self.step += 1
+        return items
+
+    def __next__(self):
+        if not self._buffer:
+            self.prefetch()
+        return self._buffer.popleft()
