@@ -36,7 +36,7 @@ def _choose_trainer(argv) -> str:
         return choice
     import torch
 
-    from megatron_paradyse.megatron_lm import megatron_training_available
+    from megatron_paradyse.training.megatron_lm import megatron_training_available
 
     return "megatron" if torch.cuda.is_available() and megatron_training_available() else "core"
 
@@ -44,7 +44,7 @@ def _choose_trainer(argv) -> str:
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     if _choose_trainer(sys.argv[1:]) == "megatron":
-        from megatron_paradyse.megatron_lm import megatron_lm_main
+        from megatron_paradyse.training.megatron_lm import megatron_lm_main
 
         megatron_lm_main()
     else:
@@ -54,6 +54,6 @@ if __name__ == "__main__":
             from megatron_paradyse import cpu_compat
 
             cpu_compat.apply()
-        from megatron_paradyse.training import main
+        from megatron_paradyse.training.trainer import main
 
         sys.exit(main())

@@ -22,8 +22,8 @@ def measure(rank, world, spec_kw, batch, seq, names):
     from megatron.core.utils import GlobalMemoryBuffer
 
     import megatron_paradyse as mp
-    from megatron_paradyse import testing as T
-    from megatron_paradyse.memory import pass_memory
+    from megatron_paradyse.testing import models as T
+    from megatron_paradyse.parallel.memory import pass_memory
 
     T.init_megatron(world)
     mp.install()
@@ -54,7 +54,7 @@ def measure(rank, world, spec_kw, batch, seq, names):
 
 
 def table(spec_kw, batch, seq, p, names, timeout=900):
-    from megatron_paradyse.spawn import run_world
+    from megatron_paradyse.testing.spawn import run_world
 
     per_rank = run_world(measure, p, spec_kw, batch, seq, names, timeout=timeout)
     return {n: {k: max(r[n][k] for r in per_rank) for k in per_rank[0][n]} for n in names}

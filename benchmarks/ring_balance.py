@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from megatron_paradyse.attention_kernels import attn_backward, attn_forward
+from megatron_paradyse.parallel.attention_kernels import attn_backward, attn_forward
 
 
 def _block(q, k, v, causal, scale):
