@@ -1,4 +1,5 @@
-"""Data for variable-length training: documents, micro-batches padded to the switching group.
+"""Data for variable-length training: preprocessing, the default corpus, documents, a length-aware
+sampler, micro-batches padded to the switching group.
 
 Lives beside ``training`` (it may import ``parallel`` and ``costmodel``, never ``training``).
 """
@@ -6,4 +7,8 @@ from __future__ import annotations
 
 from .datasets import (DocumentDataset, FixedLengthView, MicroBatch, MicroBatchLoader, MockDataset,  # noqa: F401
                        build_dataset, pad_to_multiple, padded_length, sample_indices, step_lengths,
-                       trim_to_multiple, write_indexed_dataset)
+                       trim_to_multiple, write_indexed_dataset, LONG_DOC_POLICIES)
+from .sampler import LengthAwareSampler, make_cost_fn  # noqa: F401
+from .tokenizers import ByteTokenizer, build_tokenizer  # noqa: F401
+from .preprocess import preprocess, read_meta, plot_length_histogram  # noqa: F401
+from .corpus import stdlib_corpus  # noqa: F401

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import warnings
 
 import numpy as np
 import torch
@@ -71,61 +73,172 @@ class MockDataset:
         return (start + stride * np.arange(n, dtype=np.int64)) % self.vocab_size
 
 
-class DocumentDataset:
-    """One document of megatron-core's ``IndexedDataset`` per sample, truncated to ``seq_length + 1``.
+LONG_DOC_POLICIES = ("split", "truncate", "skip", "error")
 
-    Documents shorter than two tokens are skipped. The order is a seeded permutation of the
-    documents, a new one per epoch, so ``dataset[i]`` is defined for every ``i >= 0``.
+
+class DocumentDataset:
+    """One document of megatron-core's ``IndexedDataset`` per sample, at its natural length.
+
+    A document of ``n`` tokens is a sample of ``n - 1`` training tokens (inputs ``doc[:-1]``,
+    labels ``doc[1:]``). A document longer than ``limit = min(seq_length, max_length)`` training
+    tokens is handled by ``long_docs``:
+
+    * ``"split"``: consecutive chunks of ``limit`` training tokens (``limit + 1`` ids, each
+      chunk's last id is the next chunk's first input, so every token is predicted once);
+    * ``"truncate"``: its first ``limit + 1`` ids only (the constructor's default, as before);
+    * ``"skip"``: left out;
+    * ``"error"``: ``ValueError`` naming it.
+
+    ``max_length`` is the longest sequence the planner can fit in the memory budget (None: no
+    such limit); documents above it are named in a warning (or the error). Documents of fewer
+    than two tokens are skipped. Samples are shuffled with a seeded permutation per epoch, so
+    ``dataset[i]`` is defined for every ``i >= 0``.
+
+    Checks at construction (clear ``ValueError`` / ``FileNotFoundError``): missing ``.bin`` or
+    ``.idx``; an ``.idx`` that does not describe the ``.bin`` (wrong size, wrong pointers);
+    token ids ``>= vocab_size`` (when given); no usable document.
     """
 
-    def __init__(self, prefix: str, seq_length: int, seed: int = 1234, shuffle: bool = True):
+    def __init__(self, prefix: str, seq_length: int, seed: int = 1234, shuffle: bool = True,
+                 long_docs: str = "truncate", max_length: int | None = None,
+                 vocab_size: int | None = None, warn=None):
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+        if long_docs not in LONG_DOC_POLICIES:
+            raise ValueError(f"long_docs must be one of {LONG_DOC_POLICIES}, got {long_docs!r}")
+        if seq_length < 1:
+            raise ValueError(f"seq_length must be >= 1, got {seq_length}")
+        for suffix in (".idx", ".bin"):
+            if not os.path.exists(prefix + suffix):
+                raise FileNotFoundError(
+                    f"{prefix}{suffix} not found: --data-path takes the prefix of a .bin/.idx pair "
+                    "(python -m megatron_paradyse.data preprocess writes one)")
         self.prefix = prefix
         self.seq_length = seq_length
         self.seed = seed
         self.shuffle = shuffle
-        self.indexed = IndexedDataset(prefix)
-        seq_lens = np.asarray(self.indexed.sequence_lengths, dtype=np.int64)
+        self.long_docs = long_docs
+        self.limit = int(min(seq_length, max_length)) if max_length else int(seq_length)
+        if self.limit < 1:
+            raise ValueError(f"the longest trainable length is {self.limit}: no document fits")
+        try:
+            self.indexed = IndexedDataset(prefix)
+        except Exception as e:  # noqa: BLE001 - megatron asserts on a bad index
+            raise ValueError(f"{prefix}.idx is not a megatron-core index ({type(e).__name__}: {e})") from e
+        index = self.indexed.index
+        seq_lens = np.asarray(index.sequence_lengths, dtype=np.int64)
+        pointers = np.asarray(index.sequence_pointers, dtype=np.int64)
+        itemsize = np.dtype(index.dtype).itemsize
+        bin_bytes = os.path.getsize(prefix + ".bin")
+        want = int(pointers[-1] + seq_lens[-1] * itemsize) if len(seq_lens) else 0
+        if want != bin_bytes or (len(seq_lens) > 1 and np.any(pointers[1:] != pointers[:-1] + seq_lens[:-1] * itemsize)):
+            raise ValueError(
+                f"{prefix}.idx does not match {prefix}.bin: the index describes {want} bytes of "
+                f"{np.dtype(index.dtype).name} tokens, the .bin has {bin_bytes} (rewrite both together)")
+        self._tokens = np.memmap(prefix + ".bin", dtype=index.dtype, mode="r") if bin_bytes else np.zeros(0, np.int64)
+        if vocab_size is not None and len(self._tokens):
+            top = int(self._tokens.max())
+            if top >= vocab_size:
+                bad = int(np.argmax(self._tokens >= vocab_size))
+                raise ValueError(
+                    f"{prefix}: token id {top} is outside the vocabulary (--vocab-size {vocab_size}); "
+                    f"first at token offset {bad}. Preprocess with the model's tokenizer or raise --vocab-size")
         bounds = np.asarray(self.indexed.document_indices, dtype=np.int64)
-        starts, ends = bounds[:-1], bounds[1:]
         csum = np.concatenate([[0], np.cumsum(seq_lens)])
-        doc_tokens = csum[ends] - csum[starts]
-        self.docs = np.nonzero(doc_tokens >= 2)[0]
-        if len(self.docs) == 0:
-            raise ValueError(f"{prefix}: no document has at least two tokens")
-        self._starts, self._ends = starts, ends
+        doc_start = csum[bounds[:-1]]
+        doc_tokens = csum[bounds[1:]] - doc_start
+        meta = _read_meta(prefix)
+        names = meta.get("documents") if meta else None
+        self.names = names if names is not None and len(names) == len(doc_tokens) else None
+        usable = np.nonzero(doc_tokens >= 2)[0]
+        if len(usable) == 0:
+            raise ValueError(f"{prefix}: empty dataset: no document has at least two tokens "
+                             f"({len(doc_tokens)} documents)")
+        train = doc_tokens[usable] - 1           # training tokens of each document
+        long = usable[train > self.limit]
+        if len(long):
+            self._report_long(long, doc_tokens, max_length, warn)
+        # samples: (start token offset in the .bin, number of ids)
+        starts, counts, docs = [], [], []
+        lim = self.limit
+        for d in usable:
+            n, a = int(doc_tokens[d]), int(doc_start[d])
+            if n - 1 <= lim:
+                starts.append(a), counts.append(n), docs.append(d)
+            elif long_docs == "truncate":
+                starts.append(a), counts.append(lim + 1), docs.append(d)
+            elif long_docs == "split":
+                for j in range(0, n - 1, lim):
+                    starts.append(a + j), counts.append(min(lim + 1, n - j)), docs.append(d)
+        if not starts:
+            raise ValueError(f"{prefix}: every document is longer than {lim} tokens and "
+                             f"long documents are skipped: empty dataset")
+        self._start = np.asarray(starts, dtype=np.int64)
+        self._count = np.asarray(counts, dtype=np.int64)
+        self.sample_docs = np.asarray(docs, dtype=np.int64)
+        self.num_documents = int(len(doc_tokens))
         self._perms: dict = {}
 
-    def __len__(self) -> int:
-        return len(self.docs)
+    def _report_long(self, long, doc_tokens, max_length, warn):
+        fit = max_length is not None and max_length < self.seq_length
+        why = (f"longer than {self.limit} tokens, the longest sequence any plan fits in the memory budget"
+               if fit else f"longer than --seq-length {self.seq_length}")
+        shown = ", ".join(self.doc_name(int(d)) + f" ({int(doc_tokens[d]) - 1} tokens)" for d in long[:5])
+        more = f" and {len(long) - 5} more" if len(long) > 5 else ""
+        msg = f"{self.prefix}: {len(long)} document(s) {why}: {shown}{more}"
+        if self.long_docs == "error":
+            raise ValueError(msg + ". Choose split, truncate or skip to train on them")
+        if fit or self.long_docs == "skip":
+            action = {"split": f"split into chunks of {self.limit}", "truncate": f"truncated to {self.limit}",
+                      "skip": "skipped"}[self.long_docs]
+            (warn or _warn)(msg + f": {action}")
 
-    def _doc_for(self, i: int) -> int:
-        n = len(self.docs)
-        epoch, j = divmod(i, n)
+    def doc_name(self, d: int) -> str:
+        return f"document {d}" + (f" [{self.names[d]}]" if self.names else "")
+
+    def __len__(self) -> int:
+        return len(self._start)
+
+    def _sample_for(self, i: int) -> int:
+        n = len(self._start)
+        epoch, j = divmod(int(i), n)
         if not self.shuffle:
-            return int(self.docs[j])
+            return j
         perm = self._perms.get(epoch)
         if perm is None:
             perm = np.random.default_rng([self.seed, epoch]).permutation(n)
             self._perms = {epoch: perm}  # keep one epoch's permutation
-        return int(self.docs[perm[j]])
+        return int(perm[j])
+
+    def length(self, i: int) -> int:
+        """Training tokens (inputs) of sample ``i`` (no read of the ``.bin``)."""
+        if i < 0:
+            raise IndexError(i)
+        return int(self._count[self._sample_for(i)]) - 1
+
+    def sample_lengths(self) -> np.ndarray:
+        """Training tokens of every sample of one epoch (unshuffled order)."""
+        return self._count - 1
 
     def __getitem__(self, i: int) -> np.ndarray:
         if i < 0:
             raise IndexError(i)
-        d = self._doc_for(i)
-        want = self.seq_length + 1
-        parts, have = [], 0
-        for s in range(int(self._starts[d]), int(self._ends[d])):
-            if have >= want:
-                break
-            n = int(self.indexed.sequence_lengths[s])
-            take = min(n, want - have)
-            if take > 0:
-                parts.append(np.asarray(self.indexed.get(s, offset=0, length=take), dtype=np.int64))
-                have += take
-        return np.concatenate(parts)
+        k = self._sample_for(i)
+        a = int(self._start[k])
+        return np.asarray(self._tokens[a:a + int(self._count[k])], dtype=np.int64)
+
+
+def _read_meta(prefix: str):
+    from .preprocess import read_meta
+
+    try:
+        return read_meta(prefix)
+    except (OSError, ValueError):
+        return None
+
+
+def _warn(msg: str) -> None:
+    warnings.warn(msg, stacklevel=3)
 
 
 def write_indexed_dataset(prefix: str, documents, vocab_size: int) -> None:
@@ -139,15 +252,21 @@ def write_indexed_dataset(prefix: str, documents, vocab_size: int) -> None:
     builder.finalize(get_idx_path(prefix))
 
 
-def build_dataset(args):
-    """The training dataset the parsed arguments name (``--mock-data`` or ``--data-path``)."""
+def build_dataset(args, max_length: int | None = None, warn=None):
+    """The training dataset the parsed arguments name (``--mock-data`` or ``--data-path``).
+
+    ``max_length``: the longest sequence the planner fits in the memory budget (documents
+    above it are handled by ``--paradyse-long-docs``, with a warning naming them).
+    """
     if args.mock_data:
         return MockDataset(args.seq_length, args.vocab_size, seed=args.seed,
                            min_length=args.paradyse_mock_min_length)
     paths = list(args.data_path or [])
     if len(paths) != 1:
         raise ValueError(f"--data-path: give one IndexedDataset prefix, got {paths}")
-    return DocumentDataset(paths[0], args.seq_length, seed=args.seed)
+    return DocumentDataset(paths[0], args.seq_length, seed=args.seed,
+                           long_docs=getattr(args, "paradyse_long_docs", None) or "split",
+                           max_length=max_length, vocab_size=args.vocab_size, warn=warn)
 
 
 # --------------------------------------------------------------------------- batches
@@ -286,7 +405,8 @@ class MicroBatchLoader:
     """
 
     def __init__(self, dataset, micro_batch_size: int, global_batch_size: int, dp_rank: int,
-                 dp_size: int, multiple: int, consumed_samples: int = 0, pad_id: int = 0):
+                 dp_size: int, multiple: int, consumed_samples: int = 0, pad_id: int = 0,
+                 sampler=None):
         if global_batch_size % (micro_batch_size * dp_size):
             raise ValueError(f"global batch size {global_batch_size} is not divisible by micro batch "
                              f"size {micro_batch_size} x data-parallel size {dp_size}")
@@ -298,18 +418,24 @@ class MicroBatchLoader:
             raise ValueError(f"consumed samples {consumed_samples} is not a multiple of the global batch size")
         self.step = consumed_samples // global_batch_size
         self.micro = 0
+        self.sampler = sampler  # a LengthAwareSampler; None: Megatron's sequential order
 
     def __iter__(self):
         return self
 
     def __next__(self) -> MicroBatch:
-        idx = sample_indices(self.step, self.micro, self.gbs, self.mbs, self.dp_rank, self.dp_size)
+        if self.sampler is not None:
+            idx = self.sampler.micro_indices(self.step, self.micro, self.dp_rank)
+        else:
+            idx = sample_indices(self.step, self.micro, self.gbs, self.mbs, self.dp_rank, self.dp_size)
         self.micro += 1
         if self.micro == self.num_microbatches:
             self.micro, self.step = 0, self.step + 1
         return pad_to_multiple([self.dataset[i] for i in idx], self.multiple, self.pad_id)
 
 
-def step_lengths(dataset, step: int, global_batch_size: int) -> list:
+def step_lengths(dataset, step: int, global_batch_size: int, sampler=None) -> list:
     """Every document length of iteration ``step`` across all replicas (for logs and planners)."""
+    if sampler is not None:
+        return [len(dataset[i]) - 1 for per in sampler.step_indices(step) for mb in per for i in mb]
     return [len(dataset[i]) - 1 for i in range(step * global_batch_size, (step + 1) * global_batch_size)]

@@ -152,6 +152,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one IndexedDataset prefix (PREFIX.bin / PREFIX.idx); one document per sample")
     g.add_argument("--mock-data", action="store_true",
                    help="synthetic documents of long-tailed lengths up to --seq-length")
+    g.add_argument("--paradyse-long-docs", choices=("split", "truncate", "skip", "error"), default="split",
+                   help="a document longer than --seq-length (or than the longest sequence the "
+                        "planner fits in the memory budget): split into chunks (default), "
+                        "truncate, skip, or stop with an error naming it")
+    g.add_argument("--paradyse-sampler", choices=("megatron", "length"), default="megatron",
+                   help="'megatron': Megatron's sequential order; 'length': micro-batches of similar "
+                        "lengths, predicted work balanced across data-parallel replicas "
+                        "(megatron_paradyse.data.LengthAwareSampler)")
+    g.add_argument("--paradyse-sampler-window", type=int, default=8,
+                   help="the length-aware sampler sorts and balances within windows of this many steps")
 
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", type=str, default=None)
@@ -243,6 +253,8 @@ def validate_args(args, world_size: int | None = None) -> argparse.Namespace:
         _err("give exactly one of --mock-data and --data-path PREFIX")
     if args.data_path and len(args.data_path) != 1:
         _err("--data-path takes one IndexedDataset prefix here (no weighted blends)")
+    if args.paradyse_sampler_window < 1:
+        _err("--paradyse-sampler-window must be >= 1")
     if args.data_path and not os.path.exists(args.data_path[0] + ".idx"):
         _err(f"--data-path {args.data_path[0]}: {args.data_path[0]}.idx not found")
     if args.max_position_embeddings is None:

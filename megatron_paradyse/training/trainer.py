@@ -199,10 +199,18 @@ class Trainer:
 
             self.iteration = checkpointing.load_checkpoint(args, self.model, self.optimizer, self.scheduler,
                                                            iteration=getattr(args, "ckpt_step", None))
-        self.dataset = pdata.build_dataset(args)
+        self.dataset = pdata.build_dataset(args, max_length=getattr(self, "max_fit_length", None),
+                                           warn=self.log)
+        self.sampler = None
+        if getattr(args, "paradyse_sampler", "megatron") == "length":
+            self.sampler = pdata.LengthAwareSampler(
+                self.dataset, args.micro_batch_size, args.global_batch_size, self.dp_size, seed=args.seed,
+                window_steps=args.paradyse_sampler_window, multiple=args.paradyse_pad_multiple,
+                cost_fn=pdata.make_cost_fn(planner=getattr(self, "planner", None)))
         loader = pdata.MicroBatchLoader(
             self.dataset, args.micro_batch_size, args.global_batch_size, self.dp_rank, self.dp_size,
-            args.paradyse_pad_multiple, consumed_samples=self.iteration * args.global_batch_size)
+            args.paradyse_pad_multiple, consumed_samples=self.iteration * args.global_batch_size,
+            sampler=self.sampler)
         plan_fn = self.plan_fn
         if plan_fn is None and args.paradyse:
             plan_fn = rule_plan_fn(parse_plan(args.paradyse_plan, args.num_layers))
