@@ -1,22 +1,45 @@
-"""Hooks for Megatron-LM's own ``pretrain()``: args provider, forward step, providers.
+"""Megatron-LM's own, unmodified ``pretrain_gpt.py`` with ParaDySe: an entry point, no patch.
 
-For a Megatron-LM checkout, or megatron-core >= 0.17 on Python >= 3.12, where
-``megatron.training`` imports. NOT exercised against a real ``megatron.training`` by this
-repository's tests (megatron-core 0.16.1 has none); only against a stand-in module.
+    torchrun --nproc-per-node 8 -m megatron_paradyse.training.megatron_lm \\
+        /path/to/Megatron-LM/pretrain_gpt.py <Megatron-LM flags> \\
+        --transformer-impl local --sequence-parallel --paradyse --paradyse-plan "rule:4096=tp_sp,ulysses"
+
+The entry point installs hooks into ``megatron.training`` and then runs the user's script
+with :mod:`runpy` as ``__main__`` (its directory first on ``sys.path``, as ``python
+script.py`` would). The hooks (:func:`install_hooks`, idempotent):
+
+* ``megatron.training.arguments.parse_args`` (and the copy ``initialize.py`` imported): the
+  script's ``extra_args_provider`` (ModelOpt's, or none) is composed with
+  :func:`add_megatron_lm_args`, so Megatron-LM parses the ``--paradyse*`` flags with its own.
+* ``megatron.training.arguments.validate_args``: after Megatron-LM's own validation, the
+  ParaDySe flags are checked (plan syntax and length, what each strategy supports for this
+  model), locally on every rank, before any process group exists.
+* ``megatron.training.pretrain``: the script's ``forward_step`` is wrapped by
+  :func:`paradyse_forward_step` (stock when ``--paradyse`` is absent); its datasets provider
+  is replaced by :func:`paradyse_datasets_provider` only with ``--paradyse-document-data``
+  (one document per sample, variable lengths; for stock and ParaDySe runs alike).
+
+Without ``--paradyse`` (and without ``--paradyse-document-data``) the script runs exactly as
+Megatron-LM ships it. Without CUDA, :mod:`megatron_paradyse.cpu_compat_training` is applied
+first (CPU + gloo; this is how the repository tests it).
+
+Tested against Megatron-LM's files at core_v0.16.1 (with megatron-core 0.16.1; see
+docs/megatron_lm.md for what ran, on what).
 """
 from __future__ import annotations
 
+import os
+import runpy
+import sys
+
 from .. import data as pdata
+from ..parallel.plans import describe_plans, parse_plan, rule_plan_fn
+from .arguments import add_paradyse_args
 from .forward_step import forward_step
 from .iterator import PlannedIterator
-from ..parallel.plans import parse_plan, rule_plan_fn
-
-
-# For Megatron-LM's own pretrain() (a Megatron-LM checkout, or megatron-core >= 0.17 on
-# Python >= 3.12, where ``megatron.training`` imports). NOT exercised by this repository's
-# tests, which run on megatron-core 0.16.1 without megatron.training.
 
 _MEGATRON_ITERATORS: dict = {}
+_HOOKS: dict = {}
 
 
 def megatron_training_available() -> bool:
@@ -27,10 +50,91 @@ def megatron_training_available() -> bool:
     return True
 
 
+# ---------------------------------------------------------------------------- arguments
+def add_megatron_lm_args(parser):
+    """Megatron-LM ``extra_args_provider``: the plugin's flags, plus the entry point's data flag."""
+    if "--paradyse" in getattr(parser, "_option_string_actions", {}):
+        return parser  # a script that already adds them (e.g. through paradyse_args_provider)
+    add_paradyse_args(parser)
+    g = parser.add_argument_group("ParaDySe data (Megatron-LM entry point)")
+    g.add_argument("--paradyse-document-data", action="store_true",
+                   help="Replace the script's datasets with one document per sample, padded to "
+                        "--seq-length with a zero loss mask (--mock-data: synthetic documents of "
+                        "log-uniform lengths; --data-path PREFIX: an IndexedDataset's documents). "
+                        "Works with and without --paradyse; the ParaDySe forward step cuts each "
+                        "micro-batch after its last real token (rounded up to the TP size).")
+    return parser
+
+
+def compose_args_providers(first, second=add_megatron_lm_args):
+    """An ``extra_args_provider`` running ``first`` (may be None) then ``second``."""
+    if first is None:
+        return second
+
+    def provider(parser):
+        parser = first(parser) or parser
+        return second(parser) or parser
+
+    return provider
+
+
+def check_paradyse_args(args) -> None:
+    """Check the ParaDySe flags against Megatron-LM's parsed ``args``; ValueError naming the flags.
+
+    Local (no collective): runs on every rank inside Megatron-LM's ``validate_args``.
+    """
+    if getattr(args, "paradyse_document_data", False):
+        if bool(args.mock_data) == bool(args.data_path):
+            raise ValueError("--paradyse-document-data needs exactly one of --mock-data and "
+                             "--data-path PREFIX")
+        if args.data_path and len(args.data_path) != 1:
+            raise ValueError("--paradyse-document-data takes one --data-path prefix (no blends)")
+    if not getattr(args, "paradyse", False):
+        return
+    for flag in ("paradyse_cost_model", "paradyse_memory_budget"):
+        if getattr(args, flag, None) is not None:
+            raise ValueError(f"--{flag.replace('_', '-')} needs the cost-model planner, which is not "
+                             "implemented yet; give the plan with --paradyse-plan")
+    tp = args.tensor_model_parallel_size
+    if tp > 1 and not args.sequence_parallel:
+        raise ValueError("--paradyse needs --sequence-parallel: every strategy keeps the "
+                         "[s/p, b, h] sequence-parallel layout between layers")
+    if args.pipeline_model_parallel_size != 1 or args.context_parallel_size != 1:
+        raise ValueError("--paradyse needs --pipeline-model-parallel-size 1 and "
+                         "--context-parallel-size 1 (the strategies switch inside the TP group)")
+    if getattr(args, "transformer_impl", "local") != "local":
+        raise ValueError("--paradyse needs --transformer-impl local (the strategies run "
+                         "megatron-core's local layer modules; Transformer Engine layers are not "
+                         "switchable)")
+    if args.hidden_dropout or args.attention_dropout:
+        raise ValueError("--paradyse needs --hidden-dropout 0 --attention-dropout 0")
+    if args.paradyse_pad_multiple is not None and (
+            args.paradyse_pad_multiple < 1 or args.paradyse_pad_multiple % tp):
+        raise ValueError(f"--paradyse-pad-multiple {args.paradyse_pad_multiple} must be a positive "
+                         f"multiple of --tensor-model-parallel-size {tp}")
+    try:
+        rule = parse_plan(args.paradyse_plan, args.num_layers)
+    except ValueError as e:
+        raise ValueError(f"--paradyse-plan {args.paradyse_plan!r}: {e}") from None
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    import megatron_paradyse as mp
+
+    config = core_transformer_config_from_args(args)
+    for name in rule.strategies():
+        ok, why = mp.supports(name, config, tp)
+        if not ok:
+            raise ValueError(f"--paradyse-plan uses {name!r}, which cannot run this model over "
+                             f"TP={tp}: {why}")
+
+
+# ---------------------------------------------------------------------------- forward step
 def _megatron_planned_iterator(data_iterator, model):
     """One :class:`PlannedIterator` per (Megatron data iterator, train/eval)."""
     from megatron.core import parallel_state
     from megatron.training import get_args
+
+    import torch
 
     args = get_args()
     key = (id(data_iterator), bool(model.training))
@@ -40,13 +144,14 @@ def _megatron_planned_iterator(data_iterator, model):
     multiple = args.paradyse_pad_multiple or args.tensor_model_parallel_size
 
     def source():
-        while True:
-            if getattr(args, "paradyse_data_on_every_rank", False) and data_iterator is not None:
-                batch = next(data_iterator)
-            else:  # datasets built on TP rank 0 only: megatron broadcasts over the TP group
-                from megatron.training.utils import get_batch_on_this_tp_rank
+        from megatron.training import utils as mutils
 
+        get_batch_on_this_tp_rank = getattr(mutils, "get_batch_on_this_tp_rank", None)
+        while True:
+            if get_batch_on_this_tp_rank is not None:  # 0.16: data on TP rank 0, broadcast
                 batch = get_batch_on_this_tp_rank(data_iterator)
+            else:  # 0.19: megatron.core.utils's takes the batch read on TP rank 0
+                batch = _get_batch_019(data_iterator, args)
             yield pdata.trim_to_multiple(batch["tokens"], batch["labels"], batch["loss_mask"], multiple,
                                          batch.get("position_ids"))
 
@@ -56,57 +161,261 @@ def _megatron_planned_iterator(data_iterator, model):
         nmb = get_num_microbatches
     else:
         nmb = 1  # evaluation: plan and check each micro-batch on its own
-    plan_fn = rule_plan_fn(parse_plan(args.paradyse_plan, args.num_layers)) if args.paradyse else None
-    it = PlannedIterator(source(), plan_fn, nmb,
-                         group_index=parallel_state.get_data_parallel_rank(),
-                         num_groups=parallel_state.get_data_parallel_world_size())
+    plan_fn = rule_plan_fn(parse_plan(args.paradyse_plan, args.num_layers))
+    it = _LoggedPlannedIterator(source(), plan_fn, nmb,
+                                group_index=parallel_state.get_data_parallel_rank(),
+                                num_groups=parallel_state.get_data_parallel_world_size(),
+                                start_step=int(getattr(args, "iteration", 0) or 0))
+    it.log = model.training and torch.distributed.get_rank() == 0
     _MEGATRON_ITERATORS[key] = it
     return it
+
+
+class _LoggedPlannedIterator(PlannedIterator):
+    """Prints each training step's micro-batch lengths and plans on global rank 0, one line per
+    step, next to Megatron-LM's own iteration lines (rank 0's micro-batches)."""
+
+    log = False
+
+    def prefetch(self):
+        fresh = not self._buffer
+        items = super().prefetch()
+        if fresh and self.log:
+            lens = ",".join(str(mb.seq_length) for mb in items)
+            print(f" [paradyse] iteration {self.step:8d} | seq len: {lens} | plan: "
+                  f"{describe_plans([mb.plan for mb in items])}", flush=True)
+        return items
+
+
+def _get_batch_019(data_iterator, args):
+    """Megatron-LM >= 0.19's TP broadcast (``megatron.core.utils.get_batch_on_this_tp_rank``)."""
+    from megatron.core import mpu
+    from megatron.core.utils import get_batch_on_this_tp_rank
+
+    tp_rank = mpu.get_tensor_model_parallel_rank()
+    batch = {}
+    if tp_rank == 0:
+        batch = {k: (v.cuda(non_blocking=True) if v is not None else None)
+                 for k, v in next(data_iterator).items()}
+    return get_batch_on_this_tp_rank(
+        batch, broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
+        broadcast_group=mpu.get_tensor_model_parallel_group(), has_cu_seqlens=False,
+        is_hybrid_cp=False, create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
+        cp_size=1, tp_rank=tp_rank, micro_batch_size=args.micro_batch_size,
+        seq_length=args.seq_length, mtp_on_this_rank=False, pipeline_model_parallel_size=1,
+        is_pipeline_first_stage=True, is_pipeline_last_stage=True)
 
 
 def paradyse_forward_step(stock_forward_step=None):
     """A Megatron-LM ``forward_step`` that runs ParaDySe plans when ``--paradyse`` is given.
 
-    Without ``--paradyse`` it calls ``stock_forward_step`` (Megatron-LM's own) unchanged.
-    Usage in Megatron-LM's ``pretrain_gpt.py``: ``pretrain(..., paradyse_forward_step(forward_step),
-    ..., extra_args_provider=add_paradyse_args)``.
+    Without ``--paradyse`` it calls ``stock_forward_step`` (the script's own) unchanged. With
+    it: installs the plugin once, reads each training step's micro-batches ahead (through
+    Megatron-LM's TP-rank-0 broadcast), cuts each after its last loss-bearing token (rounded
+    up to a multiple of the TP size), gives each its plan from ``--paradyse-plan``, checks with
+    one all-reduce that all ranks agree, and runs the stock GPT forward with Megatron-LM's loss.
     """
 
     def _forward_step(data_iterator, model, *unused_args, **unused_kwargs):
         from megatron.training import get_args
 
         args = get_args()
-        paradyse = bool(getattr(args, "paradyse", False))
-        if not paradyse and stock_forward_step is not None:
+        if not getattr(args, "paradyse", False):
+            if stock_forward_step is None:
+                raise ValueError("this entry point needs --paradyse")
             return stock_forward_step(data_iterator, model, *unused_args, **unused_kwargs)
-        if paradyse:
-            import megatron_paradyse as mp
+        import megatron_paradyse as mp
 
-            mp.install()
+        mp.install()
         it = _megatron_planned_iterator(data_iterator, model)
-        return forward_step(it, model, paradyse=paradyse)
+        return forward_step(it, model, paradyse=True)
 
+    _forward_step._paradyse = True
     return _forward_step
 
 
+# ---------------------------------------------------------------------------- datasets
 def paradyse_datasets_provider(train_val_test_num_samples, vp_stage=None):
-    """Megatron-LM datasets provider: variable-length documents (``--mock-data`` or one
-    ``--data-path`` prefix) as fixed-shape samples that the forward step trims per micro-batch.
-    Built on every rank (``is_distributed``), so no TP broadcast is needed."""
+    """Megatron-LM datasets provider: one document per sample (``--mock-data`` or one
+    ``--data-path`` prefix), padded to ``--seq-length`` with a zero loss mask, so batches
+    have variable real lengths. Built where Megatron-LM builds data (TP rank 0)."""
+    from megatron.core import parallel_state
     from megatron.training import get_args
 
     args = get_args()
-    args.paradyse_data_on_every_rank = True
-    if not hasattr(args, "paradyse_mock_min_length"):
-        args.paradyse_mock_min_length = 16
+    if parallel_state.get_tensor_model_parallel_rank() != 0:
+        return None, None, None
     if getattr(args, "vocab_size", None) is None:
         args.vocab_size = args.padded_vocab_size
-    ds = pdata.build_dataset(args)
-    train = pdata.FixedLengthView(ds, args.seq_length, num_samples=max(1, train_val_test_num_samples[0]))
-    return train, None, None
+    if args.mock_data:
+        ds = pdata.MockDataset(args.seq_length, args.vocab_size, seed=args.seed,
+                               min_length=getattr(args, "paradyse_mock_min_length", 16))
+    else:
+        ds = pdata.DocumentDataset(args.data_path[0], args.seq_length, seed=args.seed)
+    views = []
+    for n in train_val_test_num_samples:
+        views.append(_MaskedView(ds, args.seq_length, int(n), args.create_attention_mask_in_dataloader)
+                     if n else None)
+    return tuple(views)
 
 
 paradyse_datasets_provider.is_distributed = True
+
+
+class _MaskedView(pdata.FixedLengthView):
+    """:class:`FixedLengthView` plus Megatron-LM's dataloader attention mask when it wants one."""
+
+    def __init__(self, dataset, seq_length, num_samples, with_mask):
+        super().__init__(dataset, seq_length, num_samples=max(1, num_samples))
+        self.with_mask = with_mask
+
+    def __getitem__(self, i):
+        import torch
+
+        out = super().__getitem__(i)
+        if self.with_mask:  # Megatron's convention: True = masked out
+            s = self.seq_length
+            out["attention_mask"] = ~torch.tril(torch.ones((1, s, s), dtype=torch.bool))
+        return out
+
+
+# ---------------------------------------------------------------------------- hooks
+def _wrap_parse_args(orig):
+    def parse_args(extra_args_provider=None, *args, **kwargs):
+        return orig(compose_args_providers(extra_args_provider), *args, **kwargs)
+
+    parse_args._paradyse = True
+    return parse_args
+
+
+def _wrap_validate_args(orig):
+    def validate_args(args, *rest, **kwargs):
+        out = orig(args, *rest, **kwargs)
+        check_paradyse_args(args)
+        return out
+
+    validate_args._paradyse = True
+    return validate_args
+
+
+def _wrap_pretrain(orig):
+    def pretrain(*args, **kwargs):
+        args = list(args)
+        # 0.16: pretrain(datasets_provider, model_provider, model_type, forward_step, ...);
+        # 0.19: pretrain(full_config, datasets_provider, model_type, forward_step, ...).
+        ds_index = 0 if callable(args[0]) else 1
+        ds = args[ds_index]
+
+        def datasets_provider(*a, **k):
+            from megatron.training import get_args
+
+            if getattr(get_args(), "paradyse_document_data", False):
+                return paradyse_datasets_provider(*a, **k)
+            return ds(*a, **k)
+
+        datasets_provider.is_distributed = True  # ours is; the script's sets it too
+        args[ds_index] = datasets_provider
+        if "forward_step_func" in kwargs:
+            kwargs["forward_step_func"] = paradyse_forward_step(kwargs["forward_step_func"])
+        else:
+            args[3] = paradyse_forward_step(args[3])
+        return orig(*args, **kwargs)
+
+    pretrain._paradyse = True
+    return pretrain
+
+
+def _prebuilt_dataset_helpers() -> None:
+    """megatron-core's pip wheel ships ``datasets/helpers_cpp`` compiled, without the Makefile
+    that ``compile_helpers`` (called by Megatron-LM's ``initialize_megatron`` on rank 0) runs:
+    with a wheel's megatron-core, ``make`` fails and Megatron-LM exits. Skip the build when the
+    compiled module already imports (a source checkout keeps its own ``make``)."""
+    from megatron.core.datasets import utils as dutils
+
+    orig = dutils.compile_helpers
+    if getattr(orig, "_paradyse", False):
+        return
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return
+
+    def compile_helpers():
+        return None
+
+    compile_helpers._paradyse = True
+    _HOOKS[(dutils, "compile_helpers")] = orig
+    dutils.compile_helpers = compile_helpers
+
+
+def install_hooks() -> None:
+    """Install the hooks into ``megatron.training`` (idempotent). Needs ``megatron.training``."""
+    if _HOOKS:
+        return
+    _prebuilt_dataset_helpers()
+    import megatron.training as mt
+    from megatron.training import arguments, initialize, training
+
+    for mod in (arguments, initialize):
+        if hasattr(mod, "parse_args"):
+            _HOOKS[(mod, "parse_args")] = mod.parse_args
+            mod.parse_args = _wrap_parse_args(mod.parse_args)
+        if hasattr(mod, "validate_args"):
+            _HOOKS[(mod, "validate_args")] = mod.validate_args
+            mod.validate_args = _wrap_validate_args(mod.validate_args)
+    new = _wrap_pretrain(training.pretrain)
+    for mod in (training, mt):
+        _HOOKS[(mod, "pretrain")] = mod.pretrain
+        mod.pretrain = new
+
+
+def uninstall_hooks() -> None:
+    for (mod, name), orig in _HOOKS.items():
+        setattr(mod, name, orig)
+    _HOOKS.clear()
+
+
+def run_script(script: str, argv: list) -> None:
+    """Run Megatron-LM's ``script`` as ``__main__`` with ``argv``, with the hooks installed."""
+    import torch
+
+    script = os.path.abspath(script)
+    if not os.path.isfile(script):
+        raise SystemExit(f"megatron_paradyse.training.megatron_lm: no such script: {script}")
+    sys.path.insert(0, os.path.dirname(script))  # its gpt_builders / model_provider / megatron/
+    if not torch.cuda.is_available():
+        from .. import cpu_compat_training
+
+        cpu_compat_training.apply()
+    install_hooks()
+    sys.argv = [script] + list(argv)
+    runpy.run_path(script, run_name="__main__")
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or not argv[0].endswith(".py"):
+        print(__doc__)
+        raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    run_script(argv[0], argv[1:])
+
+
+def megatron_lm_main() -> None:
+    """``pretrain_gpt_paradyse.py --paradyse-trainer megatron``: Megatron-LM's ``pretrain()``
+    with a local-spec GPT, ParaDySe's forward step and document datasets (needs
+    ``megatron.training``)."""
+    import torch
+    from megatron.core.enums import ModelType
+
+    if not torch.cuda.is_available():
+        from .. import cpu_compat_training
+
+        cpu_compat_training.apply()
+    install_hooks()
+    from megatron.training import pretrain
+
+    pretrain(paradyse_datasets_provider, paradyse_model_provider, ModelType.encoder_or_decoder,
+             None, args_defaults={"tokenizer_type": "NullTokenizer"})
 
 
 def paradyse_model_provider(pre_process=True, post_process=True, vp_stage=None, config=None,
@@ -120,10 +429,6 @@ def paradyse_model_provider(pre_process=True, post_process=True, vp_stage=None, 
     args = get_args()
     if config is None:
         config = core_transformer_config_from_args(args)
-    if getattr(args, "paradyse", False):
-        import megatron_paradyse as mp
-
-        mp.install()
     return GPTModel(
         config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization),
         vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
@@ -134,13 +439,5 @@ def paradyse_model_provider(pre_process=True, post_process=True, vp_stage=None, 
     )
 
 
-def megatron_lm_main() -> None:
-    """Train through Megatron-LM's ``pretrain()`` with the ParaDySe hooks (untested here)."""
-    from megatron.core.enums import ModelType
-    from megatron.training import pretrain
-
-    from .arguments import add_paradyse_args
-
-    pretrain(paradyse_datasets_provider, paradyse_model_provider, ModelType.encoder_or_decoder,
-             paradyse_forward_step(None), extra_args_provider=add_paradyse_args,
-             args_defaults={"tokenizer_type": "NullTokenizer"})
+if __name__ == "__main__":
+    main()

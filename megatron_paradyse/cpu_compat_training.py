@@ -1,0 +1,201 @@
+"""CPU compatibility layer for Megatron-LM's ``megatron.training`` (its ``pretrain()``).
+
+The companion of :mod:`megatron_paradyse.cpu_compat` (which shims megatron-core and must be
+applied first; :func:`apply` does). Applied by :func:`apply` only when CUDA is absent; on
+a GPU machine it is a no-op and the GPU path never imports it. Idempotent. It lets
+Megatron-LM's unmodified ``pretrain_gpt.py`` train on CPU with gloo, which this repository
+uses to test the plugin against the real ``pretrain()``. Checked on Megatron-LM
+core_v0.16.1 (with megatron-core 0.16.1) and core_v0.19.0 (megatron-core 0.19.x's wheel).
+
+Most of ``megatron/training``'s ~75 CUDA call sites are ``torch.tensor(..., device='cuda')``,
+``.cuda()`` and ``torch.cuda.current_device()``: the ``device`` and ``factory`` shims of
+``cpu_compat`` already send those to the CPU. What is left is shimmed here, each shim
+naming the functions that need it:
+
+``batch_invariant``
+    Registers a stand-in for ``megatron.core.transformer.custom_layers.batch_invariant_kernels``
+    when ``triton`` cannot be imported (its kernels are Triton GPU kernels). Needed by the
+    import of ``megatron/training/initialize.py`` (``from ... import
+    enable_batch_invariant_mode``), 0.16.1. The stand-in's functions raise a clear error if
+    ``--batch-invariant-mode`` is used. It saves installing triton (about 1 GB) for an import.
+``no_cuda_assert``
+    ``initialize_megatron(..., allow_no_cuda=True)``: it asserts
+    ``torch.cuda.is_available()`` ("Megatron requires CUDA.") otherwise. Needed by
+    ``pretrain()`` (which calls it without that argument).
+``distributed``
+    ``initialize._initialize_distributed``: creates the default process group itself
+    (``--distributed-backend``, gloo on CPU) and then runs Megatron-LM's own function while
+    ``torch.cuda.device_count()`` reads 1 and ``torch.cuda.set_device`` is a no-op, because
+    that function creates the model-parallel groups (``mpu.initialize_model_parallel``)
+    only ``if torch.cuda.device_count() > 0``.
+``seed``
+    ``initialize._set_random_seed``: seeds megatron's RNG tracker
+    (``model_parallel_cuda_manual_seed``, on ``cpu_compat``'s CPU tracker), which Megatron-LM
+    does only ``if torch.cuda.device_count() > 0``. Without it the first attention forward
+    fails (``cuda rng state model-parallel-rng is not added``).
+``device_arch``
+    ``utils.get_device_arch_version`` (also the copy in ``arguments``) returns 0 instead of
+    querying CUDA device 0, and ``CUDA_DEVICE_MAX_CONNECTIONS`` defaults to ``1`` (it means
+    nothing on CPU). Needed by ``arguments.validate_args`` (TP or CP > 1 asserts that
+    variable on pre-Blackwell devices).
+``memory``
+    ``torch.cuda.memory_allocated / max_memory_allocated / memory_reserved /
+    max_memory_reserved / memory_stats / reset_peak_memory_stats / empty_cache`` report 0 (or
+    do nothing) instead of raising on a CPU build. Needed by ``training.training_log``
+    (``report_memory`` after the first logged iteration), ``utils.report_memory``,
+    ``train()``'s ``empty_cache`` calls.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import sys
+import types
+from datetime import timedelta
+
+import torch
+
+_APPLIED: set = set()
+ALL_SHIMS = ("batch_invariant", "no_cuda_assert", "distributed", "seed", "device_arch", "memory")
+
+
+def needed() -> bool:
+    """True where CUDA is absent, the only case in which shims are applied."""
+    return not torch.cuda.is_available()
+
+
+def apply(skip: tuple = ()) -> tuple:
+    """Apply megatron-core's CPU shims, then every ``megatron.training`` shim not in ``skip``.
+
+    Call before ``megatron.training`` runs (importing it first is fine). Returns the
+    ``megatron.training`` shims applied.
+    """
+    if not needed():
+        return ()
+    from . import cpu_compat
+
+    cpu_compat.apply()
+    for name in ALL_SHIMS:
+        if name in skip or name in _APPLIED:
+            continue
+        _SHIMS[name]()
+        _APPLIED.add(name)
+    return tuple(sorted(_APPLIED))
+
+
+@contextlib.contextmanager
+def _one_device():
+    """``torch.cuda.device_count()`` reads 1 and ``set_device`` does nothing, inside the block."""
+    count, set_device = torch.cuda.device_count, torch.cuda.set_device
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.set_device = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        torch.cuda.device_count, torch.cuda.set_device = count, set_device
+
+
+def _batch_invariant():
+    name = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
+    if name in sys.modules or importlib.util.find_spec("triton") is not None:
+        return
+    mod = types.ModuleType(name)
+    mod.__doc__ = "CPU stand-in (megatron_paradyse.cpu_compat_training): triton is not installed."
+
+    def _unavailable(*args, **kwargs):
+        raise RuntimeError("--batch-invariant-mode needs triton and a GPU (megatron-core's "
+                           "batch-invariant kernels are Triton kernels); drop the flag on CPU")
+
+    mod.enable_batch_invariant_mode = _unavailable
+    mod.set_batch_invariant_mode = _unavailable
+    mod.disable_batch_invariant_mode = lambda *a, **k: None
+    mod.is_batch_invariant_mode_enabled = lambda *a, **k: False
+    mod.__all__ = ["set_batch_invariant_mode", "is_batch_invariant_mode_enabled",
+                   "disable_batch_invariant_mode", "enable_batch_invariant_mode"]
+    sys.modules[name] = mod
+
+
+def _no_cuda_assert():
+    from megatron.training import initialize, training
+    import megatron.training as mt
+
+    orig = initialize.initialize_megatron
+    if getattr(orig, "_paradyse", False):
+        return
+
+    def initialize_megatron(*args, **kwargs):
+        kwargs["allow_no_cuda"] = True
+        return orig(*args, **kwargs)
+
+    initialize_megatron._paradyse = True
+    for mod in (initialize, training, mt):
+        if getattr(mod, "initialize_megatron", None) is orig:
+            mod.initialize_megatron = initialize_megatron
+
+
+def _distributed():
+    from megatron.training import initialize
+
+    orig = initialize._initialize_distributed
+    if getattr(orig, "_paradyse", False):
+        return
+
+    def _initialize_distributed(*args, **kwargs):
+        from megatron.training import get_args
+
+        margs = get_args()
+        if not torch.distributed.is_initialized():
+            init = dict(backend=margs.distributed_backend, world_size=margs.world_size,
+                        rank=margs.rank, timeout=timedelta(minutes=margs.distributed_timeout_minutes))
+            store = kwargs.get("store", args[2] if len(args) > 2 else None)
+            if store is not None:
+                init["store"] = store
+            torch.distributed.init_process_group(**init)
+        with _one_device():
+            return orig(*args, **kwargs)
+
+    _initialize_distributed._paradyse = True
+    initialize._initialize_distributed = _initialize_distributed
+
+
+def _seed():
+    from megatron.training import initialize
+
+    orig = initialize._set_random_seed
+    if getattr(orig, "_paradyse", False):
+        return
+
+    def _set_random_seed(*args, **kwargs):
+        with _one_device():
+            return orig(*args, **kwargs)
+
+    _set_random_seed._paradyse = True
+    initialize._set_random_seed = _set_random_seed
+
+
+def _device_arch():
+    import os
+
+    from megatron.training import arguments, utils
+
+    arch = lambda: 0  # noqa: E731 - no CUDA device: the conservative (pre-Blackwell) branches
+    for mod in (utils, arguments):
+        if hasattr(mod, "get_device_arch_version"):
+            mod.get_device_arch_version = arch
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+
+
+def _memory():
+    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved",
+                 "max_memory_reserved"):
+        setattr(torch.cuda, name, lambda *a, **k: 0)
+    torch.cuda.memory_stats = lambda *a, **k: {}
+    torch.cuda.reset_peak_memory_stats = lambda *a, **k: None
+    torch.cuda.empty_cache = lambda *a, **k: None
+
+
+_SHIMS = {
+    "batch_invariant": _batch_invariant, "no_cuda_assert": _no_cuda_assert,
+    "distributed": _distributed, "seed": _seed, "device_arch": _device_arch,
+    "memory": _memory,
+}
