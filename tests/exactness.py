@@ -1,19 +1,104 @@
 """Run the same batches through stock megatron-core TP=1 and through the plugin at TP=p.
 
 Every comparison is against stock megatron-core built from the same seed: loss, full logits
-and every parameter's gradient gathered to its TP=1 shape.
+and every parameter's gradient gathered to its TP=1 shape. At p > 1 every plugin pass also
+proves that each layer ran its planned strategy and not stock code: :func:`observe` counts
+the strategy's own collectives and kernels inside each attention and MLP forward, and
+:func:`signature` says what each strategy must show (a rank raises on any difference).
 """
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
+
 REL_TOL = 1e-5
+KINDS = ("all_to_all", "p2p", "broadcast", "weight_gather", "sdpa")
 
 
-def _pass(model, spec, batch, seq, seed):
+@contextlib.contextmanager
+def observe(model):
+    """Count, per decoder layer and module, the calls made inside its forward to
+    ``all_to_all_single`` (Ulysses), ``batch_isend_irecv`` (rings), ``broadcast`` (METP),
+    the plugin's ZeRO weight gather (``collectives.gather_shards``) and torch's
+    ``scaled_dot_product_attention`` (megatron's local spec never calls it).
+
+    Yields a dict ``{(layer index, "attention" | "mlp"): Counter}``.
+    """
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from megatron_paradyse.parallel import collectives, dispatch
+
+    records, current = {}, []
+    targets = [(dist, "all_to_all_single", "all_to_all"), (dist, "batch_isend_irecv", "p2p"),
+               (dist, "broadcast", "broadcast"), (collectives, "gather_shards", "weight_gather"),
+               (F, "scaled_dot_product_attention", "sdpa")]
+    saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in targets]
+
+    def counting(fn, kind):
+        def wrapper(*args, **kwargs):
+            if current:
+                records[current[-1]][kind] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    handles = []
+    for i, layer in enumerate(dispatch.unwrap(model).decoder.layers):
+        for key, module in ((i, "attention"), layer.self_attention), ((i, "mlp"), layer.mlp):
+            records[key] = Counter()
+            handles.append(module.register_forward_pre_hook(lambda *_, k=key: current.append(k)))
+            handles.append(module.register_forward_hook(lambda *_: current.pop() and None))
+    for (mod, attr, kind), (_, _, fn) in zip(targets, saved):
+        setattr(mod, attr, counting(fn, kind))
+    try:
+        yield records
+    finally:
+        for mod, attr, fn in saved:
+            setattr(mod, attr, fn)
+        for h in handles:
+            h.remove()
+
+
+def signature(name, module: str, p: int, config) -> Counter:
+    """What strategy ``name`` (None: stock megatron) calls in one attention or MLP forward at p > 1."""
+    zero_mlp = Counter(weight_gather=2)  # fc1 and fc2 gathered just in time
+    if module == "mlp":
+        return {"ulysses": zero_mlp, "ring": zero_mlp, "colossal": zero_mlp,
+                "metp": Counter(p2p=p - 1)}.get(name, Counter())  # tp_sp's MLP is megatron's own
+    qkv_bias = config.add_bias_linear or config.add_qkv_bias
+    return {
+        None: Counter(),
+        "tp_sp": Counter(sdpa=1),
+        "ulysses": Counter(all_to_all=4, weight_gather=2, sdpa=1),  # q, k, v and the output
+        "ring": Counter(p2p=p - 1, weight_gather=2),
+        "colossal": Counter(p2p=2 * (p - 1), weight_gather=2),  # a K ring, then a V ring
+        # per head group: W_qkv, W_proj (and b_qkv) broadcast, a ring attention of p-1 hops
+        "metp": Counter(broadcast=p * (3 if qkv_bias else 2), p2p=p * (p - 1)),
+    }[name]
+
+
+def check_strategies_ran(records, plan, p: int, config) -> None:
+    """Raise unless every layer's modules made exactly the calls of the strategy it was given."""
+    wrong = []
+    for (layer, module), seen in sorted(records.items()):
+        name = plan[layer] if plan is not None else None
+        want = signature(name, module, p, config)
+        if +seen != +want:
+            wrong.append(f"layer {layer} {module} planned {name}: expected {dict(want)}, saw {dict(seen)}")
+    if wrong:
+        raise AssertionError("strategy did not run as planned:\n" + "\n".join(wrong))
+
+
+def _pass(model, spec, batch, seq, seed, plan=None, check=False):
     from megatron_paradyse.testing import models as T
 
     model.zero_grad(set_to_none=True)
     tok, lab = T.make_batch(spec, batch, seq, seed=seed)
-    loss, logits = T.forward_backward(model, tok, lab)
+    with observe(model) as records:
+        loss, logits = T.forward_backward(model, tok, lab)
+    if check:
+        p = model.config.tensor_model_parallel_size
+        check_strategies_ran(records, plan, p, model.config)
     T.allreduce_sequence_parallel_grads(model)
     return {"loss": loss, "logits": logits, "grads": T.gather_full(model, "grad", gated_fc1=spec.swiglu)}
 
@@ -23,7 +108,9 @@ def run_cases(rank, world, cases):
 
     A case is ``(spec_kwargs, [(plan, batch, seq, seed), ...])``; plan ``None`` runs stock
     megatron-core code; a world whose passes are all ``None`` never installs the plugin, so the
-    reference is untouched megatron-core. Returns the results of rank 0.
+    reference is untouched megatron-core. ``spec_kwargs["config"]`` (optional) sets
+    TransformerConfig fields on the built model. At p > 1 each pass checks that every layer
+    ran its planned strategy (:func:`check_strategies_ran`). Returns the results of rank 0.
     """
     import megatron_paradyse as mp
     from megatron_paradyse.testing import models as T
@@ -34,13 +121,17 @@ def run_cases(rank, world, cases):
         mp.install()
     results = []
     for spec_kw, passes in cases:
+        spec_kw = dict(spec_kw)
+        overrides = spec_kw.pop("config", {})
         spec = T.TinyGPT(**spec_kw)
         model = T.build_gpt(spec, world)
+        for key, value in overrides.items():
+            setattr(model.config, key, value)
         out = []
         for plan, batch, seq, seed in passes:
             if plugin:
-                mp.set_plan(model, plan)
-            out.append(_pass(model, spec, batch, seq, seed))
+                plan = mp.set_plan(model, plan)
+            out.append(_pass(model, spec, batch, seq, seed, plan, check=world > 1))
         results.append(out)
     return results if rank == 0 else None
 

@@ -13,7 +13,7 @@ import pytest
 
 from megatron_paradyse.testing.spawn import run_world
 
-from .exactness import assert_exact
+from .exactness import assert_exact, check_strategies_ran, observe
 
 MHA_GELU = dict()
 GQA_SWIGLU_NOBIAS = dict(swiglu=True, num_attention_heads=8, num_query_groups=4, bias=False)
@@ -42,7 +42,7 @@ CASES[1] = sorted({(tuple(sorted(kw.items())), b, s) for p in (2, 4) for kw, b, 
 def _pool_and_param_storages(model):
     from megatron.core import parallel_state
 
-    from megatron_paradyse.parallel.comm import POOL_PREFIX
+    from megatron_paradyse.parallel.buffers import POOL_PREFIX
 
     pool = {t.untyped_storage().data_ptr()
             for (name, _), t in parallel_state.get_global_memory_buffer().buffer.items()
@@ -62,7 +62,10 @@ def _graph_nodes(t):
 
 
 def _pass(model, spec, batch, seq, check_memory):
-    """Forward (saved tensors recorded) and backward; loss, full logits, full grads, findings."""
+    """Forward (saved tensors recorded) and backward; loss, full logits, full grads, findings.
+
+    With ``check_memory`` (p > 1) the pass also proves each layer ran its planned strategy.
+    """
     import torch
 
     from megatron_paradyse.testing import models as T
@@ -74,11 +77,16 @@ def _pass(model, spec, batch, seq, check_memory):
     handle = model.output_layer.register_forward_hook(
         lambda _m, _i, out: logits.__setitem__("v", out[0] if isinstance(out, tuple) else out))
     try:
-        with hooks:
+        with hooks, observe(model) as records:
             per_token = model(tokens, torch.arange(seq).unsqueeze(0).expand_as(tokens), None,
                               labels=labels)
     finally:
         handle.remove()
+    if check_memory:
+        import megatron_paradyse as mp
+
+        check_strategies_ran(records, mp.get_plan(model), model.config.tensor_model_parallel_size,
+                             model.config)
     loss = per_token.float().mean()
     nodes = _graph_nodes(loss)
     names = {type(n).__name__ for n in nodes}

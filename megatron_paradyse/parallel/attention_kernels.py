@@ -1,6 +1,7 @@
-"""Attention kernels that expose the log-sum-exp, and the merge that ring attention needs.
+"""Attention kernels: torch's SDPA where no log-sum-exp is needed, and block kernels that expose
+the log-sum-exp with the merge that ring attention needs.
 
-Layout here is ``[b, heads, s, d]``. On CPU: torch's flash kernel for CPU
+Layout here is ``[b, heads, s, d]``. For the block kernels: on CPU: torch's flash kernel for CPU
 (``_scaled_dot_product_flash_attention_for_cpu``), which returns the log-sum-exp and has a
 backward that accepts a global output and log-sum-exp, the property that lets a ring split
 one softmax into blocks. On CUDA: flash-attn when installed, else torch's own flash kernel
@@ -95,20 +96,16 @@ def reduce_kv(dx, rep: int):
     return dx.view(b, h // rep, rep, s, d).sum(2)
 
 
-class FlashAttention(torch.autograd.Function):
-    """Attention of local queries over local keys/values with GQA; saves only q, k, v, out, lse."""
+def causal_attention(q, k, v, scale: float):
+    """Causal attention of ``q [b, n, s, d]`` over ``k``/``v`` ``[b, kv, s, d]`` (``n % kv == 0``).
 
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale):
-        rep = q.shape[1] // k.shape[1]
-        out, lse = attn_forward(q, expand_kv(k, rep), expand_kv(v, rep), causal, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale, ctx.rep = causal, scale, rep
-        return out
+    torch's ``scaled_dot_product_attention`` (flash on CPU and for fp16/bf16 on CUDA), for the
+    strategies that attend over whole sequences and need no log-sum-exp (``tp_sp``, ``ulysses``).
+    """
+    import torch.nn.functional as F
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = attn_backward(dout, q, expand_kv(k, ctx.rep), expand_kv(v, ctx.rep), out, lse,
-                                   ctx.causal, ctx.scale)
-        return dq, reduce_kv(dk, ctx.rep), reduce_kv(dv, ctx.rep), None, None
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1 and q.is_cuda and q.dtype == torch.float32:
+        # fp32 CUDA has no flash kernel and SDPA's GQA would fall back to the quadratic math one
+        k, v, rep = expand_kv(k, rep), expand_kv(v, rep), 1
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=rep > 1)

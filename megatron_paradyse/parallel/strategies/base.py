@@ -156,24 +156,33 @@ def from_bhsd(x):
 
 
 def apply_activation(mlp, x, bias, shards: int):
-    """The stock MLP activation on fc1's output laid out as ``shards`` TP shards side by side.
+    """Megatron's MLP activation on fc1's output laid out as ``shards`` TP shards side by side.
 
     Each shard of a gated MLP is ``[gate_r; up_r]``, so the gate/up split happens per shard,
-    as on the rank that owns it. Returns ``[..., ffn]`` in TP=1 order.
+    as on the rank that owns it. Returns ``[..., ffn]`` in TP=1 order. The branches are those of
+    ``MLP.forward`` (megatron's fused kernels where it uses them): megatron-core has no
+    activation function separate from ``MLP.forward``, whose fc1/fc2 are its TP linears.
     """
-    cfg = mlp.config
-    lead = x.shape[:-1]
-    x = x.reshape(*lead, shards, x.shape[-1] // shards)
-    if bias is not None:
-        bias = bias.view(shards, -1)
     import torch.nn.functional as F
 
-    if cfg.bias_activation_fusion and mlp.activation_func == F.gelu and bias is not None:
-        # megatron's fused GELU is the tanh approximation: use the same function
+    cfg = mlp.config
+    lead = x.shape[:-1]
+    x = x.reshape(-1, shards, x.shape[-1] // shards)  # [tokens, shards, shard width]
+    bias = bias.view(shards, -1) if bias is not None else None
+    if cfg.bias_activation_fusion:
         from megatron.core.fusions.fused_bias_geglu import bias_geglu_impl
         from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl
+        from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
 
-        y = bias_geglu_impl(x, bias) if cfg.gated_linear_unit else bias_gelu_impl(x, bias)
+        if mlp.activation_func == F.gelu and not cfg.gated_linear_unit:
+            y = bias_gelu_impl(x, bias)
+        elif cfg.gated_linear_unit and mlp.activation_func in (F.gelu, F.silu):
+            # the fused GLU kernels take 2-D rows of one shard: add the bias per shard first
+            rows = (x + bias if bias is not None else x).reshape(-1, x.shape[-1])
+            y = bias_geglu_impl(rows, None) if mlp.activation_func == F.gelu else bias_swiglu_impl(
+                rows, None, cfg.activation_func_fp8_input_store, False)
+        else:
+            raise ValueError("bias_activation_fusion supports gelu and swiglu only (as megatron's MLP)")
     else:
         if bias is not None:
             x = x + bias

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import comm
 from ..attention_kernels import expand_kv, reduce_kv
+from ..buffers import block_slot
+from ..collectives import group_info
+from ..ring_comm import GradRing, ring_stream
 from . import zero3
 
 
@@ -36,11 +38,11 @@ def _ring(block, group, visit, grad: bool = False):
 
     ``visit`` sees blocks from ranks ``src <= rank`` only (later ones are fully masked). With
     ``grad``, ``visit`` returns this rank's fp32 gradient contribution to the block it sees,
-    and the complete gradient of this rank's own block is returned (``comm.GradRing``).
+    and the complete gradient of this rank's own block is returned (:class:`GradRing`).
     """
     rank = torch.distributed.get_rank(group)
-    grads = comm.GradRing([block], group) if grad else None
-    for src, (blk,) in comm.ring_stream([block], group, lambda k, slot: comm.block_slot("k", slot)):
+    grads = GradRing([block], group) if grad else None
+    for src, (blk,) in ring_stream([block], group, lambda k, slot: block_slot("k", slot)):
         g = visit(src, blk) if src <= rank else None
         if grad:
             grads.add(None if g is None else [g])
@@ -57,7 +59,7 @@ class RingSelfAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group, scale):
-        rank, p, _ = comm.group_info(group)
+        rank, p, _ = group_info(group)
         b, n, sl, d = q.shape
         rep = n // k.shape[1]
         valid = (rank + 1) * sl  # columns of keys at or before this rank's chunk
@@ -93,7 +95,7 @@ class RingSelfAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, probs = ctx.saved_tensors
         group, scale, rep = ctx.group, ctx.scale, ctx.rep
-        rank, p, _ = comm.group_info(group)
+        rank, p, _ = group_info(group)
         b, n, sl, d = q.shape
         valid = (rank + 1) * sl
         dout = dout.to(q.dtype)

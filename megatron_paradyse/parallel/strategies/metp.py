@@ -23,7 +23,7 @@ while the current one is used); at each of the p steps a rank adds
 intermediate is never stored. Backward: the shards rotate again, the intermediate is
 recomputed, and the weight gradients travel one hop behind their shard as accumulators
 (each rank adds its tokens' contribution); a last hop hands each owner its complete
-gradient (``comm.ring_stream`` and ``comm.GradRing``, as ``ring`` does for dK/dV).
+gradient (``ring_comm.ring_stream`` and ``ring_comm.GradRing``, as ``ring`` does for dK/dV).
 
 Collectives per layer, with ``k`` = 2 or 3 attention shards (W_qkv, W_proj, b_qkv if any):
 forward ``k*p`` broadcasts and ``p`` ring attentions (``p-1`` K/V hops each); backward the
@@ -43,7 +43,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import comm
+from ..buffers import weight_slot
+from ..collectives import broadcast_start, reduce_to, wait
+from ..ring_comm import GradRing, ring_stream
 from .base import (Strategy, apply_activation, apply_rope, bias_of, from_bhsd, geometry, rope_freqs,
                    split_qkv, switching_group, to_bhsd, zero_support)
 from .ring import ring_attention
@@ -69,7 +71,7 @@ def _flat(t):
 
 def _group_weights(shards, src, group):
     """Post the broadcasts of group rank ``src``'s ``shards`` into pool slot ``src % 2``."""
-    return comm.broadcast_start(shards, src, group, [comm.weight_slot(k, src % 2) for k in range(len(shards))])
+    return broadcast_start(shards, src, group, [weight_slot(k, src % 2) for k in range(len(shards))])
 
 
 def _group_weight_stream(shards, group, p):
@@ -81,7 +83,7 @@ def _group_weight_stream(shards, group, p):
     pending = _group_weights(shards, 0, group)
     for i in range(p):
         weights, works = pending
-        comm.wait(works)
+        wait(works)
         if i + 1 < p:
             pending = _group_weights(shards, i + 1, group)
         yield i, weights
@@ -149,7 +151,7 @@ class METPAttention(torch.autograd.Function):
             dbq = dm2.sum(0, dtype=_ACC) if bq is not None else None
             grads = (dm2.t().matmul(x2).to(_ACC), dbq, dwp)
             # each weight gradient is a partial sum over this rank's tokens: sum it onto the owner
-            got = tuple(comm.reduce_to(g, i, geo.group) if g is not None else None for g in grads)
+            got = tuple(reduce_to(g, i, geo.group) if g is not None else None for g in grads)
             if i == geo.rank:
                 mine = got
         dwq, dbq, dwp = (g.to(w.dtype) if g is not None else None
@@ -177,7 +179,7 @@ class METPMLP(torch.autograd.Function):
     def forward(ctx, x, w1, b1, w2, mlp, group):
         shards = [w1, w2] + ([b1] if b1 is not None else [])
         out = torch.zeros(x.shape[:-1] + (w2.shape[0],), dtype=_ACC, device=x.device)
-        for _, cur in comm.ring_stream(shards, group, comm.weight_slot):
+        for _, cur in ring_stream(shards, group, weight_slot):
             bias = cur[2] if b1 is not None else None
             out += apply_activation(mlp, _fc1(x, cur[0]), bias, shards=1).matmul(cur[1].t())
         ctx.save_for_backward(x, w1, b1, w2)
@@ -191,8 +193,8 @@ class METPMLP(torch.autograd.Function):
         shards = [w1, w2] + ([b1] if b1 is not None else [])
         x2, dout2 = _flat(x), _flat(dout)
         dx = torch.zeros(x.shape, dtype=_ACC, device=x.device)
-        grads = comm.GradRing(shards, group)
-        for _, cur in comm.ring_stream(shards, group, comm.weight_slot):
+        grads = GradRing(shards, group)
+        for _, cur in ring_stream(shards, group, weight_slot):
             wa, wb = cur[0], cur[1]
             bias = cur[2].detach().requires_grad_(True) if b1 is not None else None
             pre = _fc1(x, wa).detach().requires_grad_(True)  # recomputed

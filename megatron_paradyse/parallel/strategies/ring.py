@@ -14,13 +14,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import comm
-from ..attention_kernels import attn_backward, attn_forward, expand_kv, merge_lse, reduce_kv
+from ..attention_kernels import attn_backward, attn_forward, causal_attention, expand_kv, merge_lse, reduce_kv
+from ..buffers import block_slot
+from ..ring_comm import GradRing, ring_stream
 from . import zero3
 
 
 def _slot(k, slot):
-    return comm.block_slot("kv"[k], slot)
+    return block_slot("kv"[k], slot)
 
 
 class RingAttention(torch.autograd.Function):
@@ -35,7 +36,7 @@ class RingAttention(torch.autograd.Function):
         rank = dist.get_rank(group)
         rep = q.shape[1] // k.shape[1]
         out = lse = None
-        for src, (cur_k, cur_v) in comm.ring_stream([k, v], group, _slot):
+        for src, (cur_k, cur_v) in ring_stream([k, v], group, _slot):
             if src <= rank:
                 o, l = attn_forward(q, expand_kv(cur_k, rep), expand_kv(cur_v, rep), src == rank, scale)
                 out, lse = merge_lse(out, lse, o, l)
@@ -50,8 +51,8 @@ class RingAttention(torch.autograd.Function):
         group, rep = ctx.group, ctx.rep
         rank = dist.get_rank(group)
         dq = torch.zeros_like(q, dtype=torch.float32)
-        grads = comm.GradRing([k, v], group)
-        for src, (cur_k, cur_v) in comm.ring_stream([k, v], group, _slot):
+        grads = GradRing([k, v], group)
+        for src, (cur_k, cur_v) in ring_stream([k, v], group, _slot):
             contrib = None
             if src <= rank:
                 dq_b, dk_b, dv_b = attn_backward(dout, q, expand_kv(cur_k, rep), expand_kv(cur_v, rep),
@@ -66,9 +67,7 @@ class RingAttention(torch.autograd.Function):
 def ring_attention(q, k, v, group, scale):
     """``q [b, n, s/p, d]``, ``k``/``v`` ``[b, kv, s/p, d]`` to the causal output like ``q``."""
     if torch.distributed.get_world_size(group) == 1:
-        from ..attention_kernels import FlashAttention
-
-        return FlashAttention.apply(q, k, v, True, scale)
+        return causal_attention(q, k, v, scale)
     return RingAttention.apply(q, k, v, group, scale)
 
 

@@ -4,14 +4,15 @@ Forward: all-gather the sequence, column-parallel QKV, attention on this rank's 
 the whole sequence, row-parallel projection, reduce-scatter; the same for the MLP.
 Backward: megatron's own ``LinearWithGradAccumulationAndAsyncCommunication`` re-gathers the
 input, reduce-scatters the input gradient and computes the shard's weight gradient. The
-linears are megatron-core's, unchanged; only the attention kernel is the plugin's (flash
-with log-sum-exp, so that attention memory is linear in s as with Transformer Engine).
+linears are megatron-core's, unchanged; only the attention kernel differs from megatron's
+local spec: torch's ``scaled_dot_product_attention`` (flash), so that attention memory is
+linear in s as with Transformer Engine. The MLP is megatron's own forward.
 Memory: the stock shard only; full-sequence activations of width h/p, one gathered
 ``[s, b, h]`` input per linear.
 """
 from __future__ import annotations
 
-from ..attention_kernels import FlashAttention
+from ..attention_kernels import causal_attention
 from .base import Strategy, apply_rope, from_bhsd, geometry, rope_freqs, stock_forward, to_bhsd
 
 
@@ -24,7 +25,7 @@ class TPSP(Strategy):
         q, k, v = attn.get_query_key_value_tensors(hidden_states)
         qf, kf = rope_freqs(rotary_pos_emb)
         q, k = apply_rope(q, qf, attn.config, 0), apply_rope(k, kf, attn.config, 0)
-        ctx = FlashAttention.apply(to_bhsd(q), to_bhsd(k), to_bhsd(v), True, geo.scale)
+        ctx = causal_attention(to_bhsd(q), to_bhsd(k), to_bhsd(v), geo.scale)
         return attn.linear_proj(from_bhsd(ctx))
 
     def mlp(self, mlp, hidden_states):

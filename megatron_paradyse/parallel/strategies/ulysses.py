@@ -13,10 +13,25 @@ at a time (the largest is fc1's), attention over ``s`` for ``heads/p`` heads.
 """
 from __future__ import annotations
 
-from .. import comm
-from ..attention_kernels import FlashAttention
+from megatron.core.tensor_parallel.mappings import all_to_all_hp2sp, all_to_all_sp2hp
+
+from ..attention_kernels import causal_attention
 from . import zero3
 from .base import Strategy, geometry, to_bhsd, zero_support
+
+
+def seq_to_head(x, group):
+    """``[s/p, b, heads, d]`` (all heads, local tokens) to ``[s, b, heads/p, d]`` (megatron's all-to-all)."""
+    sl, b, n, d = x.shape
+    p = group.size()
+    return all_to_all_sp2hp(x.reshape(sl, b, n * d), group=group).view(sl * p, b, n // p, d)
+
+
+def head_to_seq(x, group):
+    """``[s, b, heads/p, d]`` to ``[s/p, b, heads*d]``, the inverse of :func:`seq_to_head`."""
+    s, b, n, d = x.shape
+    p = group.size()
+    return all_to_all_hp2sp(x.reshape(s, b, n * d), group=group).view(s // p, b, p * n * d)
 
 
 class Ulysses(Strategy):
@@ -40,10 +55,9 @@ class Ulysses(Strategy):
         if geo.groups < geo.p:
             rep = geo.p // geo.groups
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-        q, k, v = (comm.seq_to_head(t, geo.group) for t in (q, k, v))
-        ctx = FlashAttention.apply(to_bhsd(q), to_bhsd(k), to_bhsd(v), True, geo.scale)
-        s, b, _ = hidden_states.shape
-        ctx = comm.head_to_seq(ctx.permute(2, 0, 1, 3), geo.group).reshape(s, b, -1)
+        q, k, v = (seq_to_head(t, geo.group) for t in (q, k, v))
+        ctx = causal_attention(to_bhsd(q), to_bhsd(k), to_bhsd(v), geo.scale)
+        ctx = head_to_seq(ctx.permute(2, 0, 1, 3), geo.group)
         return zero3.row(attn.linear_proj, ctx, geo.group)
 
     def mlp(self, mlp, hidden_states):

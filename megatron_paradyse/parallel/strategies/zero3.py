@@ -8,53 +8,61 @@ only its stock shard.
 from __future__ import annotations
 
 import torch
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-from .. import comm
+from .. import collectives
+from ..buffers import weight_slot
 from .base import (Strategy, apply_activation, apply_rope, bias_of, from_bhsd, geometry, rope_freqs,
                    split_qkv, switching_group, to_bhsd, zero_support)
 
 
 class ZeroLinear(torch.autograd.Function):
-    """``y = x W^T (+ b)`` on local tokens, ``W`` rebuilt from dim-``shard_dim`` shards.
+    """``y = x W^T`` on local tokens, ``W`` rebuilt from dim-``shard_dim`` shards.
 
-    Forward: all-gather W (and a column-parallel bias). Backward: all-gather W again,
-    ``dx = dy W``, then reduce-scatter ``dW`` (and ``db``) to the owners.
+    Forward: all-gather W into the pool. Backward: all-gather W again, ``dx = dy W``, then
+    reduce-scatter ``dW`` to the owners. (Not megatron's linear: it gathers activations, not
+    weights.)
     """
 
     @staticmethod
-    def forward(ctx, x, w_shard, b_shard, group, shard_dim):
+    def forward(ctx, x, w_shard, group, shard_dim):
         wt = shard_dim == 1  # gathered tensor is W^T for row-parallel shards
-        w = comm.gather_shards(w_shard, shard_dim, group, comm.weight_slot(0, 0))
+        w = collectives.gather_shards(w_shard, shard_dim, group, weight_slot(0, 0))
         y = x.matmul(w) if wt else x.matmul(w.t())
-        if b_shard is not None:
-            y = y + comm.all_gather_dim0(b_shard, group, comm.weight_slot(2, 0))
         ctx.save_for_backward(x, w_shard)
-        ctx.group, ctx.shard_dim, ctx.has_bias = group, shard_dim, b_shard is not None
+        ctx.group, ctx.shard_dim = group, shard_dim
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, w_shard = ctx.saved_tensors
         wt = ctx.shard_dim == 1
-        w = comm.gather_shards(w_shard, ctx.shard_dim, ctx.group, comm.weight_slot(0, 0))
+        w = collectives.gather_shards(w_shard, ctx.shard_dim, ctx.group, weight_slot(0, 0))
         dx = dy.matmul(w.t()) if wt else dy.matmul(w)
         x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
         dw_full = x2.t().matmul(dy2) if wt else dy2.t().matmul(x2)
-        dw = comm.scatter_grad(dw_full, ctx.shard_dim, ctx.group)
-        db = comm.reduce_scatter_dim0(dy2.sum(0), ctx.group) if ctx.has_bias else None
-        return dx, dw.to(w_shard.dtype), db, None, None
+        dw = collectives.scatter_grad(dw_full, ctx.shard_dim, ctx.group)
+        return dx, dw.to(w_shard.dtype), None, None
+
+
+def gather_bias(bias, group):
+    """A column-parallel bias gathered whole; backward reduce-scatters its gradient (megatron's
+    sequence-parallel gather with ``tensor_parallel_output_grad=True``)."""
+    return gather_from_sequence_parallel_region(bias, tensor_parallel_output_grad=True, group=group)
 
 
 def column(linear, x, group):
     """A stock ``ColumnParallelLinear`` applied to local tokens with its weight gathered."""
+    y = ZeroLinear.apply(x, linear.weight, group, 0)
     b = bias_of(linear)
-    b = b if (b is not None and not linear.skip_bias_add) else None
-    return ZeroLinear.apply(x, linear.weight, b, group, 0)
+    if b is not None and not linear.skip_bias_add:
+        y = y + gather_bias(b, group)
+    return y
 
 
 def row(linear, x, group):
     """A stock ``RowParallelLinear`` applied to local tokens; returns (y, bias) like the stock one."""
-    y = ZeroLinear.apply(x, linear.weight, None, group, 1)
+    y = ZeroLinear.apply(x, linear.weight, group, 1)
     bias = bias_of(linear)
     if bias is not None and not linear.skip_bias_add:
         return y + bias, None
@@ -71,26 +79,13 @@ def qkv_local_tokens(attn, hidden_states, rotary_pos_emb, geo):
     return apply_rope(q, qf, attn.config, start), apply_rope(k, kf, attn.config, start), v
 
 
-class _GatherBias(torch.autograd.Function):
-    """All-gather a column-parallel bias; backward reduce-scatters its gradient."""
-
-    @staticmethod
-    def forward(ctx, b, group):
-        ctx.group = group
-        return comm.all_gather_dim0(b, group, comm.weight_slot(2, 0)).clone()
-
-    @staticmethod
-    def backward(ctx, db):
-        return comm.reduce_scatter_dim0(db.contiguous(), ctx.group), None
-
-
 def mlp(mlp_module, hidden_states):
     """The whole MLP on local tokens, both weights gathered just in time."""
     lin1 = mlp_module.linear_fc1
     group = switching_group(mlp_module)
-    inter = ZeroLinear.apply(hidden_states, lin1.weight, None, group, 0)
+    inter = ZeroLinear.apply(hidden_states, lin1.weight, group, 0)
     bias1 = bias_of(lin1)
-    bias1 = _GatherBias.apply(bias1, group) if bias1 is not None else None
+    bias1 = gather_bias(bias1, group) if bias1 is not None else None
     act = apply_activation(mlp_module, inter, bias1, shards=torch.distributed.get_world_size(group))
     return row(mlp_module.linear_fc2, act, group)
 

@@ -1,0 +1,88 @@
+"""Collectives over the switching group that strategies call inside their own autograd functions.
+
+These are plain (non-autograd) operations: each strategy's ``torch.autograd.Function``
+calls the forward one in ``forward`` and its pair in ``backward`` (weight gather /
+gradient reduce-scatter, broadcast / reduce). Autograd-level collectives come from
+megatron-core's ``tensor_parallel.mappings`` directly in the strategies (the Ulysses
+all-to-alls, the ZeRO bias gather). Ring point-to-point machinery is in ``ring_comm.py``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .buffers import pool_buffer
+
+
+def group_info(group):
+    """(rank in group, group size, list of global ranks) for the switching group."""
+    ranks = dist.get_process_group_ranks(group)
+    return dist.get_rank(group), len(ranks), ranks
+
+
+def wait(works) -> None:
+    """Wait for every async work / request in ``works``."""
+    for w in works:
+        w.wait()
+
+
+def gather_dim0(shard: torch.Tensor, group, name: str) -> torch.Tensor:
+    """All-gather equal dim-0 shards (rank order) into the pooled buffer ``name``.
+
+    Not megatron's ``_gather_along_first_dim``: that one writes into fresh memory or its single
+    ``"mpu"`` slot (which megatron's own TP+SP linears use), never into a named pool slot.
+    """
+    size = dist.get_world_size(group)
+    out = pool_buffer(name, (size * shard.shape[0],) + tuple(shard.shape[1:]), shard.dtype, shard.device)
+    dist.all_gather_into_tensor(out, shard.contiguous(), group=group)
+    return out
+
+
+def reduce_scatter_dim0(full: torch.Tensor, group) -> torch.Tensor:
+    """Sum ``full`` over the group; this rank's dim-0 shard, a fresh tensor (megatron's own
+    first-dimension reduce-scatter, called outside autograd)."""
+    from megatron.core.tensor_parallel.mappings import reduce_scatter_to_sequence_parallel_region
+
+    with torch.no_grad():
+        return reduce_scatter_to_sequence_parallel_region(full, group=group)
+
+
+def gather_shards(shard: torch.Tensor, shard_dim: int, group, name: str) -> torch.Tensor:
+    """Rebuild a TP-sharded weight just in time (ZeRO-3 style) in the pool.
+
+    ``shard_dim`` 0 (column-parallel) returns ``W``; ``shard_dim`` 1 (row-parallel) returns
+    ``W^T`` gathered as dim-0 shards of the transposed weight, with no layout copy of ``W``.
+    The pair of :func:`scatter_grad`.
+    """
+    src = shard if shard_dim == 0 else shard.t()
+    return gather_dim0(src, group, name)
+
+
+def scatter_grad(full_grad: torch.Tensor, shard_dim: int, group) -> torch.Tensor:
+    """The pair of :func:`gather_shards` for gradients: reduce-scatter back to the owner's shard."""
+    g = reduce_scatter_dim0(full_grad, group)
+    return g if shard_dim == 0 else g.t()
+
+
+def broadcast_start(tensors: list, src: int, group, names: list):
+    """Post async broadcasts of group rank ``src``'s ``tensors``; returns (tensors, works).
+
+    Non-owners receive into the pooled buffers ``names``; the owner sends straight from its
+    own tensors (parameters included: a broadcast only reads them). :func:`wait` the works
+    before reading the returned tensors. The pair of :func:`reduce_to`.
+    """
+    rank, _, ranks = group_info(group)
+    out, works = [], []
+    for t, name in zip(tensors, names):
+        buf = t if rank == src else pool_buffer(name, t.shape, t.dtype, t.device)
+        works.append(dist.broadcast(buf, src=ranks[src], group=group, async_op=True))
+        out.append(buf)
+    return out, works
+
+
+def reduce_to(tensor: torch.Tensor, dst: int, group) -> torch.Tensor | None:
+    """Sum ``tensor`` over the group onto group rank ``dst``; returns the sum there, else None."""
+    rank, _, ranks = group_info(group)
+    tensor = tensor.contiguous()
+    dist.reduce(tensor, dst=ranks[dst], group=group)
+    return tensor if rank == dst else None
