@@ -1,0 +1,137 @@
+"""``python -m megatron_paradyse.bench``: every system on the same batches, one budget, one world.
+
+    python -m megatron_paradyse.bench --p 4 --steps 24 --memory-budget-mib 64 --out runs/bench
+    python -m megatron_paradyse.bench --max-seq-len-search ...
+    python -m megatron_paradyse.bench --simulate            # analytic H100 x 8, 7B-like model
+
+See docs/benchmark.md for what is measured and how to read it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+ALL_SYSTEMS = ("stock", "tp_sp", "ulysses", "ring", "colossal", "metp", "paradyse_heuristic",
+               "paradyse_optimal")
+
+
+def demo_argv(p: int, seq_length: int, seed: int, extra=()) -> list:
+    """pretrain_gpt_paradyse.py flags of the demo's shape (docs: RULES' shared decisions)."""
+    return ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "8",
+            "--ffn-hidden-size", "512", "--seq-length", str(seq_length), "--micro-batch-size", "1",
+            "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
+            "--vocab-size", "258", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+            "--tensor-model-parallel-size", str(p), "--sequence-parallel", "--paradyse",
+            "--train-iters", "1000", "--lr", "1e-3", "--seed", str(seed), "--mock-data", *extra]
+
+
+def build_parser():
+    ap = argparse.ArgumentParser(prog="python -m megatron_paradyse.bench", allow_abbrev=False,
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--p", type=int, default=4, help="gloo ranks = switching group size (TP)")
+    ap.add_argument("--steps", type=int, default=24, help="measured steps (one document each)")
+    ap.add_argument("--seq-length", type=int, default=4096, help="longest training sequence of the data")
+    ap.add_argument("--min-len", type=int, default=1, help="leave out documents shorter than this")
+    ap.add_argument("--data-path", default=None, help="IndexedDataset prefix (default: the stdlib corpus)")
+    ap.add_argument("--long-docs", default="skip", choices=("split", "truncate", "skip"),
+                    help="documents longer than --seq-length (default skip: natural lengths only)")
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--memory-budget-mib", type=float, default=None,
+                    help="per-rank budget (MiB); default: the cost model's tp_sp peak at --budget-at-length")
+    ap.add_argument("--budget-at-length", type=int, default=None,
+                    help="default budget = predicted tp_sp peak at this length (default seq-length / 2)")
+    ap.add_argument("--margin-mib", type=float, default=None, help="the planners' safety margin (MiB)")
+    ap.add_argument("--cost-model", default=None, help="a fitted cost model file (default: shipped/analytic)")
+    ap.add_argument("--systems", default=",".join(ALL_SYSTEMS), help="comma list of " + ", ".join(ALL_SYSTEMS))
+    ap.add_argument("--max-seq-len-search", action="store_true",
+                    help="also find each system's longest sequence within the budget (measured)")
+    ap.add_argument("--search-cap", type=int, default=16384)
+    ap.add_argument("--search-probes", type=int, default=5)
+    ap.add_argument("--search-resolution", type=int, default=256)
+    ap.add_argument("--out", default="runs/bench", help="folder for bench.json and the PNGs")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds before the world is killed")
+    ap.add_argument("--simulate", action="store_true",
+                    help="no training: the analytic H100 x 8 simulation of a 7B-like model")
+    ap.add_argument("--quiet", action="store_true")
+    return ap
+
+
+def resolve_budget(a, args_argv, p):
+    if a.memory_budget_mib is not None:
+        return a.memory_budget_mib * (1 << 20), "given"
+    from ..training.arguments import parse_args
+    from .systems import load_cost_model
+
+    args = parse_args(args_argv, world_size=p)
+    cm, note = load_cost_model(args, a.cost_model)
+    if cm is None:
+        raise SystemExit(f"error: give --memory-budget-mib ({note})")
+    at = a.budget_at_length or a.seq_length // 2
+    peak = cm.step(("tp_sp",) * args.num_layers, at, 1).peak_bytes
+    return float(peak), f"the cost model's tp_sp peak at s={at}"
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    if a.simulate:
+        from .simulate import main as sim_main
+
+        return sim_main(a)
+    from .. import data as pdata
+    from ..testing.spawn import run_world
+    from . import report
+    from .world import bench_world
+
+    prefix = a.data_path or pdata.stdlib_corpus()
+    argv_ = demo_argv(a.p, a.seq_length, a.seed)
+    budget, why = resolve_budget(a, argv_, a.p)
+    systems = [s.strip() for s in a.systems.split(",") if s.strip()]
+    bad = [s for s in systems if s not in ALL_SYSTEMS]
+    if bad:
+        print(f"error: unknown systems {bad}; choose from {ALL_SYSTEMS}", file=sys.stderr)
+        return 2
+    cfg = dict(argv=argv_, data_prefix=prefix, long_docs=a.long_docs, steps=a.steps, min_len=a.min_len,
+               budget_bytes=budget, systems=systems, cost_model=a.cost_model,
+               margin_bytes=None if a.margin_mib is None else a.margin_mib * (1 << 20),
+               search=a.max_seq_len_search, search_cap=a.search_cap, search_probes=a.search_probes,
+               search_resolution=a.search_resolution, verbose=not a.quiet)
+    print(f"> benchmark: {len(systems)} systems x {a.steps} steps on {a.p} gloo ranks, demo shape, "
+          f"data {prefix}, budget {budget / (1 << 20):.1f} MiB per rank ({why})", flush=True)
+    t0 = time.perf_counter()
+    out = run_world(bench_world, a.p, cfg, timeout=a.timeout)[0]
+    wall = time.perf_counter() - t0
+    records = out["records"]
+    orc = report.oracle(records, budget, [s for s in systems if s != "stock"])
+    if orc:
+        records["oracle"] = [dict(r, predicted_seconds=None, predicted_peak_bytes=None) for r in orc]
+    summary = report.summarize(records, budget)
+    result = dict(
+        title=f"demo shape (L4 h128 a8 ffn512), p={a.p} CPU gloo ranks, {a.steps} steps, stdlib corpus"
+        if a.data_path is None else f"p={a.p}, {a.steps} steps, {prefix}",
+        command="python -m megatron_paradyse.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+        wall_seconds=wall, measured_seconds=out["seconds"], budget_bytes=budget, budget_source=why,
+        p=a.p, steps=a.steps, seq_length=a.seq_length, data=prefix, long_docs=a.long_docs,
+        notes=out["notes"] + ["stock = megatron-core's own TP+SP layer: on CPU its attention is the "
+                              "unfused DotProductAttention (s x s scores); tp_sp is the same layer "
+                              "with the plugin's memory-linear attention kernel",
+                              "CPU peak = measured live tensor bytes of the step (PeakMemory) + "
+                              "parameters, gradient buffers and optimizer state"],
+        static_bytes=out["static_bytes"], summary=summary, records=records,
+        search=out.get("search"))
+    result["headline"] = report.headline(summary, out.get("search"))
+    path = report.write_json(result, os.path.join(a.out, "bench.json"))
+    pngs = report.plot(result, a.out)
+    print(report.table(summary, budget))
+    for k, v in result["headline"].items():
+        print(f"  {k}: {v if not isinstance(v, float) else round(v, 3)}")
+    for n in out["notes"]:
+        print(f"  note: {n}")
+    print(f"> wrote {path} {' '.join(pngs)} ({wall:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

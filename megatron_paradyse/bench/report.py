@@ -1,0 +1,151 @@
+"""Summaries, the per-batch oracle, JSON and plots of a benchmark run."""
+from __future__ import annotations
+
+import json
+import os
+
+MiB = float(1 << 20)
+
+
+def oracle(records: dict, budget: float, candidates) -> list:
+    """Per step: the fastest measured system among ``candidates`` whose peak fits the budget."""
+    names = [n for n in candidates if n in records]
+    if not names:
+        return []
+    out = []
+    for k in range(len(records[names[0]])):
+        fit = [(records[n][k]["seconds"], n) for n in names if records[n][k]["peak_bytes"] <= budget]
+        r0 = records[names[0]][k]
+        if fit:
+            sec, who = min(fit)
+            out.append(dict(step=k, length=r0["length"], padded=r0["padded"], seconds=sec, source=who,
+                            plan=records[who][k]["plan"], peak_bytes=records[who][k]["peak_bytes"]))
+        else:
+            out.append(dict(step=k, length=r0["length"], padded=r0["padded"], seconds=None, source=None,
+                            plan=None, peak_bytes=None))
+    return out
+
+
+def summarize(records: dict, budget: float) -> dict:
+    out = {}
+    for name, recs in records.items():
+        done = [r for r in recs if r["seconds"] is not None]
+        over = [r for r in done if r["peak_bytes"] is not None and r["peak_bytes"] > budget]
+        missing = len(recs) - len(done)
+        secs = sum(r["seconds"] for r in done)
+        toks = sum(r["length"] for r in done)
+        within = [r["length"] for r in done if r["peak_bytes"] is not None and r["peak_bytes"] <= budget]
+        plans: dict = {}
+        for r in done:
+            plans[r.get("plan") or "stock"] = plans.get(r.get("plan") or "stock", 0) + 1
+        pred = [(r["predicted_seconds"], r["seconds"]) for r in done if r.get("predicted_seconds")]
+        predm = [(r["predicted_peak_bytes"], r["peak_bytes"]) for r in done if r.get("predicted_peak_bytes")]
+        out[name] = dict(
+            steps=len(recs), total_seconds=secs if not missing else None, tokens=toks,
+            tokens_per_second=toks / secs if secs and not missing else None,
+            steps_over_budget=len(over) + missing, steps_without_a_fitting_plan=missing,
+            all_steps_fit=not over and not missing,
+            longest_trained_within_budget=max(within) if within else 0,
+            longest_step=max(r["length"] for r in recs) if recs else 0,
+            max_peak_mib=max((r["peak_bytes"] for r in done if r["peak_bytes"] is not None), default=0) / MiB,
+            plans_used=plans,
+            mean_abs_time_error=(sum(abs(p - m) / m for p, m in pred) / len(pred)) if pred else None,
+            mean_abs_peak_error=(sum(abs(p - m) / m for p, m in predm) / len(predm)) if predm else None,
+        )
+    return out
+
+
+def headline(summary: dict, search: dict | None) -> dict:
+    """The ratios the docs report (None where a side is missing)."""
+    h = {}
+    statics = {n: s for n, s in summary.items() if n in ("tp_sp", "ulysses", "ring", "colossal", "metp")}
+    fitting = {n: s for n, s in statics.items() if s["all_steps_fit"] and s["total_seconds"]}
+    best = min(fitting.items(), key=lambda kv: kv[1]["total_seconds"]) if fitting else None
+    h["fastest_all_fitting_static"] = best[0] if best else None
+    for pl in ("paradyse_heuristic", "paradyse_optimal"):
+        s = summary.get(pl)
+        if not s or not s["total_seconds"]:
+            continue
+        if best:
+            h[f"{pl}_speedup_vs_{best[0]}"] = best[1]["total_seconds"] / s["total_seconds"]
+        if summary.get("oracle", {}).get("total_seconds"):
+            h[f"{pl}_vs_oracle"] = s["total_seconds"] / summary["oracle"]["total_seconds"]
+        h[f"{pl}_all_steps_fit"] = s["all_steps_fit"]
+    if search:
+        longest = {n: v["longest_fitting"] for n, v in search.items()}
+        h["longest_fitting"] = longest
+        for pl in ("paradyse_heuristic", "paradyse_optimal"):
+            for ref in ("tp_sp", "stock"):
+                if longest.get(pl) and longest.get(ref):
+                    h[f"{pl}_longest_vs_{ref}"] = longest[pl] / longest[ref]
+    return h
+
+
+def write_json(result: dict, path: str) -> str:
+    with open(path, "w") as fh:
+        json.dump(result, fh, indent=1, default=float)
+    return path
+
+
+def table(summary: dict, budget: float) -> str:
+    lines = [f"{'system':20s} {'total s':>9s} {'tok/s':>8s} {'over':>5s} {'longest ok':>10s} "
+             f"{'max peak MiB':>12s}   (budget {budget / MiB:.1f} MiB)"]
+    for name, s in summary.items():
+        tot = f"{s['total_seconds']:.1f}" if s["total_seconds"] else "n/a"
+        tps = f"{s['tokens_per_second']:.0f}" if s["tokens_per_second"] else "n/a"
+        lines.append(f"{name:20s} {tot:>9s} {tps:>8s} {s['steps_over_budget']:5d} "
+                     f"{s['longest_trained_within_budget']:10d} {s['max_peak_mib']:12.1f}")
+    return "\n".join(lines)
+
+
+def plot(result: dict, out_dir: str) -> list:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    records, budget, summary = result["records"], result["budget_bytes"], result["summary"]
+    paths = []
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, recs in records.items():
+        pts = sorted((r["length"], r["seconds"], r["peak_bytes"] is not None and r["peak_bytes"] > budget)
+                     for r in recs if r["seconds"] is not None)
+        if not pts:
+            continue
+        style = dict(linestyle="--", linewidth=1) if name in ("stock", "oracle") else dict(linewidth=1.2)
+        line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3, label=name, **style)
+        over = [p for p in pts if p[2]]
+        if over:
+            ax.scatter([p[0] for p in over], [p[1] for p in over], marker="x", s=40, color=line.get_color())
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("time per step (s)")
+    ax.set_title(f"{result['title']}\nx = step over the {budget / MiB:.0f} MiB budget", fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    p = os.path.join(out_dir, "time_vs_length.png")
+    fig.savefig(p, dpi=100)
+    plt.close(fig)
+    paths.append(p)
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    names = [n for n in summary if summary[n]["total_seconds"]]
+    vals = [summary[n]["total_seconds"] for n in names]
+    colors = ["#cc6677" if not summary[n]["all_steps_fit"] else "#4477aa" for n in names]
+    ax.bar(names, vals, color=colors)
+    for i, n in enumerate(names):
+        s = summary[n]
+        ax.text(i, vals[i], f"{vals[i]:.0f}s" + ("" if s["all_steps_fit"] else f"\n{s['steps_over_budget']} over"),
+                ha="center", va="bottom", fontsize=7)
+    ax.set_ylabel("total time (s)")
+    ax.set_title(f"{result['title']}\nred: some steps over the {budget / MiB:.0f} MiB budget", fontsize=9)
+    plt.setp(ax.get_xticklabels(), rotation=30, ha="right", fontsize=8)
+    fig.tight_layout()
+    p = os.path.join(out_dir, "total_time.png")
+    fig.savefig(p, dpi=100)
+    plt.close(fig)
+    paths.append(p)
+    return paths

@@ -1,0 +1,212 @@
+"""The benchmark's rank side: every system trains the same batches in one world, interleaved.
+
+Each system is its own model (same seed, so the same initial weights), DDP wrapper and Adam
+optimizer, built once over one megatron parallel state (TP = p = the world). Steps are
+interleaved: for step k every system runs batch k, the systems' order rotating with k, so a
+load change on the shared machine hits every system alike. The plugin is installed once; a
+model without a plan runs stock megatron-core code (its unfused attention with ``s x s``
+scores on CPU), which is the ``stock`` system.
+
+Per step and system: wall time (max over ranks), peak memory (max over ranks) = the step's
+peak live bytes above its start (:class:`~megatron_paradyse.parallel.memory.PeakMemory`)
+plus the static bytes (parameters, gradient buffers, optimizer state; measured after a
+warm-up step), the plan, and the cost model's prediction for that plan.
+"""
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+
+def _static_bytes(model, optimizer) -> int:
+    seen, total = set(), 0
+
+    def add(t):
+        nonlocal total
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            key = (st.data_ptr(), st.nbytes())
+            if key not in seen:
+                seen.add(key)
+                total += st.nbytes()
+    for p in model.parameters():
+        add(p)
+        add(getattr(p, "main_grad", None))
+    inner = getattr(optimizer, "optimizer", optimizer)
+    for state in getattr(inner, "state", {}).values():
+        for v in state.values():
+            add(v)
+    return total
+
+
+class System:
+    """One model + optimizer trained under one planning rule."""
+
+    def __init__(self, name, args, plan_fn):
+        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                               finalize_model_grads)
+
+        from ..training.arguments import transformer_config_from_args
+        from ..training.trainer import build_model, build_optimizer
+
+        self.name, self.args, self.plan_fn = name, args, plan_fn
+        self.config = transformer_config_from_args(args)
+        model = build_model(args, self.config)
+        self.model = DistributedDataParallel(config=self.config, ddp_config=DistributedDataParallelConfig(),
+                                             module=model)
+        self.optimizer, _ = build_optimizer(args, self.model)
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.no_sync_func = self.model.no_sync
+        self.config.grad_scale_func = self.optimizer.scale_loss
+        self.static = 0
+
+    def step(self, mb, forward_only: bool = False):
+        """One training step on micro-batch ``mb`` (its plan already set); returns the loss."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from ..training.forward_step import forward_step
+
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        reports = get_forward_backward_func()(
+            forward_step_func=partial(forward_step, paradyse=True), data_iterator=iter([mb]),
+            model=[self.model], num_microbatches=1, seq_length=mb.seq_length,
+            micro_batch_size=mb.tokens.shape[0], forward_only=forward_only)
+        if not forward_only:
+            self.optimizer.step()
+        r = reports[0]["lm loss"] if reports else None
+        return None if r is None else float(r[0] / max(float(r[1]), 1.0))
+
+
+def _measure(system, mb):
+    from ..parallel.memory import PeakMemory
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    with PeakMemory() as m:
+        loss = system.step(mb)
+    seconds = time.perf_counter() - t0
+    return seconds, m.peak_bytes + system.static, loss
+
+
+def _max_over_ranks(values):
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def bench_world(rank, world, cfg):
+    """Run in every rank: returns (on rank 0) the per-system, per-step records."""
+    import megatron_paradyse as mp
+
+    from .. import data as pdata
+    from .. import cpu_compat
+    from ..testing.models import init_megatron
+    from ..training.arguments import parse_args
+    from .systems import build_systems
+
+    torch.set_num_threads(1)
+    cpu_compat.apply()
+    args = parse_args(cfg["argv"], world_size=world)
+    init_megatron(args.tensor_model_parallel_size, seed=args.seed)
+    mp.install()
+    dataset = pdata.DocumentDataset(cfg["data_prefix"], args.seq_length, seed=args.seed,
+                                    long_docs=cfg["long_docs"], vocab_size=args.vocab_size,
+                                    warn=lambda m: None)
+    mult = args.tensor_model_parallel_size
+    # the batches: the dataset's seeded order, lengths in [min_len, seq_length]
+    batches, g = [], cfg.get("first_sample", 0)
+    while len(batches) < cfg["steps"]:
+        if dataset.length(g) >= cfg.get("min_len", 1):
+            batches.append(pdata.pad_to_multiple([dataset[g]], mult))
+        g += 1
+    specs, notes = build_systems(cfg, args)
+    systems = []
+    for spec in specs:
+        systems.append((spec, System(spec.name, args, spec.plan_for)))
+    warm = pdata.pad_to_multiple([dataset[0][:65]], mult)
+    for spec, sysm in systems:  # warm-up: creates optimizer state, communication pools
+        warm.plan = spec.plan_for(warm.seq_length, 1)
+        sysm.step(warm)
+        sysm.static = _static_bytes(sysm.model, sysm.optimizer)
+    records = {spec.name: [] for spec, _ in systems}
+    t_start = time.perf_counter()
+    for k, mb in enumerate(batches):
+        order = systems[k % len(systems):] + systems[:k % len(systems)]
+        for spec, sysm in order:
+            mb.plan = spec.plan_for(mb.seq_length, 1)
+            sec, peak, loss = _measure(sysm, mb)
+            sec, peak = _max_over_ranks([sec, peak])
+            pred = spec.predict(mb.plan, mb.seq_length, 1)
+            records[spec.name].append(dict(
+                step=k, length=int(mb.lengths[0]), padded=mb.seq_length, seconds=sec, peak_bytes=peak,
+                loss=loss, plan=None if mb.plan is None else mp.describe(mb.plan),
+                plan_layers=None if mb.plan is None else list(mb.plan),
+                predicted_seconds=None if pred is None else pred[0],
+                predicted_peak_bytes=None if pred is None else pred[1],
+                planner_fits=spec.last_fits))
+        if rank == 0 and cfg.get("verbose", True):
+            line = "  ".join(f"{spec.name}={records[spec.name][-1]['seconds']:.2f}s" for spec, _ in systems)
+            print(f"  step {k + 1:3d}/{len(batches)} s={mb.lengths[0]:5d} | {line}", flush=True)
+    out = {"records": records, "static_bytes": {spec.name: s.static for spec, s in systems},
+           "notes": notes, "seconds": time.perf_counter() - t_start,
+           "systems": [spec.describe() for spec, _ in systems]}
+    if cfg.get("search"):
+        out["search"] = {spec.name: _search(spec, sysm, cfg, args, dataset, mult, rank)
+                         for spec, sysm in systems}
+    return out if rank == 0 else None
+
+
+def _probe(spec, sysm, s, mult, vocab):
+    from .. import data as pdata
+
+    doc = (torch.arange(s + 1) * 7 % min(vocab, 256)).numpy()
+    mb = pdata.pad_to_multiple([doc], mult)
+    mb.plan = spec.plan_for(mb.seq_length, 1)
+    sec, peak, _ = _measure(sysm, mb)
+    sec, peak = _max_over_ranks([sec, peak])
+    return peak, sec
+
+
+def _search(spec, sysm, cfg, args, dataset, mult, rank):
+    """The longest length (multiple of ``resolution``) whose measured step peak fits the budget.
+
+    Starts from the cost model's prediction where there is one (``spec.predicted_max``), else
+    from ``seq_length / 4``; doubles or halves to bracket, then bisects; at most
+    ``cfg['search_probes']`` measured steps; lengths above ``cfg['search_cap']`` are not tried.
+    """
+    budget, res, cap = cfg["budget_bytes"], cfg["search_resolution"], cfg["search_cap"]
+    probes = []
+    guess = spec.predicted_max(cap, res) or args.seq_length // 4
+    s = max(res, min(cap, guess // res * res))
+    lo, hi = 0, None  # lo fits (measured), hi does not
+
+    def fits(n):
+        peak, sec = _probe(spec, sysm, n, mult, args.vocab_size)
+        probes.append({"length": n, "peak_bytes": peak, "seconds": sec, "fits": peak <= budget})
+        if rank == 0 and cfg.get("verbose", True):
+            print(f"  search {spec.name}: s={n} peak {peak / 2**20:.1f} MiB "
+                  f"{'fits' if peak <= budget else 'over'} ({sec:.1f} s)", flush=True)
+        return peak <= budget
+    for _ in range(cfg["search_probes"]):
+        if fits(s):
+            lo = s
+        else:
+            hi = s
+        if hi is None:
+            if lo >= cap:
+                break
+            s = min(cap, lo * 2)
+        elif lo == 0:
+            if hi <= res:
+                break
+            s = max(res, hi // 2 // res * res)
+        else:
+            if hi - lo <= res:
+                break
+            s = (lo + hi) // 2 // res * res
+    return {"longest_fitting": lo, "shortest_over": hi, "capped": hi is None and lo >= cap,
+            "probes": probes}
