@@ -39,6 +39,27 @@ def _bad_inputs(rank, world):
     errors["no_sequence_parallel"] = _try(lambda: mp.set_plan(model, "tp_sp"))
     model.config.sequence_parallel = True
 
+    # fail closed: an argument a strategy does not handle is an error naming it
+    mp.set_plan(model, "ring")
+    layer = model.decoder.layers[0]
+    h = torch.zeros(4, 2, spec.hidden_size)
+    errors["attention_bias"] = _try(lambda: layer.self_attention(h, None, attention_bias=torch.zeros(1)))
+    errors["unknown_attention_arg"] = _try(lambda: layer.self_attention(h, None, new_megatron_arg=1))
+    errors["positional_attention_arg"] = _try(lambda: layer.self_attention(h, None, torch.zeros(1)))
+    errors["per_token_scale"] = _try(lambda: layer.mlp(h, per_token_scale=torch.ones(8)))
+    errors["unknown_mlp_arg"] = _try(lambda: layer.mlp(h, new_megatron_arg=1))
+    from megatron.core.transformer.enums import AttnMaskType
+
+    layer.self_attention.attn_mask_type = AttnMaskType.no_mask
+    errors["not_causal"] = _try(lambda: layer.self_attention(h, None))
+    layer.self_attention.attn_mask_type = AttnMaskType.causal
+    # activation recomputation is refused: it would re-read whatever plan is set at that moment
+    model.config.recompute_granularity, model.config.recompute_method = "full", "uniform"
+    model.config.recompute_num_layers = 1
+    errors["recompute"] = _try(lambda: mp.set_plan(model, "tp_sp"))
+    model.config.recompute_granularity = model.config.recompute_method = None
+    model.config.recompute_num_layers = None
+
     # the group is still healthy: a collective and a correct step both work afterwards
     t = torch.ones(1)
     dist.all_reduce(t)
@@ -60,6 +81,13 @@ def test_bad_input_errors_on_every_rank_without_hanging():
         assert "ValueError" in e["seq_not_divisible"] and "not divisible" in e["seq_not_divisible"]
         assert "'ulysses' cannot run" in e["unsupported_config"] and "dropout" in e["unsupported_config"]
         assert "sequence_parallel" in e["no_sequence_parallel"]
+        assert "NotImplementedError" in e["attention_bias"] and "attention_bias" in e["attention_bias"]
+        assert "NotImplementedError" in e["unknown_attention_arg"] and "new_megatron_arg" in e["unknown_attention_arg"]
+        assert "TypeError" in e["positional_attention_arg"] and "keyword only" in e["positional_attention_arg"]
+        assert "NotImplementedError" in e["per_token_scale"] and "per_token_scale" in e["per_token_scale"]
+        assert "NotImplementedError" in e["unknown_mlp_arg"] and "new_megatron_arg" in e["unknown_mlp_arg"]
+        assert "causal" in e["not_causal"] and "no_mask" in e["not_causal"]
+        assert "'tp_sp' cannot run" in e["recompute"] and "recompute_granularity='full'" in e["recompute"]
         assert res["allreduce"] == 2.0
     assert out[0]["loss"] == out[1]["loss"]
 
@@ -73,6 +101,11 @@ def test_supports_reports_reasons():
     cfg.attention_dropout = 0.1
     ok, why = mp.supports("ring", cfg, 2)
     assert not ok and "dropout" in why
+    cfg.attention_dropout = 0.0
+    cfg.recompute_granularity = "selective"
+    for name in mp.STRATEGIES:
+        ok, why = mp.supports(name, cfg, 2)
+        assert not ok and "recomputation" in why and "selective" in why, (name, why)
     try:
         mp.supports("nope", cfg, 2)
     except ValueError as e:

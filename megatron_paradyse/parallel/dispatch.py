@@ -54,11 +54,14 @@ def uninstall() -> None:
     delattr(MLP, STOCK_FORWARD)
 
 
-_UNSUPPORTED_ATTENTION_ARGS = (
-    "key_value_states", "inference_context", "inference_params", "rotary_pos_cos",
-    "rotary_pos_sin", "rotary_pos_cos_sin", "attention_bias", "packed_seq_params",
-    "sequence_len_offset",
-)
+# Fail closed: a strategy runs only on arguments it handles. Every other argument must be
+# absent or None; anything else is an error naming it (a new megatron argument included).
+_ATTENTION_ARGS = ("rotary_pos_emb",)  # what strategies read (RoPE at global positions)
+_MLP_ARGS = ("padding_mask",)  # megatron's dense MLP ignores it as well (MoE routing only)
+
+
+def _unhandled(kwargs, handled) -> list:
+    return sorted(k for k, v in kwargs.items() if k not in handled and v is not None)
 
 
 def _attention_forward(self, hidden_states, attention_mask=None, *args, **kwargs):
@@ -66,14 +69,20 @@ def _attention_forward(self, hidden_states, attention_mask=None, *args, **kwargs
     if name is None:
         return _ORIGINAL["attention"](self, hidden_states, attention_mask, *args, **kwargs)
     if args:
-        raise TypeError("ParaDySe attention takes its optional arguments by keyword only")
-    used = [k for k in _UNSUPPORTED_ATTENTION_ARGS if kwargs.get(k) is not None]
+        raise TypeError(f"ParaDySe strategy {name!r}: attention takes its optional arguments by "
+                        f"keyword only (got {len(args)} more positional)")
+    used = _unhandled(kwargs, _ATTENTION_ARGS)
     if used:
-        raise NotImplementedError(f"ParaDySe strategy {name!r} does not support {', '.join(used)} "
-                                  "(training with causal self-attention only)")
+        raise NotImplementedError(f"ParaDySe strategy {name!r} does not handle the attention "
+                                  f"argument(s) {', '.join(used)} (training with causal "
+                                  f"self-attention only; handled: {', '.join(_ATTENTION_ARGS)})")
     if attention_mask is not None:
-        raise NotImplementedError("ParaDySe strategies implement the causal mask themselves; "
+        raise NotImplementedError(f"ParaDySe strategy {name!r} implements the causal mask itself; "
                                   "pass attention_mask=None")
+    mask_type = getattr(getattr(self, "attn_mask_type", None), "name", None)
+    if mask_type != "causal":
+        raise NotImplementedError(f"ParaDySe strategy {name!r} implements causal attention only; "
+                                  f"this layer's attn_mask_type is {mask_type}")
     return strategies.get(name).attention(self, hidden_states, kwargs.get("rotary_pos_emb"))
 
 
@@ -81,8 +90,13 @@ def _mlp_forward(self, hidden_states, *args, **kwargs):
     name = getattr(self, _ATTR, None)
     if name is None:
         return _ORIGINAL["mlp"](self, hidden_states, *args, **kwargs)
-    if args or kwargs.get("per_token_scale") is not None:
-        raise NotImplementedError(f"ParaDySe strategy {name!r} supports plain dense MLPs only")
+    if args:
+        raise TypeError(f"ParaDySe strategy {name!r}: MLP takes its optional arguments by "
+                        f"keyword only (got {len(args)} more positional)")
+    used = _unhandled(kwargs, _MLP_ARGS)
+    if used:
+        raise NotImplementedError(f"ParaDySe strategy {name!r} does not handle the MLP argument(s) "
+                                  f"{', '.join(used)} (plain dense MLPs only)")
     return strategies.get(name).mlp(self, hidden_states)
 
 

@@ -40,6 +40,10 @@ class Strategy:
         raise NotImplementedError
 
 
+_RECOMPUTE_FLAGS = ("recompute_granularity", "recompute_method", "recompute_num_layers",
+                    "moe_layer_recompute")
+
+
 def common_support(config) -> tuple[bool, str]:
     """Conditions every strategy shares (what the plugin implements of megatron's GPT layer)."""
     if getattr(config, "context_parallel_size", 1) != 1:
@@ -58,6 +62,12 @@ def common_support(config) -> tuple[bool, str]:
         return False, f"softmax_type {config.softmax_type!r} is not supported (vanilla only)"
     if getattr(config, "window_size", None) is not None:
         return False, "sliding-window attention (window_size) is not supported"
+    recompute = {k: getattr(config, k, None) for k in _RECOMPUTE_FLAGS}
+    recompute = {k: v for k, v in recompute.items() if v}
+    if recompute:
+        flags = ", ".join(f"{k}={v!r}" for k, v in recompute.items())
+        return False, (f"activation recomputation is not supported ({flags}): a recompute would "
+                       "re-run whatever plan is set at that moment, not the plan that ran in forward")
     if config.hidden_dropout or config.attention_dropout:
         return False, ("dropout must be 0: strategies would draw different random masks than "
                        "stock megatron (attention_dropout / hidden_dropout)")
