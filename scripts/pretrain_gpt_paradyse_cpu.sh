@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Pretrain a small GPT on CPU gloo ranks with megatron-core, switching strategies with ParaDySe.
-# The layout of Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh, sized for a laptop.
+# The layout of Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh, sized for a laptop:
+# the demo's shape (4 layers, hidden 128, 8 heads, ffn 512, sequences up to 4096 tokens) on the
+# default corpus, the Python standard library's own .py files (byte-level tokens, built into
+# .cache/ on first use; no download).
 #
 # Usage: scripts/pretrain_gpt_paradyse_cpu.sh [more pretrain_gpt_paradyse.py flags]
 #   later flags override the defaults below (e.g. --train-iters 200 --save runs/ck)
@@ -8,8 +11,11 @@
 #   NPROC=4          gloo ranks (torchrun --nproc-per-node)
 #   TP=$NPROC        switching-group size p (world = DP x TP)
 #   PARADYSE=1       0: stock Megatron TP+SP (the baseline), same data and model
-#   PLAN=...         --paradyse-plan (default: a length rule over the registered strategies)
-#   DATA_PATH=PREFIX train on an IndexedDataset (one document per sample) instead of --mock-data
+#   PLANNER=optimal  the planner (heuristic | optimal) choosing each micro-batch's plan under BUDGET
+#   BUDGET=...       memory budget in GiB per rank (--paradyse-memory-budget)
+#   PLAN=...         a fixed --paradyse-plan instead of the planner (a name, per layer, or a length rule)
+#   DATA_PATH=PREFIX train on your own IndexedDataset (python -m megatron_paradyse.data preprocess)
+#   MOCK=1           synthetic documents (--mock-data) instead of the corpus
 #   PYTHON=.venv/bin/python
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -20,40 +26,41 @@ PARADYSE="${PARADYSE:-1}"
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"
 
-if [ -z "${PLAN:-}" ]; then
-  # short documents: tp_sp; longer ones: per-layer mixes; the longest: one strategy for all layers
-  PLAN="$("$PY" -W ignore -c '
-import megatron_paradyse as mp
-s = set(mp.STRATEGIES)
-if {"colossal", "metp"} <= s:
-    print("rule:32=tp_sp,96=ulysses*2+colossal*2,160=ring*2+metp*2,metp")
-else:
-    print("rule:32=tp_sp,96=ulysses*2+ring*2,ring")')"
-fi
-
 DISTRIBUTED_ARGS=(--nproc-per-node "$NPROC" --nnodes 1 --standalone)
 
 GPT_MODEL_ARGS=(
-  --num-layers 4 --hidden-size 64 --num-attention-heads 4
-  --seq-length 256 --max-position-embeddings 256 --position-embedding-type rope
-  --vocab-size 256 --make-vocab-size-divisible-by 64
+  --num-layers 4 --hidden-size 128 --num-attention-heads 8 --ffn-hidden-size 512
+  --seq-length 4096 --max-position-embeddings 4096 --position-embedding-type rope
+  --untie-embeddings-and-output-weights
+  --vocab-size 258 --make-vocab-size-divisible-by 128
   --attention-dropout 0.0 --hidden-dropout 0.0
 )
 TRAINING_ARGS=(
-  --micro-batch-size 1 --global-batch-size "$((4 * NPROC / TP))" --train-iters 24
+  --micro-batch-size 1 --global-batch-size "$((2 * NPROC / TP))" --train-iters 30
   --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 3
   --weight-decay 0.01 --clip-grad 1.0 --adam-beta2 0.95 --seed 1234
 )
 MODEL_PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --sequence-parallel --distributed-backend gloo)
-if [ -n "${DATA_PATH:-}" ]; then
-  DATA_ARGS=(--data-path "$DATA_PATH")   # an IndexedDataset prefix of token ids < --vocab-size
-else
+if [ "${MOCK:-0}" = "1" ]; then
   DATA_ARGS=(--mock-data --paradyse-mock-min-length 8)
+else
+  if [ -z "${DATA_PATH:-}" ]; then
+    DATA_PATH="$("$PY" -W ignore -m megatron_paradyse.data corpus)"   # built on first use
+  fi
+  # natural document lengths; documents above --seq-length are skipped (the log names them)
+  DATA_ARGS=(--data-path "$DATA_PATH" --paradyse-long-docs skip)
 fi
 EVAL_AND_LOGGING_ARGS=(--log-interval 1)
 PARADYSE_ARGS=()
 if [ "$PARADYSE" = "1" ]; then
-  PARADYSE_ARGS=(--paradyse --paradyse-plan "$PLAN")
+  if [ -n "${PLAN:-}" ]; then
+    PARADYSE_ARGS=(--paradyse --paradyse-plan "$PLAN")
+  elif "$PY" -c "import megatron_paradyse.planner" 2>/dev/null; then
+    PARADYSE_ARGS=(--paradyse --paradyse-planner "${PLANNER:-optimal}"
+                   --paradyse-memory-budget "${BUDGET:-0.03}")
+  else  # no planner package in this checkout: a fixed length rule
+    PARADYSE_ARGS=(--paradyse --paradyse-plan "rule:1024=tp_sp,2048=ulysses*2+ring*2,metp")
+  fi
 fi
 
 exec "$PY" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" "$ROOT/pretrain_gpt_paradyse.py" \

@@ -179,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--paradyse-run-report", type=str, default=None, metavar="DIR",
+                   help="measure each step's peak memory, print predicted vs measured time and "
+                        "peak per iteration and a summary at the end, and write DIR/run_report.json "
+                        "and DIR/run_report.png (length and plan per step)")
 
     g = p.add_argument_group("accepted for compatibility, no effect")
     for flag, typ in _IGNORED.items():

@@ -269,18 +269,49 @@ class Trainer:
         last_saved = None
         self.log(f"> training {describe_setup(args, custom_plan=self.plan_fn is not None)} "
                  f"from iteration {self.iteration} to {end}")
+        report = self._run_report()
         while self.iteration < end:
-            stats = self.train_step()
+            extra = ""
+            if report is None:
+                stats = self.train_step()
+            else:
+                stats, extra = self._reported_step(report)
             window.append(stats)
             if stats.iteration % args.log_interval == 0 or stats.iteration == end:
-                self.log(format_log_line(window, args, end))
+                self.log(format_log_line(window, args, end) + (f" {extra} |" if extra else ""))
                 window = []
             if args.save and args.save_interval and stats.iteration % args.save_interval == 0:
                 self.save()
                 last_saved = stats.iteration
         if args.save and last_saved != self.iteration and self.iteration > 0:
             self.save()
+        if report is not None:
+            self.log(report.summary())
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                self.log(f"  wrote {' '.join(report.write(args.paradyse_run_report))}")
         return self.history
+
+    # ------------------------------------------------------------------ run report (run_report.py)
+    def _run_report(self):
+        args = self.args
+        if not getattr(args, "paradyse_run_report", None):
+            return None
+        from .run_report import RunReport
+
+        budget = getattr(args, "paradyse_memory_budget", None)
+        return RunReport(args, planner=getattr(self, "planner", None),
+                         budget_bytes=None if budget is None else float(budget) * (1 << 30))
+
+    def _reported_step(self, report):
+        from ..parallel.memory import PeakMemory
+        from .run_report import max_over_ranks, static_bytes
+
+        static = static_bytes(self.model, self.optimizer)
+        with PeakMemory() as m:
+            stats = self.train_step()
+        peak = max_over_ranks(m.peak_bytes + static) - static
+        static = max_over_ranks(static)
+        return stats, report.record(stats, peak, static, self.data_iterator.current)
 
     def save(self):
         from . import checkpointing

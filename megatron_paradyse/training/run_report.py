@@ -1,0 +1,175 @@
+"""A run's report (``--paradyse-run-report DIR``): per-step peak memory and predictions, a summary, a plot.
+
+With the flag, the trainer measures each step's peak memory (on CPU the live-tensor tracker
+of :mod:`megatron_paradyse.parallel.memory`, on GPU ``max_memory_allocated``; max over ranks)
+plus the static bytes (parameters, gradient buffers, optimizer state), asks the planner (if
+there is one) for its prediction of each micro-batch, and appends to each iteration line
+``pred/meas`` time and peak against the budget. At the end it prints a summary (steps,
+tokens, plans used and how often, time, peak against budget) and writes ``DIR/run_report.json``
+and ``DIR/run_report.png`` (length and plan of each step, measured against predicted).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+MiB = float(1 << 20)
+
+
+def static_bytes(model, optimizer) -> int:
+    """Bytes of parameters, their gradient buffers and the optimizer's state on this rank."""
+    seen, total = set(), 0
+
+    def add(t):
+        nonlocal total
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            key = (st.data_ptr(), st.nbytes())
+            if key not in seen:
+                seen.add(key)
+                total += st.nbytes()
+    for p in model.parameters():
+        add(p)
+        add(getattr(p, "main_grad", None))
+    inner = getattr(optimizer, "optimizer", optimizer)
+    for group in (inner if isinstance(inner, (list, tuple)) else [inner]):
+        for state in getattr(group, "state", {}).values():
+            for v in state.values():
+                add(v)
+    return total
+
+
+class RunReport:
+    def __init__(self, args, planner=None, budget_bytes=None):
+        self.args, self.planner, self.budget = args, planner, budget_bytes
+        self.steps: list = []
+        self._pred_cache: dict = {}
+
+    def predict(self, mb):
+        if self.planner is None:
+            return None
+        key = (mb.seq_length, mb.tokens.shape[0])
+        if key not in self._pred_cache:
+            try:
+                c = self.planner.plan(*key)
+                self._pred_cache[key] = (float(c.seconds), float(c.peak_bytes))
+            except Exception:  # noqa: BLE001 - a report never stops training
+                self._pred_cache[key] = None
+        return self._pred_cache[key]
+
+    def record(self, stats, peak_bytes: float, static: float, micro) -> str:
+        """Store one step; returns the text appended to the iteration line."""
+        preds = [self.predict(mb) for mb in micro]
+        pred_s = sum(p[0] for p in preds) if preds and all(preds) else None
+        pred_m = max(p[1] for p in preds) if preds and all(preds) else None
+        peak = peak_bytes + static
+        self.steps.append(dict(
+            iteration=stats.iteration, seconds=stats.seconds, tokens=stats.tokens,
+            lengths=[int(x) for mb in micro for x in mb.lengths], padded=list(stats.seq_lengths),
+            plans=[None if p is None else list(p) for p in stats.plans], loss=stats.loss,
+            peak_bytes=peak, predicted_seconds=pred_s, predicted_peak_bytes=pred_m))
+        out = []
+        if pred_s is not None:
+            out.append(f"time pred/meas: {pred_s:.2f}/{stats.seconds:.2f} s")
+        out.append(f"peak {'pred/meas' if pred_m is not None else 'meas'}: "
+                   + (f"{pred_m / MiB:.1f}/" if pred_m is not None else "") + f"{peak / MiB:.1f} MiB"
+                   + (f" (budget {self.budget / MiB:.1f})" if self.budget else ""))
+        return " | ".join(out)
+
+    # ------------------------------------------------------------------ end of run
+    def summary(self) -> str:
+        from ..parallel.plans import describe
+
+        st = self.steps
+        if not st:
+            return "> run report: no steps"
+        secs = sum(s["seconds"] for s in st)
+        toks = sum(s["tokens"] for s in st)
+        plans: dict = {}
+        for s in st:
+            for p in s["plans"]:
+                k = "stock" if p is None else describe(tuple(p))
+                plans[k] = plans.get(k, 0) + 1
+        peak = max(s["peak_bytes"] for s in st)
+        over = [s for s in st if self.budget and s["peak_bytes"] > self.budget]
+        lens = [x for s in st for x in s["lengths"]]
+        lines = [f"> run summary: {len(st)} steps, {toks:,} tokens in {secs:.1f} s ({toks / max(secs, 1e-9):.0f} tokens/s); "
+                 f"lengths {min(lens)} .. {max(lens)}",
+                 f"  peak memory {peak / MiB:.1f} MiB per rank"
+                 + (f" against a budget of {self.budget / MiB:.1f} MiB: {len(over)} step(s) over" if self.budget else "")]
+        pe = [abs(s["predicted_seconds"] - s["seconds"]) / s["seconds"] for s in st if s["predicted_seconds"]]
+        me = [abs(s["predicted_peak_bytes"] - s["peak_bytes"]) / s["peak_bytes"] for s in st if s["predicted_peak_bytes"]]
+        if pe:
+            lines.append(f"  prediction error (mean |pred - meas| / meas): time {100 * sum(pe) / len(pe):.0f}%, "
+                         f"peak {100 * sum(me) / len(me):.0f}%")
+        lines.append("  plans used (micro-batches): " + ", ".join(
+            f"{k} x{v}" for k, v in sorted(plans.items(), key=lambda kv: -kv[1])))
+        return "\n".join(lines)
+
+    def write(self, out_dir: str) -> list:
+        os.makedirs(out_dir, exist_ok=True)
+        path = os.path.join(out_dir, "run_report.json")
+        with open(path, "w") as fh:
+            json.dump({"budget_bytes": self.budget, "steps": self.steps}, fh, indent=1)
+        paths = [path]
+        png = self.plot(os.path.join(out_dir, "run_report.png"))
+        if png:
+            paths.append(png)
+        return paths
+
+    def plot(self, path: str):
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return None
+        from ..parallel.plans import describe
+
+        st = self.steps
+        it = [s["iteration"] for s in st]
+        plans = [" | ".join("stock" if p is None else describe(tuple(p)) for p in s["plans"]) for s in st]
+        names = list(dict.fromkeys(plans))
+        cmap = plt.get_cmap("tab10")
+        fig, axes = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
+        ax = axes[0]
+        ax.bar(it, [max(s["lengths"]) for s in st], color=[cmap(names.index(p) % 10) for p in plans])
+        ax.set_ylabel("longest length in step")
+        ax.set_yscale("log")
+        for i, n in enumerate(names):
+            ax.bar([], [], color=cmap(i % 10), label=n)
+        ax.legend(fontsize=7, title="plan", title_fontsize=7)
+        ax = axes[1]
+        ax.plot(it, [s["seconds"] for s in st], "o-", label="measured", markersize=3)
+        if any(s["predicted_seconds"] for s in st):
+            ax.plot(it, [s["predicted_seconds"] for s in st], "x--", label="predicted", markersize=4)
+        ax.set_ylabel("step time (s)")
+        ax.legend(fontsize=7)
+        ax = axes[2]
+        ax.plot(it, [s["peak_bytes"] / MiB for s in st], "o-", label="measured peak", markersize=3)
+        if any(s["predicted_peak_bytes"] for s in st):
+            ax.plot(it, [(s["predicted_peak_bytes"] or 0) / MiB for s in st], "x--", label="predicted", markersize=4)
+        if self.budget:
+            ax.axhline(self.budget / MiB, color="r", linewidth=1, label="budget")
+        ax.set_ylabel("peak MiB / rank")
+        ax.set_xlabel("iteration")
+        ax.legend(fontsize=7)
+        fig.suptitle("ParaDySe run: length and plan per step, predicted vs measured", fontsize=10)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+
+def max_over_ranks(x: float) -> float:
+    if not dist.is_initialized():
+        return x
+    from ..parallel.plan_check import collective_device
+
+    t = torch.tensor([float(x)], dtype=torch.float64, device=collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
