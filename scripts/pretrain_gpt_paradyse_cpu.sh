@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Pretrain a small GPT on CPU gloo ranks with megatron-core, switching strategies with ParaDySe.
 # The layout of Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh, sized for a laptop:
-# the demo's shape (4 layers, hidden 128, 8 heads, ffn 512, sequences up to 4096 tokens) on the
-# default corpus, the Python standard library's own .py files (byte-level tokens, built into
-# .cache/ on first use; no download).
+# the demo's shape (4 layers, hidden 128, 8 heads, ffn 512, sequences up to 4096 tokens); with
+# CORPUS=1 on the default corpus, the Python standard library's own .py files (byte-level
+# tokens, built into .cache/ on first use; no download), else on synthetic --mock-data.
 #
 # Usage: scripts/pretrain_gpt_paradyse_cpu.sh [more pretrain_gpt_paradyse.py flags]
 #   later flags override the defaults below (e.g. --train-iters 200 --save runs/ck)
@@ -14,8 +14,8 @@
 #   PLANNER=optimal  the planner (heuristic | optimal) choosing each micro-batch's plan under BUDGET
 #   BUDGET=...       memory budget in GiB per rank (--paradyse-memory-budget)
 #   PLAN=...         a fixed --paradyse-plan instead of the planner (a name, per layer, or a length rule)
+#   CORPUS=1         train on the default corpus (scripts/run_demo.sh sets it); default: --mock-data
 #   DATA_PATH=PREFIX train on your own IndexedDataset (python -m megatron_paradyse.data preprocess)
-#   MOCK=1           synthetic documents (--mock-data) instead of the corpus
 #   PYTHON=.venv/bin/python
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -41,14 +41,14 @@ TRAINING_ARGS=(
   --weight-decay 0.01 --clip-grad 1.0 --adam-beta2 0.95 --seed 1234
 )
 MODEL_PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --sequence-parallel --distributed-backend gloo)
-if [ "${MOCK:-0}" = "1" ]; then
-  DATA_ARGS=(--mock-data --paradyse-mock-min-length 8)
-else
-  if [ -z "${DATA_PATH:-}" ]; then
-    DATA_PATH="$("$PY" -W ignore -m megatron_paradyse.data corpus)"   # built on first use
-  fi
+if [ "${CORPUS:-0}" = "1" ] && [ -z "${DATA_PATH:-}" ]; then
+  DATA_PATH="$("$PY" -W ignore -m megatron_paradyse.data corpus)"   # built on first use
+fi
+if [ -n "${DATA_PATH:-}" ]; then
   # natural document lengths; documents above --seq-length are skipped (the log names them)
   DATA_ARGS=(--data-path "$DATA_PATH" --paradyse-long-docs skip)
+else
+  DATA_ARGS=(--mock-data --paradyse-mock-min-length 8)
 fi
 EVAL_AND_LOGGING_ARGS=(--log-interval 1)
 PARADYSE_ARGS=()

@@ -15,5 +15,5 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="$(bash "$ROOT/scripts/setup_env.sh" | tail -n 1)"
 SAVE="${SAVE:-$ROOT/runs/demo}"
 rm -rf "$SAVE"
-PYTHON="$PY" NPROC=4 TP=4 exec bash "$ROOT/scripts/pretrain_gpt_paradyse_cpu.sh" \
+PYTHON="$PY" CORPUS=1 NPROC=4 TP=4 exec bash "$ROOT/scripts/pretrain_gpt_paradyse_cpu.sh" \
   --save "$SAVE" --save-interval 15 --paradyse-run-report "$SAVE" "$@"
