@@ -15,20 +15,23 @@ from .exactness import assert_exact, run_cases, stock
 ALL = ("tp_sp", "ulysses", "ring", "colossal", "metp")
 
 # (spec, batch, seq): MHA and GQA (fewer KV groups than p too), GELU and SwiGLU, bias on/off,
-# b = 1 and 2, sequence lengths that are not powers of two.
+# b = 1 and 2, sequence lengths that are not powers of two. Every plugin pass at p > 1 also
+# checks that each layer ran its planned strategy (tests/exactness.py: check_strategies_ran).
+# Two cases use megatron's fused bias-activation kernels (stock and plugin alike), one the unfused path.
+FUSED = {"config": {"bias_activation_fusion": True}}
 CASES = [
-    (dict(num_layers=3, hidden_size=64, num_attention_heads=4, bias=True), 2, 36),
+    (dict(num_layers=3, hidden_size=64, num_attention_heads=4, bias=True, **FUSED), 2, 36),
     (dict(num_layers=3, hidden_size=64, num_attention_heads=8, num_query_groups=4, swiglu=True,
           bias=False), 1, 28),
     (dict(num_layers=2, hidden_size=48, num_attention_heads=4, num_query_groups=2, swiglu=True,
-          bias=True, ffn_hidden_size=80), 2, 20),
+          bias=True, ffn_hidden_size=80, **FUSED), 2, 20),
 ]
 
 
 def _plans(spec_kw, p, rng):
     from megatron_paradyse.testing.models import TinyGPT
 
-    cfg = TinyGPT(**spec_kw).transformer_config(p, True)
+    cfg = TinyGPT(**{k: v for k, v in spec_kw.items() if k != "config"}).transformer_config(p, True)
     usable = [s for s in mp.STRATEGIES if mp.supports(s, cfg, p)[0]]
     mixed = [[rng.choice(usable) for _ in range(spec_kw["num_layers"])] for _ in range(3)]
     return usable + mixed
