@@ -150,15 +150,19 @@ def _mix_planner(cm, budget):
 
     def plan(s, b):
         best = None
+        cost = {n: cm.layer(n, s, b) for n in names}     # layers are alike: mixes add up
+        base, static = cm.nonlayer(s, b), cm.static_bytes()
         for i, a in enumerate(names):
             for c in names[i:]:
                 for k in range(0, L + 1):
                     if a == c and k:
                         continue
                     counts = {a: L - k, c: k} if a != c else {a: L}
-                    st = cm.step(counts, s, b)
-                    if st.peak_bytes <= budget and (best is None or st.seconds < best[1]):
-                        best = (counts, st.seconds, st.peak_bytes)
+                    secs = base.seconds + sum(n_ * cost[x].seconds for x, n_ in counts.items())
+                    peak = static + base.saved_bytes + sum(n_ * cost[x].saved_bytes for x, n_ in counts.items()) \
+                        + max([base.transient_bytes] + [cost[x].transient_bytes for x, n_ in counts.items() if n_])
+                    if peak <= budget and (best is None or secs < best[1]):
+                        best = (counts, secs, peak)
         if best is None:
             return None
         layers = tuple(n for n, k in best[0].items() for _ in range(k))

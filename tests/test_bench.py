@@ -1,0 +1,95 @@
+"""The benchmark's own logic: oracle, summaries, headline ratios, one small measured world, the simulation."""
+import os
+
+import numpy as np
+import pytest
+
+from megatron_paradyse.bench import report
+
+MiB = float(1 << 20)
+
+
+def _rec(step, length, seconds, peak, plan="p"):
+    return dict(step=step, length=length, padded=length, seconds=seconds, peak_bytes=peak, loss=1.0,
+                plan=plan, predicted_seconds=None, predicted_peak_bytes=None)
+
+
+def test_oracle_summary_headline():
+    budget = 10 * MiB
+    recs = {
+        "tp_sp": [_rec(0, 100, 1.0, 5 * MiB), _rec(1, 900, 3.0, 12 * MiB)],   # fast, one step over
+        "metp": [_rec(0, 100, 2.0, 2 * MiB), _rec(1, 900, 4.0, 4 * MiB)],     # slow, always fits
+        "paradyse_optimal": [_rec(0, 100, 1.1, 5 * MiB), _rec(1, 900, 4.1, 4 * MiB)],
+    }
+    orc = report.oracle(recs, budget, ["tp_sp", "metp", "paradyse_optimal"])
+    assert [o["source"] for o in orc] == ["tp_sp", "metp"] and [o["seconds"] for o in orc] == [1.0, 4.0]
+    recs["oracle"] = orc
+    s = report.summarize(recs, budget)
+    assert s["tp_sp"]["steps_over_budget"] == 1 and not s["tp_sp"]["all_steps_fit"]
+    assert s["tp_sp"]["longest_trained_within_budget"] == 100
+    assert s["metp"]["all_steps_fit"] and s["metp"]["total_seconds"] == pytest.approx(6.0)
+    h = report.headline(s, {"tp_sp": {"longest_fitting": 512}, "stock": {"longest_fitting": 256},
+                            "paradyse_optimal": {"longest_fitting": 2048}})
+    assert h["fastest_all_fitting_static"] == "metp"
+    assert h["paradyse_optimal_speedup_vs_metp"] == pytest.approx(6.0 / 5.2)
+    assert h["paradyse_optimal_vs_oracle"] == pytest.approx(5.2 / 5.0)
+    assert h["paradyse_optimal_longest_vs_tp_sp"] == 4.0 and h["paradyse_optimal_longest_vs_stock"] == 8.0
+    # a step where nothing fits: the oracle has no time for it and counts it over budget
+    recs2 = {"tp_sp": [_rec(0, 100, 1.0, 20 * MiB)]}
+    o2 = report.oracle(recs2, budget, ["tp_sp"])
+    assert o2[0]["seconds"] is None
+    assert report.summarize({"oracle": o2}, budget)["oracle"]["steps_over_budget"] == 1
+
+
+def test_measured_world_small(tmp_path):
+    """2 gloo ranks, a 2-layer model: stock, tp_sp and metp on the same 2 batches, plus a search."""
+    from megatron_paradyse import data
+    from megatron_paradyse.bench.__main__ import demo_argv
+    from megatron_paradyse.bench.world import bench_world
+    from megatron_paradyse.testing.spawn import run_world
+
+    rng = np.random.default_rng(0)
+    prefix = str(tmp_path / "docs")
+    data.write_indexed_dataset(prefix, [rng.integers(0, 256, n) for n in (40, 100, 250, 70, 500)], 258)
+    argv = demo_argv(2, 256, 1234)
+    for k, v in (("--num-layers", "2"), ("--hidden-size", "64"), ("--num-attention-heads", "4"),
+                 ("--ffn-hidden-size", "128")):
+        argv[argv.index(k) + 1] = v
+    cfg = dict(argv=argv, data_prefix=prefix, long_docs="skip", steps=2, budget_bytes=4 * MiB,
+               systems=["stock", "tp_sp", "metp"], search=True, search_cap=1024, search_probes=2,
+               search_resolution=128, verbose=False)
+    out = run_world(bench_world, 2, cfg, timeout=240)[0]
+    rec = out["records"]
+    lens = [r["length"] for r in rec["tp_sp"]]
+    assert [r["length"] for r in rec["stock"]] == lens == [r["length"] for r in rec["metp"]]
+    assert all(r["plan"] is None for r in rec["stock"]) and all(r["plan"] == "metp*2" for r in rec["metp"])
+    by = {n: [r["peak_bytes"] for r in rec[n]] for n in rec}
+    # memory order on the longest step: stock (s x s scores) > tp_sp > metp; static bytes counted
+    k = int(np.argmax(lens))
+    assert by["stock"][k] > by["tp_sp"][k] > by["metp"][k] > out["static_bytes"]["metp"] > 0
+    assert all(r["seconds"] > 0 and np.isfinite(r["loss"]) for n in rec for r in rec[n])
+    srch = out["search"]
+    for n, v in srch.items():
+        assert all(p["fits"] == (p["peak_bytes"] <= cfg["budget_bytes"]) for p in v["probes"])
+        if v["longest_fitting"]:
+            assert any(p["length"] == v["longest_fitting"] and p["fits"] for p in v["probes"])
+    assert srch["metp"]["longest_fitting"] >= srch["tp_sp"]["longest_fitting"] >= srch["stock"]["longest_fitting"]
+
+
+def test_simulation(tmp_path):
+    from megatron_paradyse.bench.simulate import H100Roofline, simulate
+
+    cm = H100Roofline()
+    big = 256 * 1024
+    peaks = {n: cm.step({n: cm.num_layers}, big, 1).peak_bytes for n in cm.strategies}
+    assert peaks["metp"] < peaks["ring"] < peaks["tp_sp"] < peaks["colossal"]
+    lines = []
+    r = simulate(str(tmp_path), log=lines.append)
+    assert "SIMULATION" in r["label"] and any("SIMULATION" in x for x in lines)
+    assert os.path.exists(tmp_path / "simulation.json")
+    sysm = r["systems"]
+    para = [n for n in sysm if n.startswith("paradyse")]
+    assert para and r["distribution"]["max"] >= 624 * 1000
+    for n in para:  # ParaDySe never trains less than any static strategy, and nothing goes OOM that some static fits
+        assert sysm[n]["longest_trainable"] >= max(sysm[s]["longest_trainable"] for s in cm.strategies)
+        assert sysm[n]["oom_steps"] <= min(sysm[s]["oom_steps"] for s in cm.strategies)
