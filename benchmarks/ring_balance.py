@@ -1,12 +1,14 @@
-"""Per-rank causal attention work of a ring under the contiguous and the zig-zag split.
+"""Per-rank causal attention work of a ring under the contiguous and the zig-zag split (estimated).
 
     python -m benchmarks.ring_balance --p 4 --seq 8192
 
-Times, in one process, exactly the attention blocks (forward + backward, the plugin's CPU
-flash kernel) that each rank of a causal ring computes: contiguous chunks (rank r attends r
-full blocks and one causal diagonal block) against Megatron CP's zig-zag (2p chunks, rank r
-holds chunks r and 2p-1-r). Prints each rank's median time and the max/mean imbalance;
-the ring's step time is set by the slowest rank.
+Times, in one process, one attention block of each kind (full / causal diagonal, forward +
+backward, the plugin's CPU flash kernel) and estimates each rank's time as the number of
+blocks of each kind that rank computes in a causal ring times the block's median time:
+contiguous chunks (rank r attends r full blocks and one causal diagonal block) against
+Megatron CP's zig-zag (2p chunks, rank r holds chunks r and 2p-1-r). No ring runs and no
+communication is timed. Prints each rank's estimate and the max/mean imbalance; the ring's
+step time is set by the slowest rank.
 """
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ def main():
 
     cost = {(n, c): t(n * unit, c) for n in (1, 2) for c in (False, True)}
     print(f"p={args.p} s={args.seq} heads={args.heads} d={args.head_dim}: "
-          f"median of {args.repeats} fwd+bwd per block, ms per rank")
+          f"estimated ms per rank = blocks x median of {args.repeats} fwd+bwd per block")
     for layout in ("contiguous", "zigzag"):
         per_rank = []
         for r in range(args.p):
