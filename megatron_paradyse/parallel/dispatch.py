@@ -126,14 +126,51 @@ def unwrap(model):
     return model
 
 
-def set_plan(model, plan) -> tuple:
+_VERIFIED_CALLS = [0]
+
+
+def set_plan(model, plan, verify: bool = False, group=None) -> tuple:
     """Run each decoder layer of ``model`` with the strategy the plan names.
 
     ``plan`` is one name for all layers or a list with one name per layer. Every check
     (length, names, what each strategy supports for this model and group size) happens here,
     locally, before any collective, so a bad plan fails on every rank alike. Returns the plan
     as a tuple. ``set_plan(model, None)`` returns the layers to stock megatron code.
+
+    ``verify=True`` (collective over ``group``, default the model's tensor-parallel group,
+    i.e. the switching group): one all-reduce of a few integers checks that every rank of the
+    group set the same plan; a divergent plan, or a bad plan on some ranks only, raises
+    :class:`~megatron_paradyse.parallel.plan_check.PlanMismatchError` on every rank of the
+    group (naming each rank's plan) and restores the previous plan, instead of a hang in the
+    next forward. Every rank of the group must call it the same number of times.
     """
+    if not verify:
+        return _set_plan(model, plan)
+    from .plan_check import PlanMismatchError, verify_plans
+
+    previous, result, error, exc = None, None, None, None
+    try:
+        previous = get_plan(model)
+        result = _set_plan(model, plan)
+    except Exception as e:  # noqa: BLE001 - agreed on with the group below
+        error, exc = f"{type(e).__name__}: {e}", e
+    if group is None:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            group = parallel_state.get_tensor_model_parallel_group()
+    call = _VERIFIED_CALLS[0]
+    _VERIFIED_CALLS[0] += 1
+    try:
+        verify_plans(call, [(result, ())], 1, 0, 1, error, group, where=f"set_plan(verify=True) call {call}")
+    except PlanMismatchError as e:
+        if exc is None:
+            _set_plan(model, previous)
+        raise e from exc
+    return result
+
+
+def _set_plan(model, plan) -> tuple:
     if not installed():
         raise RuntimeError("call megatron_paradyse.install() before set_plan()")
     gpt = unwrap(model)

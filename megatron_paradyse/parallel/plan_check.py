@@ -27,15 +27,17 @@ def collective_device():
 
 
 def verify_plans(step: int, entries: list, num_expected: int, group_index: int, num_groups: int,
-                 local_error: str | None = None, group=None) -> None:
+                 local_error: str | None = None, group=None, where: str | None = None) -> None:
     """Check that every rank of each switching group agrees on the step's plans and shapes.
 
     ``entries`` holds one ``(plan, shape)`` per micro-batch; ``group_index`` is this rank's
     switching group (its data-parallel rank) among ``num_groups``. One all-reduce (MAX) over
     ``group`` (default: the world) of a vector with, per group and micro-batch, ``h`` and
     ``-h`` (other groups' slots hold -inf), plus an error flag: afterwards every rank knows
-    every group's min and max hash, so all ranks raise together or none does.
+    every group's min and max hash, so all ranks raise together or none does. ``where``
+    names the check in messages (default ``iteration {step}``).
     """
+    where = where or f"iteration {step}"
     n = num_expected
     width = 2 * (n + 1)
     vec = torch.full((num_groups * width + 1,), _NEG_INF, dtype=torch.int64)
@@ -77,13 +79,13 @@ def verify_plans(step: int, entries: list, num_expected: int, group_index: int, 
             if r["error"]:
                 lines.append(f"  rank {r['rank']} failed while reading or planning the step:\n"
                              + "\n".join("    " + ln for ln in r["error"].rstrip().splitlines()[-6:]))
-        head = (f"ParaDySe: preparing iteration {step} failed on "
+        head = (f"ParaDySe: preparing {where} failed on "
                 f"{sum(1 for r in reports if r['error'])} rank(s); every rank stops here")
     else:
         g, i = bad[0]
         members = [r for r in reports if r["group"] == g]
-        where = "the number of micro-batches" if i < 0 else f"micro-batch {i}"
-        head = (f"ParaDySe plan mismatch at iteration {step}, {where}: the ranks of switching "
+        what = "the number of micro-batches" if i < 0 else f"micro-batch {i}"
+        head = (f"ParaDySe plan mismatch at {where}, {what}: the ranks of switching "
                 f"group {g} (global ranks {[r['rank'] for r in members]}) do not agree on the "
                 "plan (or the micro-batch shape); running it would hang or corrupt the step")
         for r in members:

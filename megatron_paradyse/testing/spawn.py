@@ -106,3 +106,131 @@ def run_world(fn, world_size: int, *args, timeout: float = 300.0, env: dict | No
             parts.append(f"--- ranks {missing} did not finish {why}; killed ---")
         raise WorldError("\n".join(parts))
     return [pickle.loads(reports[r][1]) for r in range(world_size)]
+
+
+# ============================================================================ forked worlds
+
+
+def _case_child(fn, args, rank, world_size, store_path, result_path, log_path, coll_timeout):
+    """In a forked child of a zygote: a fresh gloo world, ``fn``, the result to a file."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    code = 0
+    try:
+        import torch.distributed as dist
+
+        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=coll_timeout))
+        out = ("ok", fn(rank, world_size, *args))
+    except BaseException:  # noqa: BLE001 - reported to the zygote
+        out, code = ("error", traceback.format_exc()), 1
+    try:
+        with open(result_path + ".part", "wb") as f:
+            pickle.dump(out, f)
+        os.replace(result_path + ".part", result_path)
+    except Exception:  # noqa: BLE001 - an unpicklable result: report why
+        with open(result_path, "wb") as f:
+            pickle.dump(("error", traceback.format_exc()), f)
+        code = 1
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no interpreter shutdown (it could wait on the process group)
+
+
+def _zygote(rank, world_size, cases, tmpdir, preload, env, timeout, results):
+    """Import once, then fork one child per case; report each child's outcome and exit time."""
+    os.environ.update(env)
+    try:
+        import importlib
+
+        import torch
+
+        torch.set_num_threads(1)
+        for name in preload:
+            importlib.import_module(name)
+        for i, (fn, args) in enumerate(cases):
+            store = os.path.join(tmpdir, f"store_{i}")
+            result_path = os.path.join(tmpdir, f"result_{i}_{rank}.pkl")
+            log_path = os.path.join(tmpdir, f"log_{i}_{rank}.txt")
+            start = time.time()
+            pid = os.fork()
+            if pid == 0:
+                _case_child(fn, args, rank, world_size, store, result_path, log_path, max(timeout, 1.0))
+            deadline = time.monotonic() + timeout
+            status = None
+            while time.monotonic() < deadline:
+                done, st = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    status = st
+                    break
+                time.sleep(0.02)
+            exited_at = time.time()
+            timed_out = status is None
+            if timed_out:
+                os.kill(pid, 9)
+                _, status = os.waitpid(pid, 0)
+            code = os.waitstatus_to_exitcode(status)
+            out = None
+            if os.path.exists(result_path):
+                with open(result_path, "rb") as f:
+                    out = pickle.load(f)
+            with open(log_path, errors="replace") as f:
+                log = f.read()
+            results.put((i, rank, dict(exitcode=code, timed_out=timed_out, started_at=start,
+                                       exited_at=exited_at, outcome=out, log=log)))
+    except BaseException:  # noqa: BLE001
+        results.put((-1, rank, traceback.format_exc()))
+
+
+def run_forked_worlds(cases, world_size: int, timeout: float = 120.0, preload=(), env=None) -> list:
+    """Run several fresh ``world_size``-rank gloo worlds, one per case, paying imports once.
+
+    ``cases`` is a list of ``(fn, args)``; each is run as ``fn(rank, world_size, *args)`` in a
+    new process per rank, forked from one long-lived process per rank (a zygote) that imported
+    ``preload`` once, with a new process group (its own file store). A case may fail, exit or
+    be killed on any rank (fault-injection tests): nothing is raised for that. Returns, per
+    case, a list over ranks of dicts: ``exitcode`` (negative: killed by that signal),
+    ``timed_out`` (killed at ``timeout`` seconds), ``started_at`` / ``exited_at``
+    (``time.time()``), ``outcome`` (``("ok", value)``, ``("error", traceback)`` or None when
+    the process ended without returning) and ``log`` (its stdout and stderr). Raises
+    :class:`WorldError` only when a zygote itself fails or the whole run overruns.
+    """
+    ctx = tmp.get_context("spawn")
+    results = ctx.Queue()
+    child_env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    child_env.update(env or {})
+    out = [[None] * world_size for _ in cases]
+    with tempfile.TemporaryDirectory(prefix="paradyse_forked_") as tmpdir:
+        procs = [ctx.Process(target=_zygote, daemon=False,
+                             args=(r, world_size, list(cases), tmpdir, tuple(preload), child_env, timeout, results))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + 60.0 + timeout * max(len(cases), 1)
+        missing = len(cases) * world_size
+        try:
+            while missing:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WorldError(f"forked worlds did not finish; {missing} case reports missing")
+                try:
+                    i, rank, report = results.get(timeout=min(1.0, left))
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (None, 0)]
+                    if dead:
+                        raise WorldError(f"zygote(s) {dead} died") from None
+                    continue
+                if i < 0:
+                    raise WorldError(f"--- zygote {rank} failed ---\n{report}")
+                out[i][rank] = report
+                missing -= 1
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+    return out

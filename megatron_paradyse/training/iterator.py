@@ -67,8 +67,11 @@ class PlannedIterator:
         if self.check:
             verify_plans(self.step, [(mb.plan, mb.shape) for mb in items], n, self.group_index,
                          self.num_groups, error, self.group)
-        elif error:
-            raise RuntimeError(error)
+        else:
+            # check=False skips comparing the plans, not agreeing on errors: a rank that failed
+            # to read or plan alone must not leave its peers in the step's first collective.
+            # Three integers in one all-reduce: the step header and the error flag.
+            verify_plans(self.step, [], 0, 0, 1, error, self.group)
         self.last_check_seconds = time.perf_counter() - t0
         self.current = items
         self._buffer.extend(items)

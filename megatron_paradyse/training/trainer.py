@@ -393,14 +393,18 @@ def main(argv=None) -> int:
             print(f"pretrain_gpt_paradyse.py: error: {e}", file=sys.stderr, flush=True)
         return 2
     init_distributed(args)
-    try:
+    from .faults import FailFast
+
+    # A failure on any rank ends every rank within seconds, with its error in the log and a
+    # non-zero exit status (training/faults.py): no barrier or clean-up on the error path.
+    with FailFast():
         Trainer(args).train()
-    finally:
         from megatron.core import parallel_state
 
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+            dist.barrier()  # success path only: nobody tears down the store while a peer still needs it
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return 0

@@ -1,0 +1,226 @@
+"""Fail fast: one rank's failure ends every rank of the job within seconds, with its error in the log.
+
+A rank that raises while its peers sit in a collective would otherwise leave them waiting
+until the process-group timeout. :class:`FailFast` (``main()`` runs the trainer inside it)
+turns any exception on any rank into the end of the whole job:
+
+1. the failing rank prints its traceback, prefixed ``[rank R]``;
+2. it publishes a one-line summary under a key of the job's c10d store (the store that
+   ``init_process_group`` rendezvoused through: torchrun's agent store, the TCPStore of
+   MASTER_ADDR:MASTER_PORT, or a file store) and, under torchrun, writes the
+   ``TORCHELASTIC_ERROR_FILE`` so the launcher's summary names it as the root cause;
+3. it aborts its NCCL communicators (nothing to do on gloo: process exit closes the sockets)
+   and exits with status 1 (``os._exit``: no barrier, no interpreter shutdown that could wait
+   on a collective);
+4. every other rank notices within ``poll_seconds`` (a daemon thread polls the store key) or
+   at once through its own failing collective (gloo reports a closed connection immediately),
+   prints ``[rank r] stopping: rank R failed: ...`` and exits with status 3.
+
+torchrun also tears the remaining workers down as soon as one exits non-zero, so the job ends
+by whichever comes first. A rank killed outright (SIGKILL, OOM killer, lost node) cannot
+publish anything: its gloo peers fail at once on the closed connection and take over step 2;
+on NCCL a dead peer is noticed by the launcher (torchrun's agent on that node, ``srun
+--kill-on-bad-exit``) or, as a last resort, by the NCCL watchdog at the process-group timeout
+(``--distributed-timeout-minutes``; keep ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``).
+
+Errors raised together on every rank (a :class:`~megatron_paradyse.parallel.plan_check.PlanMismatchError`,
+a :class:`~megatron_paradyse.training.checkpointing.CheckpointError`) need none of this to
+avoid a hang; under ``FailFast`` they still end the job with status 1 on every rank.
+After a failure inside ``FailFast`` the job is over (the store key stays set), even with
+``exit_process=False``, which only lets the caller clean up before it exits.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+
+import torch.distributed as dist
+
+FAULT_KEY = "paradyse/fault"
+FAULT_COUNT_KEY = "paradyse/fault_count"
+EXIT_FAILED = 1        # this rank raised
+EXIT_PEER_FAILED = 3   # this rank stopped because another rank failed
+
+_COMM_ERROR_HINTS = ("Connection closed by peer", "Connection reset", "Broken pipe", "NCCL",
+                     "Timed out", "timed out", "Socket", "ECONNRESET")
+
+
+def _store():
+    if not dist.is_initialized():
+        return None
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:  # noqa: BLE001 - no store: nothing to publish to
+        return None
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def _say(text: str) -> None:
+    try:
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        sys.stderr.write(text if text.endswith("\n") else text + "\n")
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def read_fault(store=None) -> dict | None:
+    """The first failure published in this job, or None."""
+    store = store if store is not None else _store()
+    if store is None:
+        return None
+    try:
+        if store.check([FAULT_KEY]):
+            return json.loads(store.get(FAULT_KEY).decode())
+    except Exception:  # noqa: BLE001
+        return None
+    return None
+
+
+def is_communication_error(exc: BaseException) -> bool:
+    """A failed collective (likely the consequence of another rank's failure, not the cause)."""
+    text = f"{type(exc).__name__}: {exc}"
+    return isinstance(exc, (ConnectionError, TimeoutError)) or any(h in text for h in _COMM_ERROR_HINTS) \
+        or type(exc).__name__ in ("DistBackendError", "DistNetworkError", "DistStoreError")
+
+
+class FailFast:
+    """Context manager: an exception inside ends every rank of the job quickly (see module doc).
+
+    ``poll_seconds``: how often the watcher thread reads the store key. ``exit_process``:
+    exit with status 1 (the default, what ``main()`` does) or re-raise after telling the
+    peers. ``store_lost_seconds``: a rank whose store stays unreachable this long (its host
+    died) stops too.
+    """
+
+    def __init__(self, poll_seconds: float = 0.2, exit_process: bool = True,
+                 store_lost_seconds: float = 30.0):
+        self.poll_seconds = poll_seconds
+        self.exit_process = exit_process
+        self.store_lost_seconds = store_lost_seconds
+        self._stop = threading.Event()
+        self._thread = None
+        self._store = None
+
+    # ------------------------------------------------------------------ watcher
+    def __enter__(self):
+        self._store = _store()
+        if self._store is not None and dist.get_world_size() > 1:
+            self._thread = threading.Thread(target=self._watch, name="paradyse-failfast", daemon=True)
+            self._thread.start()
+        return self
+
+    def _watch(self):
+        rank, lost_since = _rank(), None
+        while not self._stop.wait(self.poll_seconds):
+            try:
+                found = self._store.check([FAULT_KEY])
+                lost_since = None
+            except Exception as e:  # noqa: BLE001 - the store's host is gone (or slow)
+                lost_since = lost_since or time.monotonic()
+                if time.monotonic() - lost_since >= self.store_lost_seconds and not self._stop.is_set():
+                    _say(f"[rank {rank}] stopping: the job's c10d store has been unreachable for "
+                         f"{self.store_lost_seconds:.0f} s ({type(e).__name__}: {e}); its host probably died")
+                    os._exit(EXIT_PEER_FAILED)
+                continue
+            if found and not self._stop.is_set():
+                fault = read_fault(self._store) or {}
+                if fault.get("rank") == rank:
+                    continue
+                _say(f"[rank {rank}] stopping: {_describe(fault)}")
+                os._exit(EXIT_PEER_FAILED)
+
+    # ------------------------------------------------------------------ failure
+    def __exit__(self, exc_type, exc, tb):
+        self._stop.set()
+        if exc is None:
+            return False
+        if isinstance(exc, SystemExit) and not exc.code:
+            return False
+        self.fail(exc)
+        return False
+
+    def fail(self, exc: BaseException) -> None:
+        """Report ``exc``, tell the peers, abort communicators, exit (or return to re-raise)."""
+        rank = _rank()
+        store = self._store if self._store is not None else _store()
+        if store is not None:
+            try:
+                store.set_timeout(datetime.timedelta(seconds=10))
+            except Exception:  # noqa: BLE001
+                pass
+        first = read_fault(store)
+        summary = f"{type(exc).__name__}: {exc}".strip().splitlines()
+        summary = summary[0] if summary else type(exc).__name__
+        if first is not None and first.get("rank") != rank and is_communication_error(exc):
+            # a consequence: the cause is already published (and printed by its rank)
+            _say(f"[rank {rank}] stopping: {_describe(first)} (here: {summary[:300]})")
+            code = EXIT_PEER_FAILED
+        else:
+            text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            hint = ""
+            if is_communication_error(exc):
+                hint = (f"[rank {rank}] this is a failed collective: another rank probably died first "
+                        "(killed, out of memory, lost node); look for its error or exit status\n")
+            _say("".join(f"[rank {rank}] {line}\n" for line in text.rstrip().splitlines()) + hint)
+            if first is None:
+                self._publish(store, rank, summary)
+            _record_for_torchrun(exc)
+            code = EXIT_FAILED
+        _abort_communicators()
+        if self.exit_process:
+            os._exit(code)
+
+    @staticmethod
+    def _publish(store, rank, summary):
+        if store is None:
+            return
+        try:
+            if store.add(FAULT_COUNT_KEY, 1) == 1:
+                store.set(FAULT_KEY, json.dumps({"rank": rank, "host": socket.gethostname(),
+                                                 "error": summary[:2000], "time": time.time()}))
+        except Exception:  # noqa: BLE001 - the store is gone: peers learn it from their collectives
+            pass
+
+
+def _describe(fault: dict) -> str:
+    if not fault:
+        return "another rank failed"
+    return f"rank {fault.get('rank')} ({fault.get('host')}) failed: {fault.get('error')}"
+
+
+def _record_for_torchrun(exc: BaseException) -> None:
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(exc)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _abort_communicators() -> None:
+    """NCCL: abort every communicator, so nothing of this rank lingers in a collective. Gloo:
+    nothing (exiting the process closes its connections; its peers' collectives fail at once)."""
+    try:
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            from torch.distributed.distributed_c10d import _abort_process_group
+
+            _abort_process_group()
+    except Exception:  # noqa: BLE001
+        pass
