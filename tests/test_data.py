@@ -206,6 +206,12 @@ def test_cost_fn_from_a_cost_model():
         def plan(self, s, b):
             return type("C", (), {"seconds": float(s + b)})()
     assert data.make_cost_fn(planner=Planner())(10, 2) == 12.0
+
+    class Fits:
+        def plan(self, s, b):
+            return type("C", (), {"fits": s * b <= 1000})()
+    assert data.longest_fitting(Fits(), 1, 4096, 4) == 1000 and data.longest_fitting(Fits(), 2, 4096, 4) == 500
+    assert data.longest_fitting(Fits(), 1, 512, 4) == 512 and data.longest_fitting(Fits(), 2000, 4096, 4) == 0
     with warnings.catch_warnings():
         with pytest.raises(ValueError):
             data.make_cost_fn(fallback="bogus")

@@ -118,9 +118,10 @@ class DocumentDataset:
         self.seed = seed
         self.shuffle = shuffle
         self.long_docs = long_docs
-        self.limit = int(min(seq_length, max_length)) if max_length else int(seq_length)
+        self.limit = int(min(seq_length, max_length)) if max_length is not None else int(seq_length)
         if self.limit < 1:
-            raise ValueError(f"the longest trainable length is {self.limit}: no document fits")
+            raise ValueError(f"no plan fits even the shortest sequence in the memory budget (the longest "
+                             f"trainable length is {self.limit}): raise the budget")
         try:
             self.indexed = IndexedDataset(prefix)
         except Exception as e:  # noqa: BLE001 - megatron asserts on a bad index

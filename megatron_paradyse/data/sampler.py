@@ -49,6 +49,19 @@ def make_cost_fn(planner=None, cost_model=None, fallback: str = "tokens", num_la
     raise ValueError(f"fallback must be 'tokens' or 's2', got {fallback!r}")
 
 
+def longest_fitting(planner, micro_batch_size: int, upper: int, multiple: int = 1) -> int:
+    """The longest padded length ``<= upper`` (a multiple of ``multiple``) for which
+    ``planner.plan(s, b).fits``; 0 if none. Assumes fitting is monotone in ``s`` (bisection)."""
+    lo, hi = 0, int(upper) // multiple
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if planner.plan(mid * multiple, micro_batch_size).fits:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * multiple
+
+
 class LengthAwareSampler:
     """Indices of each micro-batch of each step on each data-parallel replica (module docstring)."""
 

@@ -199,8 +199,14 @@ class Trainer:
 
             self.iteration = checkpointing.load_checkpoint(args, self.model, self.optimizer, self.scheduler,
                                                            iteration=getattr(args, "ckpt_step", None))
-        self.dataset = pdata.build_dataset(args, max_length=getattr(self, "max_fit_length", None),
-                                           warn=self.log)
+        # with a planner (self.planner, set above by the planner wiring): the longest length any
+        # plan fits in the budget; longer documents follow --paradyse-long-docs, named in a warning
+        max_fit = getattr(self, "max_fit_length", None)
+        if max_fit is None and getattr(self, "planner", None) is not None and args.paradyse:
+            max_fit = pdata.longest_fitting(self.planner, args.micro_batch_size, args.seq_length,
+                                            args.paradyse_pad_multiple)
+        self.max_fit_length = max_fit
+        self.dataset = pdata.build_dataset(args, max_length=max_fit, warn=self.log)
         self.sampler = None
         if getattr(args, "paradyse_sampler", "megatron") == "length":
             self.sampler = pdata.LengthAwareSampler(
