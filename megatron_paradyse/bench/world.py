@@ -22,24 +22,9 @@ import torch.distributed as dist
 
 
 def _static_bytes(model, optimizer) -> int:
-    seen, total = set(), 0
+    from ..training.run_report import static_bytes
 
-    def add(t):
-        nonlocal total
-        if isinstance(t, torch.Tensor):
-            st = t.untyped_storage()
-            key = (st.data_ptr(), st.nbytes())
-            if key not in seen:
-                seen.add(key)
-                total += st.nbytes()
-    for p in model.parameters():
-        add(p)
-        add(getattr(p, "main_grad", None))
-    inner = getattr(optimizer, "optimizer", optimizer)
-    for state in getattr(inner, "state", {}).values():
-        for v in state.values():
-            add(v)
-    return total
+    return static_bytes(model, optimizer)
 
 
 class System:
