@@ -24,7 +24,11 @@ setup(
         "psutil",
     ],
     extras_require={
-        "test": ["pytest>=7", "matplotlib"],
+        # Megatron-LM's megatron/training imports these (tests/test_megatron_lm.py runs it).
+        # Not triton (about 1 GB): without it and without CUDA, cpu_compat_training stands in
+        # for the one module that imports it (megatron-core's batch-invariant kernels).
+        "megatron-lm": ["six", "regex", "pyyaml"],
+        "test": ["pytest>=7", "matplotlib", "six", "regex", "pyyaml"],
         "plots": ["matplotlib"],
         # GPU machines: flash-attn builds against the installed CUDA torch. Transformer Engine
         # must be installed with its torch part ("transformer-engine[pytorch]"): the bare

@@ -167,7 +167,6 @@ def _world_b(rank, world, ckpt_root):
 
     # padding: loss and gradient of a padded micro-batch equal those of its unpadded documents (TP=1)
     out["padding"] = _padding_check()
-    out["megatron_lm_hooks"] = _megatron_lm_hooks_check(world)
     dist.barrier()
     return out
 
@@ -204,53 +203,6 @@ def _crash_during_save(trainer, root):
     checkpointing.save_checkpoint(args, 22, trainer.model, trainer.optimizer, trainer.scheduler)
     return dict(crashed=crashed, after_crash=after_crash, tracker=tracker, loaded=loaded,
                 after_next=sorted(os.listdir(root)))
-
-
-def _megatron_lm_hooks_check(world):
-    """The Megatron-LM pretrain() hooks against a stand-in ``megatron.training`` (get_args only):
-    a forward-only step through paradyse_forward_step + paradyse_datasets_provider + a torch
-    DataLoader equals the same step through the core path's PlannedIterator."""
-    import sys
-    import types
-
-    import torch
-
-    from megatron.core.num_microbatches_calculator import (
-        destroy_num_microbatches_calculator, init_num_microbatches_calculator)
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from megatron_paradyse import data
-    from megatron_paradyse.training import arguments, megatron_lm, trainer as training
-    from megatron_paradyse.training import forward_step as hooks
-
-    args = arguments.parse_args(_argv(2, ["--paradyse", "--paradyse-plan", "rule:32=tp_sp,ulysses*2+ring*2"]),
-                                world_size=world)
-    stand_in = types.ModuleType("megatron.training")
-    stand_in.get_args = lambda: args
-    saved = sys.modules.get("megatron.training")
-    sys.modules["megatron.training"] = stand_in
-    try:
-        trainer = training.Trainer(args, log=lambda m: None)
-        init_num_microbatches_calculator(0, None, args.global_batch_size, args.micro_batch_size,
-                                         args.data_parallel_size)
-        train_ds = megatron_lm.paradyse_datasets_provider([64, 0, 0])[0]
-        sampler = [data.sample_indices(0, m, args.global_batch_size, args.micro_batch_size,
-                                       trainer.dp_rank, trainer.dp_size) for m in range(args.num_microbatches)]
-        loader = iter(torch.utils.data.DataLoader(train_ds, batch_sampler=sampler))
-        fwd = get_forward_backward_func()
-        kw = dict(model=[trainer.model], num_microbatches=args.num_microbatches, seq_length=args.seq_length,
-                  micro_batch_size=args.micro_batch_size, forward_only=True)
-        hooked = fwd(forward_step_func=megatron_lm.paradyse_forward_step(None), data_iterator=loader, **kw)
-        planned = list(megatron_lm._MEGATRON_ITERATORS.values())[-1].current
-        core = fwd(forward_step_func=hooks.forward_step, data_iterator=trainer.data_iterator, **kw)
-        return dict(hooked=[r["lm loss"].tolist() for r in hooked], core=[r["lm loss"].tolist() for r in core],
-                    plans=[m.plan for m in planned], core_plans=[m.plan for m in trainer.data_iterator.current])
-    finally:
-        destroy_num_microbatches_calculator()
-        if saved is None:
-            sys.modules.pop("megatron.training", None)
-        else:
-            sys.modules["megatron.training"] = saved
 
 
 def _padding_check():
@@ -374,9 +326,11 @@ def test_resume_and_cross_loading(worlds):
     assert [x["it"] for x in res] == list(range(SAVE_AT + 1, STEPS + 1))
     diffs = [abs(x["loss"] - y["loss"]) for x, y in zip(res, full_pd[SAVE_AT:])]
     print(f"\nresume ParaDySe->ParaDySe steps 11-20: max |loss diff| {max(diffs):.3e}")
-    assert max(_rel(x["loss"], y["loss"]) for x, y in zip(res, full_pd[SAVE_AT:])) < 1e-5
+    # bitwise: the resumed run is the uninterrupted one, loss by loss and parameter by parameter
+    assert [x["loss"] for x in res] == [y["loss"] for y in full_pd[SAVE_AT:]]
     assert [x["plans"] for x in res] == [x["plans"] for x in full_pd[SAVE_AT:]]
-    assert _param_rel(b[0]["resume_pd_pd_params"], a[0]["paradyse_params"]) < 1e-5
+    got, want = b[0]["resume_pd_pd_params"], a[0]["paradyse_params"]
+    assert sorted(got) == sorted(want) and all(got[k].equal(want[k]) for k in want)
     for key, ref in (("resume_pd_stock", full_stock), ("resume_stock_pd", full_pd)):
         got = b[0][key]
         err = max(_rel(x["loss"], y["loss"]) for x, y in zip(got, ref[SAVE_AT:]))
@@ -508,12 +462,3 @@ def test_indexed_document_dataset(tmp_path):
     assert got == [3, 7, 40, 65]  # truncated to seq_length + 1
     shuffled = data.DocumentDataset(prefix, seq_length=64, seed=0)
     assert sorted(len(shuffled[i]) for i in range(4, 8)) == got  # a second epoch, reshuffled
-
-
-def test_megatron_lm_hooks_with_a_stand_in(worlds):
-    _, b, _ = worlds
-    for r in b:
-        m = r["megatron_lm_hooks"]
-        assert m["plans"] == m["core_plans"] and all(p is not None for p in m["plans"])
-        for x, y in zip(m["hooked"], m["core"]):
-            assert x[1] == y[1] and abs(x[0] - y[0]) <= 1e-6 * abs(y[0])

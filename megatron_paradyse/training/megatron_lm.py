@@ -5,7 +5,7 @@
         --transformer-impl local --sequence-parallel --paradyse --paradyse-plan "rule:4096=tp_sp,ulysses"
 
 The entry point installs hooks into ``megatron.training`` and then runs the user's script
-with :mod:`runpy` as ``__main__`` (its directory first on ``sys.path``, as ``python
+as ``__main__`` (its directory first on ``sys.path``, as ``python
 script.py`` would). The hooks (:func:`install_hooks`, idempotent):
 
 * ``megatron.training.arguments.parse_args`` (and the copy ``initialize.py`` imported): the
@@ -29,7 +29,6 @@ docs/megatron_lm.md for what ran, on what).
 from __future__ import annotations
 
 import os
-import runpy
 import sys
 
 from .. import data as pdata
@@ -161,7 +160,7 @@ def _megatron_planned_iterator(data_iterator, model):
         nmb = get_num_microbatches
     else:
         nmb = 1  # evaluation: plan and check each micro-batch on its own
-    plan_fn = rule_plan_fn(parse_plan(args.paradyse_plan, args.num_layers))
+    plan_fn = rule_plan_fn(parse_plan(args.paradyse_plan, args.num_layers)) if args.paradyse else None
     it = _LoggedPlannedIterator(source(), plan_fn, nmb,
                                 group_index=parallel_state.get_data_parallel_rank(),
                                 num_groups=parallel_state.get_data_parallel_world_size(),
@@ -209,7 +208,8 @@ def _get_batch_019(data_iterator, args):
 def paradyse_forward_step(stock_forward_step=None):
     """A Megatron-LM ``forward_step`` that runs ParaDySe plans when ``--paradyse`` is given.
 
-    Without ``--paradyse`` it calls ``stock_forward_step`` (the script's own) unchanged. With
+    Without ``--paradyse`` it calls ``stock_forward_step`` (the script's own) unchanged (or,
+    with none, the same data path with every plan ``None``: stock megatron-core layers). With
     it: installs the plugin once, reads each training step's micro-batches ahead (through
     Megatron-LM's TP-rank-0 broadcast), cuts each after its last loss-bearing token (rounded
     up to a multiple of the TP size), gives each its plan from ``--paradyse-plan``, checks with
@@ -220,15 +220,15 @@ def paradyse_forward_step(stock_forward_step=None):
         from megatron.training import get_args
 
         args = get_args()
-        if not getattr(args, "paradyse", False):
-            if stock_forward_step is None:
-                raise ValueError("this entry point needs --paradyse")
+        paradyse = bool(getattr(args, "paradyse", False))
+        if not paradyse and stock_forward_step is not None:
             return stock_forward_step(data_iterator, model, *unused_args, **unused_kwargs)
-        import megatron_paradyse as mp
+        if paradyse:
+            import megatron_paradyse as mp
 
-        mp.install()
+            mp.install()
         it = _megatron_planned_iterator(data_iterator, model)
-        return forward_step(it, model, paradyse=True)
+        return forward_step(it, model, paradyse=paradyse)
 
     _forward_step._paradyse = True
     return _forward_step
@@ -389,7 +389,24 @@ def run_script(script: str, argv: list) -> None:
         cpu_compat_training.apply()
     install_hooks()
     sys.argv = [script] + list(argv)
-    runpy.run_path(script, run_name="__main__")
+    # Not runpy.run_path: it would make the script ``sys.modules["__main__"]``, and the
+    # processes that megatron's checkpoint writer starts with multiprocessing "spawn" (its
+    # result-queue manager) would re-import the script, without the hooks and shims (and
+    # import torch and megatron again). ``__main__`` stays this module, with its spec and file
+    # hidden while the script runs, so spawned helpers re-import nothing: they need nothing
+    # from ``__main__``.
+    with open(script, "rb") as f:
+        code = compile(f.read(), script, "exec")
+    namespace = {"__name__": "__main__", "__file__": script, "__builtins__": __builtins__,
+                 "__package__": None, "__spec__": None, "__cached__": None, "__doc__": None}
+    main_module = sys.modules["__main__"]
+    hidden = {k: main_module.__dict__.pop(k) for k in ("__file__",) if k in main_module.__dict__}
+    spec, main_module.__spec__ = getattr(main_module, "__spec__", None), None
+    try:
+        exec(code, namespace)  # noqa: S102 - running the user's training script is the point
+    finally:
+        main_module.__spec__ = spec
+        main_module.__dict__.update(hidden)
 
 
 def main(argv=None) -> None:

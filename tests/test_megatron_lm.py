@@ -1,0 +1,242 @@
+"""Megatron-LM's own, unmodified ``pretrain_gpt.py`` with the plugin (``megatron_paradyse.training.megatron_lm``).
+
+Each test launches the real script under ``torchrun`` on CPU gloo ranks, through the entry
+point ``python -m megatron_paradyse.training.megatron_lm SCRIPT ...``, once stock (no
+``--paradyse``) and once with ``--paradyse`` and a length rule that mixes strategies per
+layer and changes them per micro-batch, and compares Megatron-LM's own per-iteration
+``lm loss`` lines (printed with 7 significant digits, so a print-rounding error of at most
+about 1e-7 relative; the tolerance is 1e-5).
+
+Where the checkout comes from: ``$MEGATRON_LM_PATH`` (a Megatron-LM checkout: the folder of
+its ``pretrain_gpt.py``), else the fixture ``../shared/fixtures/megatron-lm-core_v<X>`` for
+the installed megatron-core (0.16.x -> core_v0.16.1, whose ``megatron/training`` is in the
+fixture; 0.19.x -> core_v0.19.0, whose ``megatron/training`` comes with the wheel). When
+neither exists the tests are SKIPPED with a reason saying Megatron-LM's path was not tested.
+
+The default suite runs the 0.16.1 line's core checks (stock vs ParaDySe, and a stock
+checkpoint resumed by a ParaDySe run). ``PARADYSE_MEGATRON_LM_FULL=1`` (set by
+``scripts/test_megatron_lm.sh``) adds the reverse checkpoint direction, an indexed dataset,
+and bad flags.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STUB = os.path.join(ROOT, "tests", "megatron_lm_stub")
+FULL = os.environ.get("PARADYSE_MEGATRON_LM_FULL", "") not in ("", "0")
+PLAN = "rule:32=tp_sp,64=ulysses*2+colossal*2,96=ring*2+metp*2,tp_sp+ulysses+ring+metp"
+ITERS, SAVE_AT = 10, 5
+RUN_TIMEOUT = 420
+_TMP = tempfile.mkdtemp(prefix="paradyse_megatron_lm_")
+
+
+def _mcore_version() -> str:
+    try:
+        from megatron.core.package_info import __version__
+    except ImportError:
+        return ""
+    return __version__
+
+
+def _checkout():
+    """(folder of pretrain_gpt.py, description) or pytest.skip with the reason."""
+    env = os.environ.get("MEGATRON_LM_PATH")
+    if env:
+        if not os.path.isfile(os.path.join(env, "pretrain_gpt.py")):
+            pytest.fail(f"MEGATRON_LM_PATH={env} has no pretrain_gpt.py")
+        return env, f"MEGATRON_LM_PATH={env}"
+    ver = _mcore_version()
+    tag = {"0.16": "core_v0.16.1", "0.19": "core_v0.19.0"}.get(".".join(ver.split(".")[:2]))
+    if tag is None:
+        pytest.skip(f"Megatron-LM's pretrain() NOT tested: no fixture pairs with megatron-core {ver!r} "
+                    "and MEGATRON_LM_PATH is unset")
+    path = os.path.normpath(os.path.join(ROOT, "..", "shared", "fixtures", f"megatron-lm-{tag}"))
+    if not os.path.isfile(os.path.join(path, "pretrain_gpt.py")):
+        pytest.skip(f"Megatron-LM's pretrain() NOT tested: neither the fixture {path} nor "
+                    "MEGATRON_LM_PATH (a Megatron-LM checkout) is available")
+    return path, f"fixture {tag}"
+
+
+def _env(checkout: str) -> dict:
+    paths = [ROOT]
+    if os.path.isdir(os.path.join(checkout, "megatron", "training")):
+        paths.append(checkout)
+        if not os.path.isdir(os.path.join(checkout, "megatron", "legacy")):
+            paths.append(STUB)  # the fixture lacks megatron/legacy and megatron/rl
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_DEVICE_MAX_CONNECTIONS="1",
+               PYTHONPATH=os.pathsep.join(paths + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    return env
+
+
+def model_flags(nproc: int, seq: int = 128) -> list:
+    return [
+        "--tensor-model-parallel-size", str(nproc), "--sequence-parallel",
+        "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", str(seq), "--max-position-embeddings", str(seq),
+        "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-3",
+        "--train-iters", str(ITERS), "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
+        "--transformer-impl", "local", "--distributed-backend", "gloo",
+        "--no-gradient-accumulation-fusion", "--use-cpu-initialization",
+        "--attention-dropout", "0", "--hidden-dropout", "0", "--calculate-per-token-loss",
+        "--no-create-attention-mask-in-dataloader", "--no-persist-layer-norm",
+        "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
+        "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000", "--seed", "1234",
+    ]
+
+
+class Run:
+    def __init__(self, rc, out):
+        self.rc, self.out = rc, out
+        self.losses = {int(m.group(1)): float(m.group(2)) for m in re.finditer(
+            r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|", out)}
+        self.plans = {int(m.group(1)): (m.group(2), m.group(3)) for m in re.finditer(
+            r"\[paradyse\] iteration\s+(\d+) \| seq len: ([0-9,]+) \| plan: (\S+)", out)}
+
+    def check(self):
+        assert self.rc == 0, f"the run failed (rc {self.rc}); last output:\n{self.out[-6000:]}"
+        return self
+
+
+def launch(args: list, nproc: int = 2, timeout: float = RUN_TIMEOUT) -> Run:
+    """``torchrun`` the entry point with Megatron-LM's ``pretrain_gpt.py`` and ``args``; a timeout
+    kills the whole process group (never a hang)."""
+    checkout, _ = _checkout()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "-m", "megatron_paradyse.training.megatron_lm", os.path.join(checkout, "pretrain_gpt.py"), *args]
+    proc = subprocess.Popen(cmd, cwd=_TMP, env=_env(checkout), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"Megatron-LM run timed out after {timeout} s; last output:\n{out[-6000:]}")
+    return Run(proc.returncode, out)
+
+
+def _ckpt_at(src: str, iteration: int) -> str:
+    """A load folder holding only ``src``'s checkpoint of ``iteration`` (Megatron-LM loads the
+    tracker's latest)."""
+    dst = os.path.join(_TMP, f"{os.path.basename(src)}_at{iteration}")
+    if not os.path.isdir(dst):
+        name = f"iter_{iteration:07d}"
+        shutil.copytree(os.path.join(src, name), os.path.join(dst, name))
+        with open(os.path.join(dst, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(iteration))
+    return dst
+
+
+@functools.lru_cache(maxsize=None)
+def run(name: str, nproc: int = 2) -> Run:
+    """One run per configuration, shared by the tests."""
+    data = ["--mock-data", "--paradyse-document-data"]
+    para = ["--paradyse", "--paradyse-plan", PLAN]
+    save = lambda tag: ["--save", os.path.join(_TMP, f"{tag}{nproc}"), "--save-interval", str(SAVE_AT)]  # noqa: E731
+    if name == "stock":
+        args = data + save("stock")
+    elif name == "paradyse":
+        args = data + para + (save("paradyse") if FULL else [])  # its checkpoint: FULL only
+    elif name == "paradyse_from_stock":
+        run("stock", nproc).check()
+        args = data + para + ["--load", _ckpt_at(os.path.join(_TMP, f"stock{nproc}"), SAVE_AT)]
+    elif name == "stock_from_paradyse":
+        run("paradyse", nproc).check()
+        args = data + ["--load", _ckpt_at(os.path.join(_TMP, f"paradyse{nproc}"), SAVE_AT)]
+    else:
+        raise KeyError(name)
+    return launch(model_flags(nproc) + args, nproc)
+
+
+def _assert_close(got: dict, want: dict, iterations, what: str):
+    for i in iterations:
+        assert i in got and i in want, f"{what}: iteration {i} missing (got {sorted(got)}, want {sorted(want)})"
+        rel = abs(got[i] - want[i]) / abs(want[i])
+        assert rel < 1e-5, f"{what}: iteration {i}: lm loss {got[i]} vs {want[i]} (rel {rel:.2e})"
+
+
+def _resumed_expected(stock: dict) -> dict:
+    """Megatron-LM's log after a resume at SAVE_AT: its second line (SAVE_AT + 2) prints the mean
+    of the first two iterations' losses (measured with stock Megatron-LM resuming its own
+    checkpoint, core_v0.16.1: 6.049054 = (6.055610 + 6.042497) / 2); every other line is the
+    iteration's own loss. The weights are unaffected: later iterations equal the uninterrupted run."""
+    want = dict(stock)
+    want[SAVE_AT + 2] = (stock[SAVE_AT + 1] + stock[SAVE_AT + 2]) / 2
+    return want
+
+
+def test_stock_and_paradyse_losses_equal():
+    stock, para = run("stock").check(), run("paradyse").check()
+    _assert_close(para.losses, stock.losses, range(1, ITERS + 1), "--paradyse vs stock Megatron-LM")
+    # the plugin really switched: per-micro-batch plans, several, mixed per layer
+    assert not stock.plans, "the stock run must not run the plugin's forward step"
+    assert sorted(para.plans) == list(range(1, ITERS + 1))
+    plans = {p for _, line in para.plans.values() for p in line.split(",")}
+    assert len(plans) >= 3 and any("+" in p for p in plans), plans
+    assert any(len(set(line.split(","))) > 1 for _, line in para.plans.values()), \
+        "plans must change between the micro-batches of one step"
+    lengths = {int(s) for lens, _ in para.plans.values() for s in lens.split(",")}
+    assert len(lengths) >= 5 and all(s % 2 == 0 for s in lengths), lengths
+    # Megatron-LM parsed the plugin's flags with its own (argparse would refuse a collision)
+    assert re.search(r"paradyse_plan \.+ " + re.escape(PLAN), para.out)
+
+
+def test_stock_checkpoint_resumes_with_paradyse():
+    """Megatron-LM's own save_checkpoint (stock run, iteration 5) loaded by a --paradyse run."""
+    stock, resumed = run("stock").check(), run("paradyse_from_stock").check()
+    assert "successfully loaded checkpoint" in resumed.out
+    assert sorted(resumed.plans) == list(range(SAVE_AT + 1, ITERS + 1))
+    _assert_close(resumed.losses, _resumed_expected(stock.losses), range(SAVE_AT + 1, ITERS + 1),
+                  "--paradyse resumed from a stock checkpoint vs the stock run")
+
+
+full = pytest.mark.skipif(not FULL, reason="the longer Megatron-LM checks run with PARADYSE_MEGATRON_LM_FULL=1 "
+                                           "(bash scripts/test_megatron_lm.sh)")
+
+
+@full
+def test_paradyse_checkpoint_resumes_stock():
+    """The reverse: a --paradyse run's checkpoint loaded by stock Megatron-LM."""
+    stock, resumed = run("stock").check(), run("stock_from_paradyse").check()
+    assert "successfully loaded checkpoint" in resumed.out and not resumed.plans
+    _assert_close(resumed.losses, _resumed_expected(stock.losses), range(SAVE_AT + 1, ITERS + 1),
+                  "stock resumed from a --paradyse checkpoint vs the stock run")
+
+
+@full
+def test_indexed_dataset():
+    """An IndexedDataset (--data-path): Megatron-LM's own GPTDataset (packed, fixed length) and
+    the plugin's one-document-per-sample view; stock and --paradyse equal in both."""
+    import numpy as np
+
+    from megatron_paradyse.data import write_indexed_dataset
+
+    prefix = os.path.join(_TMP, "docs")
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(1, 250, size=int(n)) for n in rng.integers(8, 200, size=120)]
+    write_indexed_dataset(prefix, docs, vocab_size=256)
+    base = model_flags(2) + ["--data-path", prefix, "--split", "100,0,0"]
+    para = ["--paradyse", "--paradyse-plan", "tp_sp+ulysses+ring+metp"]
+    for extra in ([], ["--paradyse-document-data"]):
+        stock = launch(base + extra).check()
+        got = launch(base + extra + para).check()
+        assert len(stock.losses) == ITERS
+        _assert_close(got.losses, stock.losses, range(1, ITERS + 1), f"indexed dataset {extra}")
+
+
+@full
+def test_bad_plan_is_a_clear_error_on_every_rank():
+    out = launch(model_flags(2) + ["--mock-data", "--paradyse", "--paradyse-plan", "tp_sp,nope"])
+    assert out.rc != 0
+    assert out.out.count("--paradyse-plan 'tp_sp,nope'") >= 2, out.out[-4000:]  # both ranks
+    assert "initializing torch distributed" not in out.out and "already initialized" not in out.out
