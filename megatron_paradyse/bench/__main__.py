@@ -54,6 +54,10 @@ def build_parser():
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds before the world is killed")
     ap.add_argument("--simulate", action="store_true",
                     help="no training: the analytic H100 x 8 simulation of a 7B-like model")
+    ap.add_argument("--memory-pass", choices=("separate", "same"), default="separate",
+                    help="separate (default): time the step untracked, measure the peak on a second "
+                         "tracked forward+backward; same: one tracked step (half the cost, the "
+                         "tracker's overhead in the times)")
     ap.add_argument("--quiet", action="store_true")
     return ap
 
@@ -97,7 +101,7 @@ def main(argv=None) -> int:
                budget_bytes=budget, systems=systems, cost_model=a.cost_model,
                margin_bytes=None if a.margin_mib is None else a.margin_mib * (1 << 20),
                search=a.max_seq_len_search, search_cap=a.search_cap, search_probes=a.search_probes,
-               search_resolution=a.search_resolution, verbose=not a.quiet)
+               search_resolution=a.search_resolution, verbose=not a.quiet, memory_pass=a.memory_pass)
     print(f"> benchmark: {len(systems)} systems x {a.steps} steps on {a.p} gloo ranks, demo shape, "
           f"data {prefix}, budget {budget / (1 << 20):.1f} MiB per rank ({why})", flush=True)
     t0 = time.perf_counter()
@@ -113,7 +117,7 @@ def main(argv=None) -> int:
         if a.data_path is None else f"p={a.p}, {a.steps} steps, {prefix}",
         command="python -m megatron_paradyse.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
         wall_seconds=wall, measured_seconds=out["seconds"], budget_bytes=budget, budget_source=why,
-        p=a.p, steps=a.steps, seq_length=a.seq_length, data=prefix, long_docs=a.long_docs,
+        memory_pass=a.memory_pass, p=a.p, steps=a.steps, seq_length=a.seq_length, data=prefix, long_docs=a.long_docs,
         notes=out["notes"] + ["stock = megatron-core's own TP+SP layer: on CPU its attention is the "
                               "unfused DotProductAttention (s x s scores); tp_sp is the same layer "
                               "with the plugin's memory-linear attention kernel",
