@@ -1,0 +1,429 @@
+"""The analytic cost model: per-strategy memory formulas, static memory, roofline time.
+
+Memory (per rank, one decoder layer, micro-batch ``b`` of padded length ``s``): every term is
+a tensor the strategy's code creates, written in the layer's geometry. With ``t = s*b/p``
+local tokens, ``e`` bytes per element, ``qw = (heads + 2*groups) * head_dim`` (QKV width),
+``kv = groups * head_dim``, ``f1`` = ffn (GELU) or 2*ffn (SwiGLU):
+
+* a tensor ``[s, b, w/p]`` (full sequence, 1/p of the width: ``tp_sp``, ``ulysses``'s
+  head-sharded attention) and a tensor ``[s/p, b, w]`` (local tokens, full width: the
+  sequence-sharded strategies) both hold ``t*w*e`` bytes, so one basis serves all;
+* ``colossal``'s score rows ``[b, heads, s/p, s]`` hold ``heads*t*s`` elements;
+* gathered / travelling weights are ``W`` (whole matrix) or ``W/p`` (one TP shard).
+
+``BASIS`` lists the terms; ``SAVED`` and ``TRANSIENT`` give, per strategy, how many of each
+the layer holds. The coefficients were read off the strategies' code (``tp_sp``: megatron's
+own linears save the local input and re-gather; the ZeRO strategies save local tokens;
+``metp`` saves only its input) and checked against the CPU live-bytes tracker
+(:mod:`megatron_paradyse.parallel.memory`), which also found the implementation's extra
+copies (contiguous copies after permutes, a bias-free row-parallel output kept by autograd,
+SwiGLU's chunked gate); ``tests/test_costmodel_analytic.py`` holds the result to 5% at
+p = 2 and 4 over several shapes. Ranks differ (the causal ring's later ranks do more);
+the formulas give the largest rank, which is what a memory budget needs.
+
+Time: a roofline (``flops / peak + bytes / memory bandwidth``) plus an alpha-beta model of the
+strategy's collectives (``configs/interconnects.json``). It is a coarse fallback used only
+when no fitted model exists; its constants (``configs/hardware.json``) are datasheet numbers.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+from .base import CostModel, LayerCost
+from .shape import ModelShape
+
+STRATEGIES = ("tp_sp", "ulysses", "ring", "colossal", "metp")
+_CONFIGS = os.path.join(os.path.dirname(__file__), "configs")
+
+
+def load_config(name: str, path: str | None = None) -> dict:
+    path = path or os.path.join(_CONFIGS, name)
+    with open(path) as f:
+        return json.load(f)
+
+
+def basis(shape: ModelShape, s: int, b: int) -> dict:
+    """The memory terms (bytes) of one layer at ``(s, b)`` for ``shape``."""
+    p, e, h, n = shape.p, shape.elt, shape.hidden, shape.heads
+    d, g, f = shape.head_dim, shape.query_groups, shape.ffn
+    f1 = 2 * f if shape.swiglu else f
+    qw, kv = shape.qkv_width, g * d
+    t = s * b / p
+    w_qkv, w_proj, w_fc1, w_fc2 = h * qw * e, h * n * d * e, h * f1 * e, f * h * e
+    return {
+        "t*h": t * h * e,                      # one [s/p, b, h] (or [s, b, h/p]) activation
+        "T*h": s * b * h * e,                  # one [s, b, h]: a gathered full-sequence activation
+        "t*qw": t * qw * e,                    # mixed QKV of local tokens, all heads
+        "t*kv": t * kv * e,                    # one of K / V
+        "t*f": t * f * e,                      # one FFN-wide activation
+        "t*f1": t * f1 * e,                    # fc1's output (2*ffn wide under SwiGLU)
+        "t*h*nobias": t * h * e * (not shape.bias),
+        "t*f*swiglu": t * f * e * shape.swiglu,
+        "t*qw/p": t * qw * e / p,              # one head group's QKV (metp)
+        "t*h/p": t * h * e / p,
+        "t*f1/p": t * f1 * e / p,              # one shard's intermediate (metp)
+        "t*f/p": t * f * e / p,
+        "t*kv/p": t * kv * e / p,
+        "t*lse": t * n * 4,                    # log-sum-exp rows, fp32
+        "t*4": t * 4,                          # one fp32 per local token (layernorm statistics)
+        "rope": 2 * s * d * 4,                 # RoPE cos and sin over the whole sequence (fp32)
+        "rope/p": 2 * s * d * 4 / p,           # ... over the local tokens' positions
+        "rows": n * t * s * e,                 # colossal's probabilities [b, heads, s/p, s] (t includes b)
+        "rows32": n * t * s * 4,           # its fp32 score / dS buffers
+        "W_attn": w_qkv + w_proj,              # gathered attention weights
+        "W_qkv": w_qkv, "W_fc1": w_fc1, "W_fc2": w_fc2,
+        "W_mlp": w_fc1 + w_fc2,
+        "W_qkv/p": w_qkv / p, "W_mlp/p": (w_fc1 + w_fc2) / p, "W_attn/p": (w_qkv + w_proj) / p,
+        "W_f1/p": w_fc1 / p,
+    }
+
+
+# Per strategy: {term: count} of the bytes the layer keeps for its backward (largest rank).
+# Read off the code and equal to the tracker's measurement at p = 2 and 4 (see SAVED_NOTES).
+SAVED = {
+    "tp_sp": {
+        "t*h": 7,
+        "t*kv": 3,
+        "rope": 2,
+        "t*f1": 2,
+        "t*f*swiglu": 1,
+        "t*lse": 1,
+        "t*4": 4
+    },
+    "ulysses": {
+        "t*h": 7,
+        "t*kv": 2,
+        "rope/p": 2,
+        "t*f1": 2,
+        "t*f*swiglu": 1,
+        "t*lse": 1,
+        "t*4": 4
+    },
+    "ring": {
+        "t*h": 6,
+        "t*kv": 2,
+        "rope/p": 2,
+        "t*f1": 2,
+        "t*f*swiglu": 1,
+        "t*lse": 1,
+        "t*4": 4
+    },
+    "colossal": {
+        "t*h": 6,
+        "t*kv": 2,
+        "rope/p": 2,
+        "t*f1": 2,
+        "t*f*swiglu": 1,
+        "t*4": 4,
+        "rows": 1
+    },
+    "metp": {
+        "t*h": 4,
+        "t*4": 4
+    },
+}
+
+SAVED_NOTES = {
+    "common": "layer input's two layernorm outputs and the residual sums (t*h each), layernorm "
+              "mean/rstd (4 fp32 per token), the MLP: fc1 output + activation output (2 t*f1; "
+              "SwiGLU keeps its gate's silu too: + t*f), the layer output",
+    "tp_sp": "megatron's linears save the local input (gathered again in backward); QKV [s, b, qw/p], "
+             "RoPE'd q and k, flash out + lse, the projection input (a copy after the permute); RoPE "
+             "cos/sin for q and k over the whole sequence",
+    "ulysses": "q, k, v after the all-to-all, flash out + lse, the gathered-back context; RoPE over "
+               "local positions",
+    "ring": "local q, k, v, the merged out (fp32) and lse, the context; no all-to-all copy",
+    "colossal": "local q, k, v and the probabilities [b, heads, s/p, s] instead of out/lse",
+    "metp": "only the attention and MLP inputs (recomputed in backward), the residuals and output",
+}
+
+# Transient: the layer's peak above its saved bytes is the larger of its attention phase (plus
+# the residual gradient held meanwhile, t*h) and its MLP phase. Each phase is a non-negative
+# least-squares fit on the basis to the tracker's measurement of that phase (attention alone,
+# MLP alone) over 5 shapes, p = 2 and 4, s = 256..1024, b = 1 and 2: the phases mix gathered
+# weights, communication slots and recomputed activations, and which dominates changes with
+# the shape, so these coefficients are fitted, not derived (their error is in
+# docs/costmodel.md; a layer stack's peak is within 5% in tests/test_costmodel_analytic.py).
+TRANSIENT = {
+    "tp_sp": {
+        "attn": {
+            "T*h": 0.991,
+            "t*h": 2.908,
+            "t*kv": 2.127,
+            "W_qkv": 0.016,
+            "W_attn/p": 0.699,
+            "W_mlp/p": 0.003,
+            "t*qw/p": 0.005
+        },
+        "mlp": {
+            "T*h": 1.232,
+            "t*f1": 0.911,
+            "t*f*swiglu": 0.535,
+            "rows32": 0.005,
+            "W_fc2": 0.239,
+            "W_attn/p": 0.297,
+            "t*f1/p": 1.137
+        }
+    },
+    "ulysses": {
+        "attn": {
+            "t*h": 3.45,
+            "t*kv": 0.681,
+            "t*f*swiglu": 0.108,
+            "W_qkv": 1.229,
+            "rope/p": 0.487,
+            "t*qw/p": 0.849
+        },
+        "mlp": {
+            "T*h": 0.056,
+            "t*h": 1.343,
+            "t*f1": 0.942,
+            "t*f*swiglu": 1.073,
+            "rows32": 0.003,
+            "W_fc2": 1.159,
+            "W_attn/p": 0.443,
+            "t*f1/p": 0.525
+        }
+    },
+    "ring": {
+        "attn": {
+            "t*h": 15.017,
+            "t*f1": 0.008,
+            "W_mlp/p": 0.003
+        },
+        "mlp": {
+            "T*h": 0.099,
+            "t*h": 0.946,
+            "t*f1": 0.914,
+            "t*f*swiglu": 1.132,
+            "rows32": 0.004,
+            "W_fc2": 1.089,
+            "W_attn/p": 1.01,
+            "t*f1/p": 0.538
+        }
+    },
+    "colossal": {
+        "attn": {
+            "rows32": 1.413,
+            "rope/p": 0.021,
+            "t*qw/p": 3.39,
+            "t*f1/p": 0.672
+        },
+        "mlp": {
+            "T*h": 0.056,
+            "t*h": 1.343,
+            "t*f1": 0.942,
+            "t*f*swiglu": 1.073,
+            "rows32": 0.003,
+            "W_fc2": 1.159,
+            "W_attn/p": 0.443,
+            "t*f1/p": 0.525
+        }
+    },
+    "metp": {
+        "attn": {
+            "t*h": 6.293,
+            "W_attn/p": 0.98,
+            "rope/p": 0.959,
+            "t*qw/p": 5.618,
+            "t*f1/p": 0.062
+        },
+        "mlp": {
+            "T*h": 0.038,
+            "t*h": 0.084,
+            "t*f1": 0.116,
+            "rows32": 0.024,
+            "W_fc2": 0.94,
+            "W_mlp/p": 2.192,
+            "t*f1/p": 5.661
+        }
+    }
+}
+
+
+def layer_memory(strategy: str, shape: ModelShape, s: int, b: int) -> tuple[float, float]:
+    """(saved bytes, transient bytes) of one layer, largest rank."""
+    if strategy not in SAVED:
+        raise KeyError(f"no analytic memory model for strategy {strategy!r} (known: {sorted(SAVED)})")
+    B = basis(shape, s, b)
+    saved = sum(c * B[k] for k, c in SAVED[strategy].items())
+    phases = TRANSIENT[strategy]
+    attn = sum(c * B[k] for k, c in phases["attn"].items()) + B["t*h"]
+    mlp = sum(c * B[k] for k, c in phases["mlp"].items())
+    trans = max(attn, mlp)
+    return float(saved), float(trans)
+
+
+# ------------------------------------------------------------------------------------------
+# static and non-layer memory
+
+
+def param_counts(shape: ModelShape) -> dict:
+    """Parameters on one rank: sharded by TP (``/p``) and replicated (norms, row biases)."""
+    p, h, f, qw = shape.p, shape.hidden, shape.ffn, shape.qkv_width
+    f1 = 2 * f if shape.swiglu else f
+    sharded = h * qw + h * h + h * f1 + f * h + (qw + f1 if shape.bias else 0)
+    replicated = 4 * h + (2 * h if shape.bias else 0)
+    per_layer = sharded / p + replicated
+    embed = shape.vocab * h / p
+    output = shape.vocab * h / p
+    return {"layers": shape.num_layers * per_layer, "embedding": embed, "output": output,
+            "final_norm": 2 * h, "per_layer": per_layer}
+
+
+def static_bytes(shape: ModelShape, optimizer: str = "adam") -> float:
+    """Weights, gradients and optimizer state on one rank.
+
+    fp32: param 4 + grad 4 + Adam moments 8 = 16 bytes per parameter. bf16 (megatron's mixed
+    precision): param 2 + fp32 main grad 4 + fp32 master 4 + Adam 8 = 18 bytes.
+    """
+    pc = param_counts(shape)
+    n = pc["layers"] + pc["embedding"] + pc["output"] + pc["final_norm"]
+    per = 16 if shape.dtype == "fp32" else 18
+    if optimizer == "none":
+        per = 2 * shape.elt if shape.dtype == "fp32" else shape.elt + 4
+    return float(n * per)
+
+
+def nonlayer_memory(shape: ModelShape, s: int, b: int) -> tuple[float, float]:
+    """(saved, transient) bytes of the embedding, final norm, output layer and loss."""
+    p, e, h, V = shape.p, shape.elt, shape.hidden, shape.vocab
+    t = s * b / p
+    T = s * b
+    logits = T * V / p
+    saved = NONLAYER_SAVED["t*h"] * t * h * e + NONLAYER_SAVED["T*V/p"] * logits * 4 \
+        + NONLAYER_SAVED["T"] * T * 4 + NONLAYER_SAVED["t*4"] * t * 4
+    trans = NONLAYER_TRANSIENT["T*V/p"] * logits * 4 + NONLAYER_TRANSIENT["t*h"] * t * h * e \
+        + NONLAYER_TRANSIENT["T"] * T * 4
+    return float(saved), float(trans)
+
+
+NONLAYER_SAVED = {"t*h": 0.0, "T*V/p": 0.0, "T": 0.0, "t*4": 0.0}
+NONLAYER_TRANSIENT = {"T*V/p": 0.0, "t*h": 0.0, "T": 0.0}
+
+
+# ------------------------------------------------------------------------------------------
+# time: roofline + alpha-beta collectives
+
+
+def layer_flops(strategy: str, shape: ModelShape, s: int, b: int) -> float:
+    """fwd+bwd FLOPs of one layer on the busiest rank."""
+    p, h, f, qw = shape.p, shape.hidden, shape.ffn, shape.qkv_width
+    f1 = 2 * f if shape.swiglu else f
+    T = s * b
+    t = T / p
+    lin = 2 * T * (h * qw + h * h + h * f1 + f * h) / p
+    # causal attention, QK^T and PV: balanced strategies do half of s*s per head
+    if strategy in ("tp_sp", "ulysses"):
+        att = 2 * 2 * T * s * h / p / 2
+    else:  # contiguous ring split: the last rank attends over all s
+        att = 2 * 2 * t * s * h * (1 - 1 / (2 * p))
+    fwd = lin + att
+    total = 3 * fwd
+    if strategy == "metp":  # recomputes the forward of attention and fc1 in backward
+        total += fwd
+    return total
+
+
+def comm_ops(strategy: str, shape: ModelShape, s: int, b: int) -> list:
+    """The layer's collectives (fwd + bwd) as ``(kind, bytes per rank, count)``.
+
+    kinds: ``allgather`` / ``reducescatter`` (bytes = the full tensor), ``alltoall`` (bytes =
+    one rank's buffer), ``p2p`` (one ring hop), ``broadcast`` / ``reduce`` (bytes = the tensor).
+    """
+    p, e, h, f = shape.p, shape.elt, shape.hidden, shape.ffn
+    qw, kv = shape.qkv_width, shape.query_groups * shape.head_dim
+    f1 = 2 * f if shape.swiglu else f
+    T = s * b
+    t = T / p
+    w = [h * qw * e, h * h * e, h * f1 * e, f * h * e]
+    if p == 1:
+        return []
+    if strategy == "tp_sp":
+        return [("allgather", T * h * e, 6), ("reducescatter", T * h * e, 4)]
+    ops = []
+    if strategy in ("ulysses", "ring", "colossal"):
+        for wb in w:
+            ops += [("allgather", wb, 2), ("reducescatter", wb * 4 / e, 1)]
+    if strategy == "ulysses":
+        ops += [("alltoall", t * (qw + h) * e, 2)]
+    elif strategy == "ring":
+        ops += [("p2p", 2 * t * kv * e, 2 * (p - 1)), ("p2p", 2 * t * kv * 4, p)]
+    elif strategy == "colossal":
+        ops += [("p2p", t * kv * e, 4 * (p - 1)), ("p2p", t * kv * 4, 2 * p)]
+    elif strategy == "metp":
+        attn_shard = (w[0] + w[1]) / p
+        mlp_shard = (w[2] + w[3]) / p
+        ops += [("broadcast", attn_shard, 2 * p), ("reduce", attn_shard * 4 / e, p),
+                ("p2p", 2 * t * kv / p * e, 3 * p * (p - 1)), ("p2p", 2 * t * kv / p * 4, p * p),
+                ("p2p", mlp_shard, 2 * (p - 1)), ("p2p", mlp_shard * 4 / e, p)]
+    return ops
+
+
+def collective_seconds(kind: str, nbytes: float, p: int, net: dict) -> float:
+    a, bw = net["alpha"], net["bandwidth"]
+    if p == 1:
+        return 0.0
+    if kind in ("allgather", "reducescatter", "alltoall"):
+        return (p - 1) * a + (p - 1) / p * nbytes / bw
+    if kind == "p2p":
+        return a + nbytes / bw
+    if kind in ("broadcast", "reduce"):
+        return math.ceil(math.log2(p)) * a + nbytes / bw
+    raise ValueError(f"unknown collective kind {kind!r}")
+
+
+def comm_seconds(strategy: str, shape: ModelShape, s: int, b: int, net: dict) -> float:
+    return sum(c * collective_seconds(k, nb, shape.p, net) for k, nb, c in comm_ops(strategy, shape, s, b))
+
+
+class AnalyticCostModel(CostModel):
+    """Memory from the formulas above; time from a roofline + alpha-beta collectives."""
+
+    kind = "analytic"
+
+    def __init__(self, shape: ModelShape, hardware: str = "cpu", hardware_path: str | None = None,
+                 interconnect: str | None = None, interconnect_path: str | None = None,
+                 optimizer: str = "adam"):
+        self.shape = shape
+        self.strategies = STRATEGIES
+        self.num_layers = shape.num_layers
+        hw_all = load_config("hardware.json", hardware_path)
+        if hardware not in hw_all:
+            raise ValueError(f"unknown hardware {hardware!r} in {hardware_path or 'hardware.json'}: "
+                             f"{sorted(k for k in hw_all if not k.startswith('_'))}")
+        self.hw = hw_all[hardware]
+        nets = load_config("interconnects.json", interconnect_path)
+        name = interconnect or self.hw["interconnect"]
+        if name not in nets:
+            raise ValueError(f"unknown interconnect {name!r}: {sorted(k for k in nets if not k.startswith('_'))}")
+        self.net = nets[name]
+        self.optimizer = optimizer
+
+    def _check(self, strategy, s, b):
+        if strategy not in self.strategies:
+            raise KeyError(f"unknown strategy {strategy!r}; the model knows {self.strategies}")
+        if s < 1 or b < 1 or s % self.shape.p:
+            raise ValueError(f"need s >= 1 divisible by p={self.shape.p} and b >= 1 (got s={s}, b={b})")
+
+    def layer(self, strategy: str, s: int, b: int) -> LayerCost:
+        self._check(strategy, s, b)
+        saved, trans = layer_memory(strategy, self.shape, s, b)
+        flops = layer_flops(strategy, self.shape, s, b)
+        secs = flops / self.hw["flops"][self.shape.dtype] + 3 * (saved + trans) / self.hw["mem_bw"] \
+            + comm_seconds(strategy, self.shape, s, b, self.net)
+        return LayerCost(secs, saved, trans)
+
+    def static_bytes(self) -> float:
+        return static_bytes(self.shape, self.optimizer)
+
+    def nonlayer(self, s: int, b: int) -> LayerCost:
+        sh = self.shape
+        saved, trans = nonlayer_memory(sh, s, b)
+        T = s * b
+        flops = 3 * 2 * 2 * T * sh.hidden * sh.vocab / sh.p  # output layer; embedding is a gather
+        opt = 16 * (param_counts(sh)["layers"] + 2 * sh.vocab * sh.hidden / sh.p) / self.hw["mem_bw"]
+        secs = flops / self.hw["flops"][sh.dtype] + 3 * (saved + trans) / self.hw["mem_bw"] + opt
+        return LayerCost(secs, saved, trans)

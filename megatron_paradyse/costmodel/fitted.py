@@ -1,0 +1,199 @@
+"""The fitted cost model: load, check and predict (``fit.py`` makes one from a profile).
+
+Files: ``MODEL`` (a JSON metadata file) and, beside it, one XGBoost model per strategy and
+target in XGBoost's own JSON format (``<stem>.<strategy>.<target>.xgb.json``). The metadata
+records the shape, p, dtype, strategy set, the profiled range and every file's SHA-256, so a
+truncated, corrupt or swapped file is refused with its name.
+
+Prediction of a target ``y`` (layer seconds, saved bytes, transient bytes) at ``(s, b)``:
+
+* a physics model ``phi(s, b)``: time, least squares on ``[1, b*s, b*s^2]`` (the degree in s,
+  1 or 2, chosen by AIC); memory, the analytic formula scaled to the profile
+  (``a * analytic(s, b) + c``);
+* inside the profiled range, times ``1 + r(s, b)``, ``r`` an XGBoost regressor of the residual
+  ratio ``measured / phi - 1``;
+* beyond the largest profiled length ``s_max``: ``phi(s, b) * (1 + r(s_max, b))``, which
+  continues the physics curve and meets the in-range prediction at ``s_max``.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+
+import numpy as np
+
+from .base import CostModel, LayerCost
+from .shape import ModelShape
+
+FORMAT = "paradyse-costmodel/1"
+TARGETS = ("seconds", "saved_bytes", "transient_bytes")
+SHIPPED_DIR = os.path.join(os.path.dirname(__file__), "models")
+
+
+class CostModelFileError(ValueError):
+    """A model file is missing, truncated, corrupt or does not match the run."""
+
+
+def sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def time_features(s, b, degree: int):
+    s = np.asarray(s, float)
+    b = np.asarray(b, float)
+    cols = [np.ones_like(s), b * s]
+    if degree >= 2:
+        cols.append(b * s * s)
+    return np.stack(cols, axis=-1)
+
+
+def xgb_features(s, b):
+    s = np.asarray(s, float)
+    b = np.asarray(b, float)
+    return np.stack([s, b, b * s, b * s * s, np.log(s)], axis=-1)
+
+
+XGB_FEATURES = ("s", "b", "b*s", "b*s^2", "log_s")
+
+
+class FittedCostModel(CostModel):
+    kind = "fitted"
+
+    def __init__(self, meta: dict, boosters: dict, path: str):
+        self.meta = meta
+        self.path = path
+        self.shape = ModelShape.from_dict(meta["shape"])
+        self.strategies = tuple(meta["strategies"])
+        self.num_layers = self.shape.num_layers
+        self.boosters = boosters
+        self._cache: dict = {}
+
+    # ---------------------------------------------------------------- loading
+    @classmethod
+    def load(cls, path: str, shape: ModelShape | None = None, strategies=None) -> "FittedCostModel":
+        """Load ``path`` (the metadata JSON); with ``shape``, refuse a model made for another."""
+        if not os.path.isfile(path):
+            raise CostModelFileError(f"cost model file {path!r} does not exist")
+        try:
+            with open(path) as f:
+                meta = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise CostModelFileError(f"cost model file {path!r} is truncated or corrupt (not valid JSON: {exc})") from None
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise CostModelFileError(f"cost model file {path!r} is not a {FORMAT} metadata file "
+                                     f"(format={meta.get('format') if isinstance(meta, dict) else type(meta).__name__!r})")
+        for key in ("shape", "strategies", "targets", "files", "s_max"):
+            if key not in meta:
+                raise CostModelFileError(f"cost model file {path!r} lacks the field {key!r}")
+        try:
+            mshape = ModelShape.from_dict(meta["shape"])
+        except (TypeError, ValueError) as exc:
+            raise CostModelFileError(f"cost model file {path!r}: bad shape ({exc})") from None
+        if shape is not None and mshape != shape:
+            diffs = [f"{k}: model {getattr(mshape, k)!r} vs run {getattr(shape, k)!r}"
+                     for k in mshape.key() if getattr(mshape, k) != getattr(shape, k)]
+            raise CostModelFileError(f"cost model file {path!r} was made for another model shape: "
+                                     + "; ".join(diffs))
+        if strategies is not None and set(strategies) - set(meta["strategies"]):
+            raise CostModelFileError(f"cost model file {path!r} covers strategies {meta['strategies']}, "
+                                     f"the run needs {sorted(strategies)}")
+        import xgboost as xgb
+
+        base = os.path.dirname(os.path.abspath(path))
+        boosters = {}
+        for name, digest in meta["files"].items():
+            fpath = os.path.join(base, name)
+            if not os.path.isfile(fpath):
+                raise CostModelFileError(f"cost model {path!r}: its file {fpath!r} is missing")
+            if sha256(fpath) != digest:
+                raise CostModelFileError(f"cost model {path!r}: file {fpath!r} is truncated or corrupt "
+                                         "(its SHA-256 differs from the one recorded when it was saved)")
+            bst = xgb.Booster()
+            try:
+                bst.load_model(fpath)
+            except Exception as exc:  # noqa: BLE001 - xgboost raises its own error types
+                raise CostModelFileError(f"cost model {path!r}: XGBoost cannot read {fpath!r} ({exc})") from None
+            boosters[name] = bst
+        for st in meta["strategies"]:
+            for tg in TARGETS:
+                if tg not in meta["targets"].get(st, {}):
+                    raise CostModelFileError(f"cost model file {path!r} lacks target {tg!r} of strategy {st!r}")
+        return cls(meta, boosters, path)
+
+    # ---------------------------------------------------------------- predicting
+    def _phi(self, st, tg, s, b):
+        spec = self.meta["targets"][st][tg]["physics"]
+        if spec["kind"] == "poly":
+            return float(time_features(s, b, spec["degree"]) @ np.asarray(spec["coef"]))
+        from . import analytic
+
+        sv, tr = analytic.layer_memory(st, self.shape, s, b)
+        x = sv if tg == "saved_bytes" else tr
+        a, c = spec["coef"]
+        return float(a * x + c)
+
+    def _ratio(self, st, tg, s, b):
+        spec = self.meta["targets"][st][tg]
+        name = spec.get("xgb")
+        if not name:
+            return 1.0
+        import xgboost as xgb
+
+        r = float(self.boosters[name].predict(xgb.DMatrix(xgb_features([s], [b]),
+                                                          feature_names=list(XGB_FEATURES)))[0])
+        lo, hi = spec.get("ratio_clip", (-0.5, 0.5))
+        return 1.0 + min(max(r, lo), hi)
+
+    def predict(self, st, tg, s, b):
+        s_max = self.meta["s_max"][st]
+        if s <= s_max:
+            return self._phi(st, tg, s, b) * self._ratio(st, tg, s, b)
+        return self._phi(st, tg, s, b) * self._ratio(st, tg, s_max, b)
+
+    def layer(self, strategy: str, s: int, b: int) -> LayerCost:
+        if strategy not in self.strategies:
+            raise KeyError(f"unknown strategy {strategy!r}; the model {self.path!r} knows {self.strategies}")
+        if s < 1 or b < 1 or s % self.shape.p:
+            raise ValueError(f"need s >= 1 divisible by p={self.shape.p} and b >= 1 (got s={s}, b={b})")
+        key = (strategy, s, b)
+        if key not in self._cache:
+            vals = [max(0.0, self.predict(strategy, tg, s, b)) for tg in TARGETS]
+            self._cache[key] = LayerCost(*vals)
+        return self._cache[key]
+
+    def static_bytes(self) -> float:
+        from . import analytic
+
+        return analytic.static_bytes(self.shape)
+
+    def nonlayer(self, s: int, b: int) -> LayerCost:
+        nl = self.meta.get("nonlayer")
+        if not nl:
+            return LayerCost(0.0, 0.0, 0.0)
+        x = np.array([1.0, b * s])
+        return LayerCost(*(max(0.0, float(x @ np.asarray(nl[tg]))) for tg in TARGETS))
+
+    def strategy_limit(self, strategy):
+        """The smallest length at which the profile hit its memory limit (None: none hit)."""
+        return (self.meta.get("limits") or {}).get(strategy)
+
+
+def find_shipped(shape: ModelShape) -> str | None:
+    """The metadata file in the package's ``models/`` whose shape equals ``shape``."""
+    for path in sorted(glob.glob(os.path.join(SHIPPED_DIR, "*.json"))):
+        if path.endswith(".xgb.json"):
+            continue
+        try:
+            with open(path) as f:
+                meta = json.load(f)
+            if meta.get("format") == FORMAT and ModelShape.from_dict(meta["shape"]) == shape:
+                return path
+        except Exception:  # noqa: BLE001 - a broken shipped file is reported when loaded by path
+            continue
+    return None

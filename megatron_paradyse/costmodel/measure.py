@@ -1,0 +1,248 @@
+"""Measuring one decoder layer (and the non-layer part of a step) inside one rank.
+
+Used by the profiler (``profile.py``), the tests and the report. Runs on the real process
+group (gloo / NCCL ranks) or, in single-device mode, as one rank of a fake p-way group
+(:func:`init_fake`). Memory comes from :mod:`megatron_paradyse.parallel.memory` (CUDA peak
+statistics, or the CPU live-tensor tracker), measured after a warm-up pass so that
+persistent buffers (megatron's global memory buffer: the communication pool) are not counted
+(they are reported separately as ``buffer_bytes``).
+
+Definitions (per rank; what ``LayerCost`` predicts):
+
+* ``saved``: bytes the layer's forward leaves alive (its output included: in a stack a layer's
+  output is the next layer's saved input, counted once by the layer that made it);
+* ``transient``: the most live at once during the layer's forward or backward beyond
+  ``saved`` (the output gradient the backward receives is counted, the parameters' already
+  allocated gradients are not).
+"""
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from .shape import ModelShape
+
+_TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def init_fake(rank: int, world: int) -> None:
+    """Make this process rank ``rank`` of a fake ``world``-rank group (torch's fake backend).
+
+    Collectives return at once with meaningless (but finite-shaped) results: shapes, compute
+    and memory are the real rank's; communication time is not measured.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if not 0 <= rank < world:
+        raise ValueError(f"--fake-rank {rank} is outside a world of {world}")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+
+
+def is_fake() -> bool:
+    return dist.is_initialized() and dist.get_backend() == "fake"
+
+
+def build(shape: ModelShape, num_layers: int | None = None, max_seq: int = 8192, seed: int = 1234):
+    """Megatron initialised over the current world (TP = p) and a stock GPT of ``shape``."""
+    import megatron_paradyse as mp
+    from megatron_paradyse.testing import models as T
+
+    if dist.get_world_size() != shape.p:
+        raise ValueError(f"the world has {dist.get_world_size()} ranks, the shape has p={shape.p}")
+    kw = {"create_gloo_process_groups": False} if is_fake() else {}
+    T.init_megatron(shape.p, **kw)
+    mp.install()
+    spec = T.TinyGPT(num_layers=num_layers or shape.num_layers, hidden_size=shape.hidden,
+                     num_attention_heads=shape.heads,
+                     num_query_groups=None if shape.query_groups == shape.heads else shape.query_groups,
+                     ffn_hidden_size=shape.ffn, swiglu=shape.swiglu, bias=shape.bias,
+                     vocab_size=shape.vocab, max_seq_length=max_seq,
+                     params_dtype=_TORCH_DTYPE[shape.dtype])
+    return spec, T.build_gpt(spec, shape.p, seed=seed)
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _barrier():
+    if dist.is_initialized() and not is_fake():
+        dist.barrier()
+
+
+def buffer_bytes() -> int:
+    from megatron.core import parallel_state
+
+    buf = getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None)
+    if buf is None:
+        return 0
+    return int(sum(t.numel() * t.element_size() for t in buf.buffer.values()))
+
+
+def reset_buffers():
+    from megatron.core import parallel_state
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    parallel_state._GLOBAL_MEMORY_BUFFER = GlobalMemoryBuffer()
+
+
+class LayerRunner:
+    """fwd+bwd of decoder layer 0 of ``model`` (whole layer, attention only, MLP only)."""
+
+    def __init__(self, model, shape: ModelShape):
+        self.model, self.shape = model, shape
+        self.layer = model.decoder.layers[0]
+        self.dtype = _TORCH_DTYPE[shape.dtype]
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def _inputs(self, s, b):
+        g = torch.Generator().manual_seed(s * 31 + b)
+        x = torch.randn(s // self.shape.p, b, self.shape.hidden, generator=g).to(self.device, self.dtype)
+        return x.requires_grad_(True), self.model.rotary_pos_emb(s)
+
+    def pass_fn(self, part: str, s: int, b: int):
+        """``(forward, backward)`` closures for ``part`` in {"layer", "attn", "mlp"}."""
+        x, rope = self._inputs(s, b)
+        layer = self.layer
+
+        def forward():
+            if part == "layer":
+                return layer(x, attention_mask=None, rotary_pos_emb=rope)[0]
+            if part == "attn":
+                out, bias = layer.self_attention(x, attention_mask=None, rotary_pos_emb=rope)
+            else:
+                out, bias = layer.mlp(x)
+            return out if bias is None else out + bias
+
+        def backward(out):
+            out.backward(torch.ones_like(out))
+            x.grad = None
+
+        return forward, backward
+
+    def time(self, part, s, b, warmup=1, repeats=3):
+        fwd, bwd = self.pass_fn(part, s, b)
+        times = []
+        for i in range(warmup + repeats):
+            _barrier()
+            _sync()
+            t0 = time.perf_counter()
+            bwd(fwd())
+            _sync()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        return times
+
+    def memory(self, part, s, b):
+        from megatron_paradyse.parallel.memory import PeakMemory
+
+        fwd, bwd = self.pass_fn(part, s, b)
+        bwd(fwd())  # warm-up: persistent buffers and parameter gradients exist from here on
+        gc.collect()
+        _sync()
+        with PeakMemory() as mf:
+            out = fwd()
+            gc.collect()  # garbage in reference cycles would count as saved
+        with PeakMemory() as mb:
+            bwd(out)
+        del out
+        saved = mf.end_bytes
+        peak = max(mf.peak_bytes, mf.end_bytes + mb.peak_bytes)
+        return saved, peak - saved
+
+
+def set_strategy(model, name):
+    import megatron_paradyse as mp
+
+    mp.set_plan(model, [name] * len(model.decoder.layers))
+    reset_buffers()
+
+
+def summarize(times):
+    med = statistics.median(times)
+    spread = (max(times) - min(times)) / med if med > 0 else 0.0
+    return med, spread
+
+
+class NonLayerRunner:
+    """The rest of a step: embedding, final norm, output layer and loss (the decoder's layers
+    removed for the pass), and the optimizer step (Adam over this rank's parameters)."""
+
+    def __init__(self, model, spec, shape: ModelShape):
+        self.model, self.spec, self.shape = model, spec, shape
+
+    def _pass(self, s, b):
+        from megatron_paradyse.testing import models as T
+
+        tok, lab = T.make_batch(self.spec, b, s, seed=s)
+        pos = torch.arange(s).unsqueeze(0).expand_as(tok)
+        model = self.model
+
+        def forward():
+            return model(tok, pos, None, labels=lab).float().mean()
+
+        def backward(loss):
+            loss.backward()
+
+        return forward, backward
+
+    def _without_layers(self):
+        dec = self.model.decoder
+        saved = dec.layers
+        dec.layers = torch.nn.ModuleList()
+        return dec, saved
+
+    def measure(self, s, b, warmup=1, repeats=3):
+        from megatron_paradyse.parallel.memory import PeakMemory
+
+        dec, layers = self._without_layers()
+        try:
+            fwd, bwd = self._pass(s, b)
+            times = []
+            for i in range(warmup + repeats):
+                _barrier()
+                _sync()
+                t0 = time.perf_counter()
+                bwd(fwd())
+                _sync()
+                if i >= warmup:
+                    times.append(time.perf_counter() - t0)
+            gc.collect()
+            with PeakMemory() as mf:
+                out = fwd()
+            with PeakMemory() as mb:
+                bwd(out)
+            del out
+        finally:
+            dec.layers = layers
+        saved = mf.end_bytes
+        peak = max(mf.peak_bytes, mf.end_bytes + mb.peak_bytes)
+        return times, saved, peak - saved
+
+    def optimizer_times(self, warmup=1, repeats=3):
+        params = [p for p in self.model.parameters()]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        opt = torch.optim.Adam(params, lr=1e-9)
+        times = []
+        for i in range(warmup + repeats):
+            _sync()
+            t0 = time.perf_counter()
+            opt.step()
+            _sync()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        del opt
+        return times
+
+
+def param_bytes(model) -> int:
+    return int(sum(p.numel() * p.element_size() for p in model.parameters()))

@@ -1,0 +1,368 @@
+"""The profiler: one decoder layer per strategy over a sweep of (s, b), on the real process
+group or as one rank of a fake one; writes one JSON-lines file.
+
+    python -m megatron_paradyse.costmodel profile --nproc 4 --hidden-size 128 \
+        --num-attention-heads 8 --ffn-hidden-size 512 --num-layers 4 --vocab-size 258 \
+        --seqs 128,256,512,1024,2048,4096 --batches 1,2 -o profile.jsonl
+
+Under ``torchrun`` (``WORLD_SIZE`` set) it uses the launched ranks (NCCL on GPUs, gloo on
+CPU); else ``--nproc N`` spawns N gloo ranks on this machine (megatron_paradyse.testing.spawn);
+``--fake-world p --fake-rank r`` runs in this one process as rank r of a fake p-rank group
+(compute and memory measured, communication time from ``configs/interconnects.json``).
+
+Lines: a header (``type: header``: shape, p, dtype, hardware, versions, mode, sweep), then one
+``type: layer`` line per (strategy, s, b) with the median and spread of fwd+bwd time of the
+whole layer, the attention and the MLP, saved and transient bytes (max over ranks); ``type:
+limit`` where a strategy's sweep stopped (memory limit reached, or out of memory on GPU);
+``type: nonlayer`` per (s, b) (embedding, output layer and loss; optimizer step); a footer
+with the duration. Progress and the estimated time left go to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+from .shape import ModelShape, pad_vocab
+
+FORMAT = "paradyse-profile/1"
+
+
+def add_shape_args(ap):
+    g = ap.add_argument_group("model shape (Megatron-LM flag names)")
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=128)
+    g.add_argument("--num-attention-heads", type=int, default=8)
+    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--ffn-hidden-size", type=int, default=None)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--vocab-size", type=int, default=258, help="unpadded; padded like megatron")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--tensor-model-parallel-size", "--p", dest="p", type=int, default=None)
+    g.add_argument("--bf16", action="store_true")
+
+
+def shape_from_args(args, p: int) -> ModelShape:
+    return ModelShape(num_layers=args.num_layers, hidden=args.hidden_size, heads=args.num_attention_heads,
+                      query_groups=args.num_query_groups or args.num_attention_heads,
+                      ffn=args.ffn_hidden_size or 4 * args.hidden_size, swiglu=args.swiglu,
+                      bias=not args.disable_bias_linear,
+                      vocab=pad_vocab(args.vocab_size, p, args.make_vocab_size_divisible_by), p=p,
+                      dtype="bf16" if args.bf16 else "fp32")
+
+
+def parse_ints(text: str, what: str) -> list:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"error: {what} must be comma-separated integers, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise SystemExit(f"error: {what} must be positive integers, got {text!r}")
+    return sorted(set(vals))
+
+
+def versions() -> dict:
+    import torch
+
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    try:
+        from importlib.metadata import version
+
+        out["megatron-core"] = version("megatron-core")
+    except Exception:  # noqa: BLE001
+        pass
+    return out
+
+
+def hardware() -> dict:
+    import torch
+
+    hw = {"machine": platform.machine(), "cpus": os.cpu_count(), "node": platform.node()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    hw["cpu"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        hw["gpu"] = torch.cuda.get_device_name()
+        hw["gpu_memory"] = torch.cuda.get_device_properties(0).total_memory
+    return hw
+
+
+def _is_oom(exc) -> bool:
+    import torch
+
+    return isinstance(exc, getattr(torch.cuda, "OutOfMemoryError", ())) or "out of memory" in str(exc).lower()
+
+
+def rank_sweep(rank, world, shape_d, cfg):
+    """Runs on every rank: the whole sweep; returns the per-rank rows (rank 0 prints progress)."""
+    import torch
+    import torch.distributed as dist
+
+    from . import analytic
+    from . import measure as M
+
+    shape = ModelShape(**shape_d)
+    if cfg.get("fake_world"):
+        M.init_fake(cfg["fake_rank"], cfg["fake_world"])
+        rank = cfg["fake_rank"]
+    torch.manual_seed(0)
+    max_seq = max(cfg["seqs"])
+    spec, model = M.build(shape, num_layers=1, max_seq=max_seq)
+    runner = M.LayerRunner(model, shape)
+    fake = M.is_fake()
+    net = analytic.load_config("interconnects.json", cfg.get("interconnect_path"))[cfg["interconnect"]] if fake else None
+    rows = []
+    jobs = [(st, s, b) for st in cfg["strategies"] for b in cfg["batches"] for s in cfg["seqs"]]
+    weights = [s * b * (1 + s / 2048) for _, s, b in jobs]
+    done_w, t0 = 0.0, time.time()
+    stopped = set()
+    limit = cfg.get("memory_limit")
+    log = cfg.get("log", True) and rank == 0
+
+    def progress(msg):
+        if log:
+            el = time.time() - t0
+            eta = el / done_w * (sum(weights) - done_w) if done_w else float("nan")
+            print(f"[profile {el:6.0f}s, ETA {eta:5.0f}s] {msg}", file=sys.stderr, flush=True)
+
+    for (st, s, b), wgt in zip(jobs, weights):
+        if (st, b) in stopped or s % shape.p:
+            done_w += wgt
+            continue
+        M.set_strategy(model, st)
+        row = {"type": "layer", "strategy": st, "s": s, "b": b, "rank": rank}
+        try:
+            saved, trans = runner.memory("layer", s, b)
+            row.update(saved_bytes=saved, transient_bytes=trans, buffer_bytes=M.buffer_bytes())
+            over = limit is not None and saved * shape.num_layers + trans > limit
+            # every rank must agree before the next collective
+            flag = torch.tensor([1.0 if over else 0.0])
+            if dist.is_initialized() and not fake:
+                dist.all_reduce(flag)
+            if flag.item() > 0:
+                rows.append({"type": "limit", "strategy": st, "s": s, "b": b, "rank": rank,
+                             "reason": f"memory limit {limit} bytes: {shape.num_layers} layers' saved "
+                                       f"+ transient = {saved * shape.num_layers + trans:.0f} bytes"})
+                stopped.add((st, b))
+                progress(f"{st} s={s} b={b}: over the memory limit, sweep stops")
+                done_w += wgt
+                continue
+            for part in cfg["parts"]:
+                times = runner.time(part, s, b, cfg["warmup"], cfg["repeats"])
+                row[f"{part}_times"] = times
+            if fake:
+                row["comm_seconds"] = analytic.comm_seconds(st, shape, s, b, net)
+        except Exception as exc:  # noqa: BLE001
+            if not _is_oom(exc):
+                raise
+            torch.cuda.empty_cache()
+            rows.append({"type": "limit", "strategy": st, "s": s, "b": b, "rank": rank,
+                         "reason": f"out of memory: {str(exc).splitlines()[0][:200]}"})
+            stopped.add((st, b))
+            progress(f"{st} s={s} b={b}: out of memory, sweep stops")
+            done_w += wgt
+            continue
+        rows.append(row)
+        done_w += wgt
+        med = sorted(row["layer_times"])[len(row["layer_times"]) // 2]
+        progress(f"{st:8s} s={s:5d} b={b}: {med * 1e3:8.1f} ms, saved {saved / 2**20:7.2f} MiB, "
+                 f"transient {trans / 2**20:7.2f} MiB")
+    if cfg.get("nonlayer", True):
+        del runner
+        spec, full = M.build(shape, num_layers=shape.num_layers, max_seq=max_seq)
+        nl = M.NonLayerRunner(full, spec, shape)
+        for b in cfg["batches"]:
+            for s in cfg["seqs"]:
+                if s % shape.p:
+                    continue
+                times, saved, trans = nl.measure(s, b, cfg["warmup"], cfg["repeats"])
+                rows.append({"type": "nonlayer", "s": s, "b": b, "rank": rank, "nonlayer_times": times,
+                             "saved_bytes": saved, "transient_bytes": trans})
+        opt = nl.optimizer_times(cfg["warmup"], cfg["repeats"])
+        rows.append({"type": "optimizer", "rank": rank, "optimizer_times": opt,
+                     "param_bytes": M.param_bytes(full)})
+        progress("non-layer costs done")
+    return rows
+
+
+def merge_ranks(per_rank: list) -> list:
+    """One row per measurement: memory and median times are the max over ranks."""
+    import statistics
+
+    out = []
+    for i, row in enumerate(per_rank[0]):
+        rows = [r[i] for r in per_rank]
+        m = {k: v for k, v in row.items() if k != "rank"}
+        for key in list(row):
+            if key.endswith("_times"):
+                part = key[:-6]
+                meds = [statistics.median(r[key]) for r in rows]
+                m[f"{part}_seconds"] = max(meds)
+                all_t = [t for r in rows for t in r[key]]
+                m[f"{part}_spread"] = (max(meds) - min(meds)) / max(meds) if max(meds) else 0.0
+                m[f"{part}_times"] = [max(ts) for ts in zip(*[r[key] for r in rows])]
+                m[f"{part}_min_seconds"] = min(all_t)
+            elif key in ("saved_bytes", "transient_bytes", "buffer_bytes", "param_bytes"):
+                m[key] = max(r[key] for r in rows)
+        if row.get("type") == "layer":
+            m["seconds"] = m["layer_seconds"] + m.get("comm_seconds", 0.0)
+            m["saved_by_rank"] = [r["saved_bytes"] for r in rows]
+            m["transient_by_rank"] = [r["transient_bytes"] for r in rows]
+        if row.get("type") == "nonlayer":
+            m["seconds"] = m["nonlayer_seconds"]
+        out.append(m)
+    return out
+
+
+def run_profile(shape: ModelShape, cfg: dict, nproc: int | None = None, out: str | None = None,
+                timeout: float = 3600) -> list:
+    """Profile ``shape``; returns the merged rows (header first) and writes ``out`` if given."""
+    t0 = time.time()
+    cfg = dict(cfg)
+    if cfg.get("fake_world"):
+        mode = "fake"
+        if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+            raise SystemExit("error: --fake-world runs in one process; do not launch it with torchrun")
+        from megatron_paradyse.testing.spawn import run_world
+
+        per_rank = run_world(rank_sweep, 1, shape.key(), cfg, timeout=timeout)
+    elif "WORLD_SIZE" in os.environ and "RANK" in os.environ and nproc is None:
+        mode = "torchrun"
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        rows = rank_sweep(dist.get_rank(), dist.get_world_size(), shape.key(), cfg)
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, rows)
+        if dist.get_rank() != 0:
+            return []
+    else:
+        mode = "spawn"
+        from megatron_paradyse.testing.spawn import run_world
+
+        per_rank = run_world(rank_sweep, nproc or shape.p, shape.key(), cfg, timeout=timeout)
+    rows = merge_ranks(per_rank)
+    header = {"type": "header", "format": FORMAT, "shape": shape.key(), "p": shape.p, "dtype": shape.dtype,
+              "mode": mode, "fake_rank": cfg.get("fake_rank"), "interconnect": cfg.get("interconnect") if mode == "fake" else None,
+              "hardware": hardware(), "versions": versions(), "warmup": cfg["warmup"], "repeats": cfg["repeats"],
+              "seqs": cfg["seqs"], "batches": cfg["batches"], "strategies": cfg["strategies"],
+              "memory_limit": cfg.get("memory_limit"), "command": cfg.get("command"),
+              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0))}
+    footer = {"type": "footer", "duration_s": round(time.time() - t0, 1)}
+    allrows = [header] + rows + [footer]
+    if out:
+        tmp = out + ".tmp"
+        with open(tmp, "w") as f:
+            for r in allrows:
+                f.write(json.dumps(r) + "\n")
+        os.replace(tmp, out)
+    return allrows
+
+
+def read_profile(path: str) -> tuple[dict, list]:
+    """``(header, rows)`` of a profile file; a clear error for a broken one."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"error: profile {path!r} does not exist")
+    rows = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"profile {path!r} line {i} is not valid JSON ({exc}): truncated or corrupt") from None
+    if not rows or rows[0].get("type") != "header" or rows[0].get("format") != FORMAT:
+        raise ValueError(f"profile {path!r} does not start with a {FORMAT} header line")
+    return rows[0], rows[1:]
+
+
+def main(argv=None):
+    import megatron_paradyse as mp
+
+    ap = argparse.ArgumentParser(prog="python -m megatron_paradyse.costmodel profile",
+                                 description="Profile one decoder layer per strategy over a sweep of lengths.")
+    add_shape_args(ap)
+    ap.add_argument("--nproc", type=int, default=None, help="spawn this many gloo ranks (default: p)")
+    ap.add_argument("--fake-world", type=int, default=None, help="single-device mode: p of the fake group")
+    ap.add_argument("--fake-rank", type=int, default=None, help="single-device mode: the rank played")
+    ap.add_argument("--interconnect", default="nvlink4", help="key of configs/interconnects.json (fake mode)")
+    ap.add_argument("--interconnect-config", default=None, help="your own interconnects JSON")
+    ap.add_argument("--seqs", default="128,256,512,1024,2048,4096")
+    ap.add_argument("--batches", default="1")
+    ap.add_argument("--strategies", default=",".join(mp.STRATEGIES))
+    ap.add_argument("--parts", default="layer,attn,mlp", help="which passes to time")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--memory-limit", type=float, default=None,
+                    help="bytes per rank (suffix G/M allowed); a strategy's sweep stops where num_layers "
+                         "layers' saved + one transient would exceed it")
+    ap.add_argument("--no-nonlayer", action="store_true")
+    ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("-o", "--output", required=True)
+    args = ap.parse_args(argv)
+    if (args.fake_world is None) != (args.fake_rank is None):
+        ap.error("--fake-world and --fake-rank go together")
+    p = args.fake_world or args.p or args.nproc or int(os.environ.get("WORLD_SIZE", 0)) or None
+    if p is None:
+        ap.error("give --tensor-model-parallel-size (or --nproc / --fake-world)")
+    if args.nproc and args.nproc != p:
+        ap.error(f"--nproc {args.nproc} differs from p = {p}: the layer runs over the whole world")
+    strategies = [s for s in args.strategies.split(",") if s]
+    bad = [s for s in strategies if s not in mp.STRATEGIES]
+    if bad:
+        ap.error(f"unknown strategies {bad}; known: {mp.STRATEGIES}")
+    parts = [x for x in args.parts.split(",") if x]
+    if "layer" not in parts or set(parts) - {"layer", "attn", "mlp"}:
+        ap.error("--parts must include 'layer' and only name layer, attn, mlp")
+    shape = shape_from_args(args, p)
+    for st in strategies:
+        import types
+
+        ok, why = mp.supports(st, types.SimpleNamespace(**_config_like(shape)), p) if hasattr(mp, "supports") else (True, "")
+        if not ok:
+            ap.error(f"strategy {st} cannot run this shape at p={p}: {why}")
+    if args.fake_world is not None and not 0 <= args.fake_rank < args.fake_world:
+        ap.error(f"--fake-rank {args.fake_rank} is outside 0..{args.fake_world - 1}")
+    from .analytic import load_config
+
+    nets = load_config("interconnects.json", args.interconnect_config)
+    if args.fake_world and args.interconnect not in nets:
+        ap.error(f"unknown --interconnect {args.interconnect!r}; known: {sorted(k for k in nets if not k.startswith('_'))}")
+    cfg = dict(seqs=parse_ints(args.seqs, "--seqs"), batches=parse_ints(args.batches, "--batches"),
+               strategies=strategies, parts=parts, warmup=args.warmup, repeats=args.repeats,
+               memory_limit=_bytes(args.memory_limit), nonlayer=not args.no_nonlayer,
+               fake_world=args.fake_world, fake_rank=args.fake_rank, interconnect=args.interconnect,
+               interconnect_path=args.interconnect_config, command=" ".join(sys.argv))
+    bad_s = [s for s in cfg["seqs"] if s % p]
+    if bad_s:
+        ap.error(f"sequence lengths {bad_s} are not divisible by p={p}")
+    t0 = time.time()
+    rows = run_profile(shape, cfg, nproc=None if args.fake_world else (args.nproc or (None if "WORLD_SIZE" in os.environ else p)),
+                       out=args.output, timeout=args.timeout)
+    if rows:
+        n = sum(1 for r in rows if r.get("type") == "layer")
+        print(f"wrote {args.output}: {n} layer measurements of {shape.describe()} in {time.time() - t0:.0f} s")
+
+
+def _bytes(v):
+    return None if v is None else float(v)
+
+
+def _config_like(shape: ModelShape) -> dict:
+    return dict(num_attention_heads=shape.heads, num_query_groups=shape.query_groups,
+                hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False,
+                context_parallel_size=1)
