@@ -33,6 +33,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STUB = os.path.join(ROOT, "tests", "megatron_lm_stub")
+PY311 = os.path.join(ROOT, "tests", "megatron_lm_py311")
 FULL = os.environ.get("PARADYSE_MEGATRON_LM_FULL", "") not in ("", "0")
 PLAN = "rule:32=tp_sp,64=ulysses*2+colossal*2,96=ring*2+metp*2,tp_sp+ulysses+ring+metp"
 ITERS, SAVE_AT = 10, 5
@@ -73,6 +74,9 @@ def _env(checkout: str) -> dict:
         paths.append(checkout)
         if not os.path.isdir(os.path.join(checkout, "megatron", "legacy")):
             paths.append(STUB)  # the fixture lacks megatron/legacy and megatron/rl
+    ver = tuple(int(x) for x in re.findall(r"\d+", _mcore_version())[:2])
+    if sys.version_info < (3, 12) and ver >= (0, 17):
+        paths.append(PY311)  # megatron-core >= 0.17 forced onto 3.11: typing.override (test only)
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_DEVICE_MAX_CONNECTIONS="1",
                PYTHONPATH=os.pathsep.join(paths + [p for p in [os.environ.get("PYTHONPATH")] if p]))
