@@ -24,6 +24,9 @@ NPROC="${NPROC:-4}"
 TP="${TP:-$NPROC}"
 PARADYSE="${PARADYSE:-1}"
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+# One rank failing (an exception, or killed) ends every rank within seconds, with its error
+# above torchrun's summary (docs/faults.md); gloo notices a dead peer at once, so no NCCL-style
+# settings are needed here.
 export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"
 
 DISTRIBUTED_ARGS=(--nproc-per-node "$NPROC" --nnodes 1 --standalone)

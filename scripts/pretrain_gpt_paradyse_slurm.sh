@@ -19,9 +19,13 @@ export MASTER_PORT=${MASTER_PORT:-6000}
 export NUM_NODES=$SLURM_JOB_NUM_NODES
 export GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 
-# NCCL / megatron settings (also exported by the torchrun template on each node)
+# NCCL / megatron settings (also exported by the torchrun template on each node; see its
+# comments and docs/faults.md): a failed or stuck collective ends the process instead of
+# hanging it, and --kill-on-bad-exit=1 below ends every node's tasks as soon as one exits
+# non-zero (a rank killed on one node cannot leave the other nodes waiting in NCCL).
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+export TORCH_NCCL_ENABLE_MONITORING=1
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 
 # one task per node; each sets NODE_RANK from SLURM_NODEID and starts torchrun

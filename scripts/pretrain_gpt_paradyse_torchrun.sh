@@ -13,8 +13,23 @@
 # Megatron: with one hardware queue, TP/SP communication kernels run in issue order and
 # overlap with compute as megatron expects (required for sequence parallelism).
 export CUDA_DEVICE_MAX_CONNECTIONS=1
-# A failed or mismatched collective aborts the job instead of hanging it.
-export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+# Failures (docs/faults.md). A rank that raises ends the whole job within seconds on its own
+# (megatron_paradyse.training.faults.FailFast: it publishes its error through the c10d store,
+# aborts its NCCL communicators and exits 1; its peers stop within 0.2 s with exit status 3;
+# torchrun tears the node's other workers down as soon as one exits non-zero). What is left
+# to NCCL is a collective that errors or never completes (a hung kernel, a rank killed on
+# another node when nothing else tears the job down):
+#  - TORCH_NCCL_ASYNC_ERROR_HANDLING=1: the watchdog aborts the communicators and ends the
+#    process when a collective fails or exceeds --distributed-timeout-minutes, instead of
+#    leaving the job hanging (then torchrun / srun --kill-on-bad-exit end the others);
+#  - TORCH_NCCL_ENABLE_MONITORING=1 (torch's default): a process whose watchdog itself is stuck
+#    is killed after TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (torch's default 480 s).
+# TIMEOUT_MINUTES (--distributed-timeout-minutes, default 10 as Megatron-LM's) is only that
+# backstop: the longest legitimate wait inside one collective here is a few seconds (a rank
+# hashing its checkpoint shards); raise it if rank 0 builds large dataset indices first.
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+export TORCH_NCCL_ENABLE_MONITORING=${TORCH_NCCL_ENABLE_MONITORING:-1}
+TIMEOUT_MINUTES=${TIMEOUT_MINUTES:-10}
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 # Variable-length micro-batches allocate differently sized activations every step.
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
@@ -85,6 +100,7 @@ MODEL_PARALLEL_ARGS=(
     --tensor-model-parallel-size $TP
     --sequence-parallel
     --distributed-backend nccl
+    --distributed-timeout-minutes $TIMEOUT_MINUTES
 )
 
 DATA_ARGS=(

@@ -3,7 +3,8 @@
 ``install(spec)`` monkey-patches, in the calling rank only, one place selected by
 ``spec["kind"]``; the fault fires on global rank ``spec["rank"]`` while it runs iteration
 ``spec["iteration"]`` (1-based, the step being computed or saved), after writing
-``time.time()`` to ``spec["stamp"]``:
+``time.time()`` to ``spec["stamp"]`` (with ``spec["losses"]``, each rank also writes its
+per-step losses to ``{losses}.{rank}``):
 
 * ``raise_forward`` / ``raise_backward`` / ``kill_forward``: inside the ``ring`` strategy's
   K/V ring, at its second block (peers are mid-ring), in the forward or the backward;
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import json
 import os
 import signal
 import sys
@@ -46,7 +48,12 @@ def install(spec: dict) -> None:
 
     def train_step(self):
         STATE["iteration"] = self.iteration + 1
-        return original_step(self)
+        stats = original_step(self)
+        if spec.get("losses"):  # the per-step losses, for comparisons with resumed runs
+            STATE.setdefault("losses", []).append(stats.loss)
+            with open(f"{spec['losses']}.{os.environ.get('RANK')}", "w") as f:
+                json.dump(STATE["losses"], f)
+        return stats
 
     def save(self):
         STATE["iteration"] = self.iteration

@@ -144,7 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
                    help="default: nccl with CUDA, gloo without")
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                   help="process-group timeout (Megatron-LM's default, 10). Only a backstop: a rank "
+                        "that fails or dies ends the job within seconds (docs/faults.md); this bounds "
+                        "a collective that never completes (a hung rank; on NCCL a rank killed when "
+                        "no launcher tears the job down). Legitimate waits inside one collective "
+                        "here last seconds (checkpoint shards hashed per rank)")
     g.add_argument("--local-rank", "--local_rank", type=int, default=None)
 
     g = p.add_argument_group("data")

@@ -168,7 +168,7 @@ class FailFast:
         summary = summary[0] if summary else type(exc).__name__
         if first is not None and first.get("rank") != rank and is_communication_error(exc):
             # a consequence: the cause is already published (and printed by its rank)
-            _say(f"[rank {rank}] stopping: {_describe(first)} (here: {summary[:300]})")
+            _say(f"[rank {rank}] stopping: {_describe(first)} (here: {summary[:160]})")
             code = EXIT_PEER_FAILED
         else:
             text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
@@ -178,7 +178,7 @@ class FailFast:
                         "(killed, out of memory, lost node); look for its error or exit status\n")
             _say("".join(f"[rank {rank}] {line}\n" for line in text.rstrip().splitlines()) + hint)
             if first is None:
-                self._publish(store, rank, summary)
+                self._publish(store, rank, summary, is_communication_error(exc))
             _record_for_torchrun(exc)
             code = EXIT_FAILED
         _abort_communicators()
@@ -186,13 +186,14 @@ class FailFast:
             os._exit(code)
 
     @staticmethod
-    def _publish(store, rank, summary):
+    def _publish(store, rank, summary, communication=False):
         if store is None:
             return
         try:
             if store.add(FAULT_COUNT_KEY, 1) == 1:
                 store.set(FAULT_KEY, json.dumps({"rank": rank, "host": socket.gethostname(),
-                                                 "error": summary[:2000], "time": time.time()}))
+                                                 "error": summary[:2000], "time": time.time(),
+                                                 "communication": bool(communication)}))
         except Exception:  # noqa: BLE001 - the store is gone: peers learn it from their collectives
             pass
 
@@ -200,6 +201,10 @@ class FailFast:
 def _describe(fault: dict) -> str:
     if not fault:
         return "another rank failed"
+    if fault.get("communication"):
+        return (f"rank {fault.get('rank')} ({fault.get('host')}) lost a peer in a collective, so "
+                "another rank probably died (killed, out of memory, lost node; see the launcher's "
+                f"exit statuses): {fault.get('error', '')[:160]}")
     return f"rank {fault.get('rank')} ({fault.get('host')}) failed: {fault.get('error')}"
 
 
