@@ -20,6 +20,7 @@ and bad flags.
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import re
@@ -39,6 +40,11 @@ PLAN = "rule:32=tp_sp,64=ulysses*2+colossal*2,96=ring*2+metp*2,tp_sp+ulysses+rin
 ITERS, SAVE_AT = 10, 5
 RUN_TIMEOUT = 420
 _TMP = tempfile.mkdtemp(prefix="paradyse_megatron_lm_")
+atexit.register(shutil.rmtree, _TMP, True)
+# Megatron-LM's NullTokenizer adds an end-of-document id: --vocab-size 255 gives 256 ids, padded
+# to 256 at TP=2, the same embedding as pretrain_gpt_paradyse.py's --vocab-size 255 (ids
+# 0..254), so checkpoints move between the two trainers.
+VOCAB = "255"
 
 
 def _mcore_version() -> str:
@@ -89,7 +95,7 @@ def model_flags(nproc: int, seq: int = 128) -> list:
         "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", str(seq), "--max-position-embeddings", str(seq),
         "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-3",
-        "--train-iters", str(ITERS), "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
+        "--train-iters", str(ITERS), "--tokenizer-type", "NullTokenizer", "--vocab-size", VOCAB,
         "--transformer-impl", "local", "--distributed-backend", "gloo",
         "--no-gradient-accumulation-fusion", "--use-cpu-initialization",
         "--attention-dropout", "0", "--hidden-dropout", "0", "--calculate-per-token-loss",
@@ -162,6 +168,27 @@ def run(name: str, nproc: int = 2) -> Run:
     return launch(model_flags(nproc) + args, nproc)
 
 
+def launch_core(args: list, nproc: int = 2, timeout: float = RUN_TIMEOUT) -> Run:
+    """``pretrain_gpt_paradyse.py`` (the megatron-core trainer) with the same model and data."""
+    checkout, _ = _checkout()
+    flags = ["--tensor-model-parallel-size", str(nproc), "--sequence-parallel", "--num-layers", "4",
+             "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
+             "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-3",
+             "--train-iters", str(ITERS), "--mock-data", "--vocab-size", VOCAB,
+             "--attention-dropout", "0", "--hidden-dropout", "0", "--log-interval", "1", "--seed", "1234"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           os.path.join(ROOT, "pretrain_gpt_paradyse.py"), *flags, *args]
+    proc = subprocess.Popen(cmd, cwd=_TMP, env=_env(checkout), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"pretrain_gpt_paradyse.py timed out after {timeout} s; last output:\n{out[-6000:]}")
+    return Run(proc.returncode, out)
+
+
 def _assert_close(got: dict, want: dict, iterations, what: str):
     for i in iterations:
         assert i in got and i in want, f"{what}: iteration {i} missing (got {sorted(got)}, want {sorted(want)})"
@@ -172,8 +199,9 @@ def _assert_close(got: dict, want: dict, iterations, what: str):
 def _resumed_expected(stock: dict) -> dict:
     """Megatron-LM's log after a resume at SAVE_AT: its second line (SAVE_AT + 2) prints the mean
     of the first two iterations' losses (measured with stock Megatron-LM resuming its own
-    checkpoint, core_v0.16.1: 6.049054 = (6.055610 + 6.042497) / 2); every other line is the
-    iteration's own loss. The weights are unaffected: later iterations equal the uninterrupted run."""
+    checkpoint, core_v0.16.1, --vocab-size 256: 6.049054 = (6.055610 + 6.042497) / 2); every
+    other line is the iteration's own loss. The weights are unaffected: later iterations equal
+    the uninterrupted run."""
     want = dict(stock)
     want[SAVE_AT + 2] = (stock[SAVE_AT + 1] + stock[SAVE_AT + 2]) / 2
     return want
@@ -244,3 +272,24 @@ def test_bad_plan_is_a_clear_error_on_every_rank():
     assert out.rc != 0
     assert out.out.count("--paradyse-plan 'tp_sp,nope'") >= 2, out.out[-4000:]  # both ranks
     assert "initializing torch distributed" not in out.out and "already initialized" not in out.out
+
+
+@full
+def test_checkpoints_move_between_megatron_lm_and_pretrain_gpt_paradyse():
+    """Megatron-LM's stock checkpoint (iteration 5) resumed by ``pretrain_gpt_paradyse.py
+    --paradyse`` (the megatron-core trainer), whose checkpoint (iteration 6) stock Megatron-LM
+    resumes in turn; every iteration equals the uninterrupted stock Megatron-LM run."""
+    stock = run("stock").check()
+    core_save = os.path.join(_TMP, "core2")
+    core = launch_core(["--load", _ckpt_at(os.path.join(_TMP, "stock2"), SAVE_AT), "--save", core_save,
+                        "--save-interval", str(SAVE_AT + 1), "--paradyse", "--paradyse-plan", PLAN]).check()
+    assert "loaded checkpoint" in core.out
+    _assert_close(core.losses, stock.losses, range(SAVE_AT + 1, ITERS + 1),
+                  "pretrain_gpt_paradyse.py --paradyse resumed from Megatron-LM's stock checkpoint")
+    back = launch(model_flags(2) + ["--mock-data", "--paradyse-document-data",
+                                    "--load", _ckpt_at(core_save, SAVE_AT + 1)]).check()
+    assert "successfully loaded checkpoint" in back.out
+    want = dict(stock.losses)
+    want[SAVE_AT + 3] = (stock.losses[SAVE_AT + 2] + stock.losses[SAVE_AT + 3]) / 2  # the resume quirk
+    _assert_close(back.losses, want, range(SAVE_AT + 2, ITERS + 1),
+                  "stock Megatron-LM resumed from pretrain_gpt_paradyse.py's --paradyse checkpoint")
