@@ -197,8 +197,11 @@ def torchrun_d(tmp_path_factory):
     r["root"] = str(d / "ckpt")
     print(f"\ntorchrun (d) SIGKILL rank 3 mid-step: rc {r['rc']}, all ranks gone {r['after_fault']:.2f} s "
           f"after the fault, world {r['total']:.1f} s")
-    print("\n".join("    " + ln[:300] for ln in r["log"].splitlines()
-                     if ln.startswith("[rank") or "exitcode" in ln or "Root Cause" in ln))
+    lines = r["log"].splitlines()
+    for rank in range(4):
+        said = [ln for ln in lines if ln.startswith(f"[rank {rank}]")]
+        print(f"    {said[-1][:300] if said else f'(rank {rank}: nothing)'}")
+    print("\n".join("    " + ln for ln in lines if "exitcode" in ln))
     return r
 
 
