@@ -13,9 +13,12 @@ Two code paths (``--paradyse-trainer``):
   ``megatron_paradyse.training`` on megatron-core alone (DDP, get_forward_backward_func,
   finalize_model_grads, get_megatron_optimizer, OptimizerParamScheduler, dist checkpoints).
   On CPU it applies ``megatron_paradyse.cpu_compat`` and uses gloo. Tested in this repository.
-* ``megatron``: Megatron-LM's own ``pretrain()`` with ParaDySe's args provider, model and
-  datasets providers and forward step (where ``megatron.training`` imports: a Megatron-LM
-  checkout, or megatron-core >= 0.17 on Python >= 3.12). Not tested in this repository.
+* ``megatron``: Megatron-LM 0.16's own ``pretrain()`` with ParaDySe's model and datasets
+  providers and forward step (``megatron.training`` of a Megatron-LM core_v0.16 checkout on
+  ``PYTHONPATH``). Ran on CPU gloo ranks with core_v0.16.1: the same losses as Megatron-LM's
+  own ``pretrain_gpt.py``. For any Megatron-LM (0.16 and 0.19 tested), running its own
+  ``pretrain_gpt.py`` through ``python -m megatron_paradyse.training.megatron_lm`` is the
+  supported path (docs/megatron_lm.md).
   ``auto`` picks ``megatron`` where ``megatron.training`` imports and CUDA is present.
 
 The body stays under ``if __name__ == "__main__":``: megatron's checkpoint writer starts a

@@ -122,8 +122,14 @@ def launch(args: list, nproc: int = 2, timeout: float = RUN_TIMEOUT) -> Run:
     """``torchrun`` the entry point with Megatron-LM's ``pretrain_gpt.py`` and ``args``; a timeout
     kills the whole process group (never a hang)."""
     checkout, _ = _checkout()
+    return _torchrun(["-m", "megatron_paradyse.training.megatron_lm",
+                      os.path.join(checkout, "pretrain_gpt.py"), *args], nproc, timeout)
+
+
+def _torchrun(argv: list, nproc: int, timeout: float) -> Run:
+    checkout, _ = _checkout()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "megatron_paradyse.training.megatron_lm", os.path.join(checkout, "pretrain_gpt.py"), *args]
+           *argv]
     proc = subprocess.Popen(cmd, cwd=_TMP, env=_env(checkout), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -131,7 +137,7 @@ def launch(args: list, nproc: int = 2, timeout: float = RUN_TIMEOUT) -> Run:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        pytest.fail(f"Megatron-LM run timed out after {timeout} s; last output:\n{out[-6000:]}")
+        pytest.fail(f"run timed out after {timeout} s: {argv[:3]}; last output:\n{out[-6000:]}")
     return Run(proc.returncode, out)
 
 
@@ -170,23 +176,12 @@ def run(name: str, nproc: int = 2) -> Run:
 
 def launch_core(args: list, nproc: int = 2, timeout: float = RUN_TIMEOUT) -> Run:
     """``pretrain_gpt_paradyse.py`` (the megatron-core trainer) with the same model and data."""
-    checkout, _ = _checkout()
     flags = ["--tensor-model-parallel-size", str(nproc), "--sequence-parallel", "--num-layers", "4",
              "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
              "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-3",
              "--train-iters", str(ITERS), "--mock-data", "--vocab-size", VOCAB,
              "--attention-dropout", "0", "--hidden-dropout", "0", "--log-interval", "1", "--seed", "1234"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           os.path.join(ROOT, "pretrain_gpt_paradyse.py"), *flags, *args]
-    proc = subprocess.Popen(cmd, cwd=_TMP, env=_env(checkout), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"pretrain_gpt_paradyse.py timed out after {timeout} s; last output:\n{out[-6000:]}")
-    return Run(proc.returncode, out)
+    return _torchrun([os.path.join(ROOT, "pretrain_gpt_paradyse.py"), *flags, *args], nproc, timeout)
 
 
 def _assert_close(got: dict, want: dict, iterations, what: str):
@@ -293,3 +288,20 @@ def test_checkpoints_move_between_megatron_lm_and_pretrain_gpt_paradyse():
     want[SAVE_AT + 3] = (stock.losses[SAVE_AT + 2] + stock.losses[SAVE_AT + 3]) / 2  # the resume quirk
     _assert_close(back.losses, want, range(SAVE_AT + 2, ITERS + 1),
                   "stock Megatron-LM resumed from pretrain_gpt_paradyse.py's --paradyse checkpoint")
+
+
+@full
+def test_pretrain_gpt_paradyse_megatron_trainer():
+    """``pretrain_gpt_paradyse.py --paradyse-trainer megatron`` (Megatron-LM 0.16's pretrain() with
+    the plugin's model and datasets providers) trains like Megatron-LM's own pretrain_gpt.py."""
+    if _mcore_version().startswith("0.16"):
+        stock = run("stock").check()
+        got = _torchrun([os.path.join(ROOT, "pretrain_gpt_paradyse.py"), "--paradyse-trainer", "megatron",
+                         *model_flags(2), "--mock-data", "--paradyse", "--paradyse-plan", PLAN],
+                        2, RUN_TIMEOUT).check()
+        assert sorted(got.plans) == list(range(1, ITERS + 1))
+        _assert_close(got.losses, stock.losses, range(1, ITERS + 1),
+                      "pretrain_gpt_paradyse.py --paradyse-trainer megatron vs Megatron-LM's pretrain_gpt.py")
+    else:
+        pytest.skip("--paradyse-trainer megatron wraps Megatron-LM 0.16's pretrain() signature only; "
+                    "0.19 is covered by running its own pretrain_gpt.py (the tests above)")

@@ -420,7 +420,8 @@ def main(argv=None) -> None:
 def megatron_lm_main() -> None:
     """``pretrain_gpt_paradyse.py --paradyse-trainer megatron``: Megatron-LM's ``pretrain()``
     with a local-spec GPT, ParaDySe's forward step and document datasets (needs
-    ``megatron.training``)."""
+    ``megatron.training`` of Megatron-LM 0.16; ran on core_v0.16.1, equal to its own
+    ``pretrain_gpt.py``). For 0.19 and later, use :func:`main` with Megatron-LM's script."""
     import torch
     from megatron.core.enums import ModelType
 
@@ -429,8 +430,17 @@ def megatron_lm_main() -> None:
 
         cpu_compat_training.apply()
     install_hooks()
+    import inspect
+
     from megatron.training import pretrain
 
+    first = next(iter(inspect.signature(_HOOKS[(sys.modules["megatron.training.training"], "pretrain")])
+                      .parameters))
+    if first != "train_valid_test_dataset_provider":  # 0.19+: pretrain(cfg_container, ...)
+        raise SystemExit("pretrain_gpt_paradyse.py --paradyse-trainer megatron supports Megatron-LM "
+                         "0.16's pretrain() only; with Megatron-LM >= 0.19 run its own script: "
+                         "torchrun ... -m megatron_paradyse.training.megatron_lm "
+                         "/path/to/Megatron-LM/pretrain_gpt.py <flags> --paradyse-document-data ...")
     pretrain(paradyse_datasets_provider, paradyse_model_provider, ModelType.encoder_or_decoder,
              None, args_defaults={"tokenizer_type": "NullTokenizer"})
 
