@@ -18,21 +18,25 @@ naming the functions that need it:
     import of ``megatron/training/initialize.py`` (``from ... import
     enable_batch_invariant_mode``), 0.16.1. The stand-in's functions raise a clear error if
     ``--batch-invariant-mode`` is used. It saves installing triton (about 1 GB) for an import.
+    (megatron-core 0.19's own imports need triton elsewhere, so its venv installs it and this
+    shim does nothing there.)
 ``no_cuda_assert``
     ``initialize_megatron(..., allow_no_cuda=True)``: it asserts
     ``torch.cuda.is_available()`` ("Megatron requires CUDA.") otherwise. Needed by
-    ``pretrain()`` (which calls it without that argument).
+    ``training.pretrain()``, which calls it without that argument. Both versions.
 ``distributed``
     ``initialize._initialize_distributed``: creates the default process group itself
     (``--distributed-backend``, gloo on CPU) and then runs Megatron-LM's own function while
-    ``torch.cuda.device_count()`` reads 1 and ``torch.cuda.set_device`` is a no-op, because
-    that function creates the model-parallel groups (``mpu.initialize_model_parallel``)
-    only ``if torch.cuda.device_count() > 0``.
+    ``torch.cuda.device_count()`` reads 1 and ``torch.cuda.set_device`` is a no-op. Needed by
+    ``initialize_megatron``: that function creates the model-parallel groups
+    (``mpu.initialize_model_parallel``) only ``if torch.cuda.device_count() > 0``, and
+    everything after it needs them. Both versions.
 ``seed``
     ``initialize._set_random_seed``: seeds megatron's RNG tracker
     (``model_parallel_cuda_manual_seed``, on ``cpu_compat``'s CPU tracker), which Megatron-LM
-    does only ``if torch.cuda.device_count() > 0``. Without it the first attention forward
-    fails (``cuda rng state model-parallel-rng is not added``).
+    does only ``if torch.cuda.device_count() > 0``. Needed by every
+    ``get_cuda_rng_tracker().fork()``: without it the first ``DotProductAttention.forward``
+    fails (``cuda rng state model-parallel-rng is not added``). Both versions.
 ``device_arch``
     ``utils.get_device_arch_version`` (also the copy in ``arguments``) returns 0 instead of
     querying CUDA device 0, and ``CUDA_DEVICE_MAX_CONNECTIONS`` defaults to ``1`` (it means

@@ -305,3 +305,15 @@ def test_pretrain_gpt_paradyse_megatron_trainer():
     else:
         pytest.skip("--paradyse-trainer megatron wraps Megatron-LM 0.16's pretrain() signature only; "
                     "0.19 is covered by running its own pretrain_gpt.py (the tests above)")
+
+
+def test_cpu_shims_for_megatron_training_are_documented():
+    """Every shim of cpu_compat_training is named in its docstring with the functions that need
+    it, and applying is a no-op where CUDA exists (static: no megatron.training import here)."""
+    from megatron_paradyse import cpu_compat_training as c
+
+    assert set(c._SHIMS) == set(c.ALL_SHIMS)
+    for name in c.ALL_SHIMS:
+        m = re.search(rf"^``{name}``\n((?:    .*\n)+)", c.__doc__, re.M)
+        assert m and "Needed by" in m.group(1), f"shim {name!r} is not documented with its users"
+    assert c.needed() == (not __import__("torch").cuda.is_available())
