@@ -42,6 +42,54 @@ def init_fake(rank: int, world: int) -> None:
     if not 0 <= rank < world:
         raise ValueError(f"--fake-rank {rank} is outside a world of {world}")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    _hold_async_buffers()
+
+
+class _HeldWork:
+    """A request that keeps its tensors alive until it is waited on, as a real backend does
+    (gloo and NCCL hold send and receive buffers until completion; the fake backend completes
+    at once, which would let the caller's temporaries die earlier than on a real group)."""
+
+    def __init__(self, work, tensors):
+        self._work, self._tensors = work, tensors
+
+    def wait(self, *args, **kwargs):
+        out = self._work.wait(*args, **kwargs) if self._work is not None else True
+        self._tensors = None
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+_PATCHED = {}
+
+
+def _hold_async_buffers():
+    if _PATCHED:
+        return
+
+    def wrap(name):
+        fn = getattr(dist, name)
+
+        def patched(*args, **kwargs):
+            res = fn(*args, **kwargs)
+            if not is_fake():
+                return res
+            tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+            if name == "batch_isend_irecv":
+                tensors = [op.tensor for op in args[0]]
+                return [_HeldWork(w, tensors) for w in (res or [])] or ([_HeldWork(None, tensors)] if tensors else [])
+            if res is None:
+                return res
+            return _HeldWork(res, tensors)
+
+        _PATCHED[name] = fn
+        setattr(dist, name, patched)
+
+    for name in ("batch_isend_irecv", "broadcast", "reduce", "all_reduce",  # not isend/irecv: P2POp checks them
+                 "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"):
+        wrap(name)
 
 
 def is_fake() -> bool:
@@ -53,8 +101,8 @@ def build(shape: ModelShape, num_layers: int | None = None, max_seq: int = 8192,
     import megatron_paradyse as mp
     from megatron_paradyse.testing import models as T
 
-    if dist.get_world_size() != shape.p:
-        raise ValueError(f"the world has {dist.get_world_size()} ranks, the shape has p={shape.p}")
+    if dist.get_world_size() % shape.p:
+        raise ValueError(f"the world has {dist.get_world_size()} ranks, not a multiple of the shape's p={shape.p}")
     kw = {"create_gloo_process_groups": False} if is_fake() else {}
     T.init_megatron(shape.p, **kw)
     mp.install()

@@ -102,6 +102,11 @@ def _is_oom(exc) -> bool:
     return isinstance(exc, getattr(torch.cuda, "OutOfMemoryError", ())) or "out of memory" in str(exc).lower()
 
 
+def repeats_for(repeats: int, tokens: int) -> int:
+    """More repeats for short passes (the same on every rank: collectives stay in step)."""
+    return repeats * max(1, min(4, 1024 // max(tokens, 1)))
+
+
 def rank_sweep(rank, world, shape_d, cfg):
     """Runs on every rank: the whole sweep; returns the per-rank rows (rank 0 prints progress)."""
     import torch
@@ -156,8 +161,9 @@ def rank_sweep(rank, world, shape_d, cfg):
                 progress(f"{st} s={s} b={b}: over the memory limit, sweep stops")
                 done_w += wgt
                 continue
+            reps = repeats_for(cfg["repeats"], s * b)
             for part in cfg["parts"]:
-                times = runner.time(part, s, b, cfg["warmup"], cfg["repeats"])
+                times = runner.time(part, s, b, cfg["warmup"], reps)
                 row[f"{part}_times"] = times
             if fake:
                 row["comm_seconds"] = analytic.comm_seconds(st, shape, s, b, net)
@@ -307,7 +313,7 @@ def main(argv=None):
     ap.add_argument("--parts", default="layer,attn,mlp", help="which passes to time")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--memory-limit", type=float, default=None,
+    ap.add_argument("--memory-limit", default=None,
                     help="bytes per rank (suffix G/M allowed); a strategy's sweep stops where num_layers "
                          "layers' saved + one transient would exceed it")
     ap.add_argument("--no-nonlayer", action="store_true")
@@ -359,7 +365,18 @@ def main(argv=None):
 
 
 def _bytes(v):
-    return None if v is None else float(v)
+    """``"6G"``, ``"512M"``, ``"1e9"`` to bytes (None stays None)."""
+    if v is None:
+        return None
+    text = str(v).strip().upper().rstrip("B").rstrip("I")
+    mult = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}.get(text[-1:], 1)
+    try:
+        n = float(text[:-1] if mult > 1 else text) * mult
+    except ValueError:
+        raise SystemExit(f"error: --memory-limit {v!r} is not a size (e.g. 6G, 512M, 1e9)") from None
+    if n <= 0:
+        raise SystemExit(f"error: --memory-limit must be positive, got {v!r}")
+    return n
 
 
 def _config_like(shape: ModelShape) -> dict:

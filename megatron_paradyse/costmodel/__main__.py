@@ -1,0 +1,34 @@
+"""``python -m megatron_paradyse.costmodel {profile,fit,report} ...``"""
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: python -m megatron_paradyse.costmodel COMMAND ...
+
+commands:
+  profile   measure one decoder layer per strategy over a sweep of lengths (JSON lines)
+  fit       fit the cost model (XGBoost + physics) to a profile: fit PROFILE -o MODEL
+  report    accuracy of a model on a held-out profile: report MODEL --profile HELDOUT
+"""
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "profile":
+        from .profile import main as run
+    elif cmd == "fit":
+        from .fit import main as run
+    elif cmd == "report":
+        from .report import main as run
+    else:
+        print(f"unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    return run(rest) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

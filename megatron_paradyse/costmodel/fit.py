@@ -1,0 +1,188 @@
+"""Fit the cost model to a profile: ``python -m megatron_paradyse.costmodel fit PROFILE -o MODEL``.
+
+Per strategy and target (layer seconds, saved bytes, transient bytes), see ``fitted.py`` for
+how a prediction is made:
+
+* time physics: relative least squares on ``[1, b*s, b*s^2]`` with non-negative
+  coefficients; degree 1 or 2 in s chosen by AIC (small-sample corrected);
+* memory physics: the analytic formula scaled to the profile, ``a * analytic + c``;
+* an XGBoost regressor (``reg:squarederror``, depth 2, 40 rounds, shrinkage 0.3) of the
+  residual ratio ``measured / physics - 1`` on ``(s, b, b*s, b*s^2, log s)``. Why a residual:
+  on a handful of lengths, trees alone interpolate as a staircase and extrapolate flat; the
+  physics curve carries the shape, the trees its systematic wiggles (kernel switches, cache
+  effects). The monotone constraint in s (``monotone_constraints``) is applied to the trees
+  when they are fitted on the target itself (``--xgb-target direct``, kept for comparison);
+  on a residual ratio a monotone constraint has no meaning, so none is set there.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+
+import numpy as np
+
+from .fitted import FORMAT, TARGETS, XGB_FEATURES, sha256, time_features, xgb_features
+from .profile import read_profile
+from .shape import ModelShape
+
+
+def _nnls(X, y, w):
+    from scipy.optimize import nnls
+
+    Xw = X * w[:, None]
+    scale = np.abs(Xw).max(axis=0)
+    scale[scale == 0] = 1.0
+    c, _ = nnls(Xw / scale, y * w)
+    return c / scale
+
+
+def fit_time_physics(s, b, y):
+    """(degree, coef, aic per degree) by relative non-negative least squares + AICc."""
+    w = 1.0 / y
+    best, table = None, {}
+    n = len(y)
+    for deg in (1, 2):
+        X = time_features(s, b, deg)
+        if n <= X.shape[1]:
+            continue
+        c = _nnls(X, y, w)
+        rss = float(np.sum(((X @ c - y) * w) ** 2))
+        k = X.shape[1]
+        aic = n * math.log(max(rss, 1e-300) / n) + 2 * k
+        if n - k - 1 > 0:
+            aic += 2 * k * (k + 1) / (n - k - 1)
+        table[deg] = aic
+        if best is None or aic < best[2]:
+            best = (deg, c, aic)
+    if best is None:  # too few points for any fit: a line through the mean rate
+        c = np.array([0.0, float(np.mean(y / (b * s)))])
+        return 1, c, {}
+    return best[0], best[1], table
+
+
+def fit_memory_physics(strategy, shape, s, b, y, target):
+    from . import analytic
+
+    x = np.array([analytic.layer_memory(strategy, shape, int(si), int(bi))[0 if target == "saved_bytes" else 1]
+                  for si, bi in zip(s, b)])
+    if len(y) >= 2 and np.ptp(x) > 0:
+        w = 1.0 / np.maximum(y, 1.0)
+        A = np.stack([x, np.ones_like(x)], axis=1)
+        c, *_ = np.linalg.lstsq(A * w[:, None], y * w, rcond=None)
+        a, c0 = float(c[0]), float(c[1])
+    else:
+        a, c0 = float(np.mean(y / np.maximum(x, 1.0))), 0.0
+    return [a, c0]
+
+
+def fit_xgb_residual(s, b, ratio, seed=0):
+    import xgboost as xgb
+
+    d = xgb.DMatrix(xgb_features(s, b), label=ratio, feature_names=list(XGB_FEATURES))
+    params = {"objective": "reg:squarederror", "max_depth": 2, "eta": 0.3, "lambda": 1.0,
+              "min_child_weight": 0.0, "base_score": 0.0, "seed": seed, "nthread": 1}
+    return xgb.train(params, d, num_boost_round=40)
+
+
+def layer_table(rows, strategy):
+    sel = [r for r in rows if r.get("type") == "layer" and r["strategy"] == strategy]
+    sel.sort(key=lambda r: (r["b"], r["s"]))
+    s = np.array([r["s"] for r in sel], float)
+    b = np.array([r["b"] for r in sel], float)
+    ys = {tg: np.array([float(r[tg]) for r in sel]) for tg in TARGETS}
+    return s, b, ys
+
+
+def fit_profile(profile_path: str, out_path: str, use_xgb: bool = True) -> dict:
+    header, rows = read_profile(profile_path)
+    shape = ModelShape.from_dict(header["shape"])
+    stem = os.path.splitext(os.path.basename(out_path))[0]
+    base = os.path.dirname(os.path.abspath(out_path))
+    os.makedirs(base, exist_ok=True)
+    strategies = [st for st in header["strategies"]
+                  if any(r.get("type") == "layer" and r["strategy"] == st for r in rows)]
+    if not strategies:
+        raise ValueError(f"profile {profile_path!r} has no layer measurements")
+    meta = {"format": FORMAT, "shape": shape.key(), "strategies": strategies,
+            "profile": {"path": os.path.basename(profile_path), "sha256": sha256(profile_path),
+                        "hardware": header.get("hardware"), "versions": header.get("versions"),
+                        "mode": header.get("mode"), "interconnect": header.get("interconnect")},
+            "targets": {}, "files": {}, "s_max": {}, "s_min": {}, "limits": {}, "fit_residuals": {}}
+    for st in strategies:
+        s, b, ys = layer_table(rows, st)
+        meta["s_max"][st] = int(s.max())
+        meta["s_min"][st] = int(s.min())
+        lim = [r["s"] for r in rows if r.get("type") == "limit" and r["strategy"] == st]
+        if lim:
+            meta["limits"][st] = int(min(lim))
+        meta["targets"][st] = {}
+        meta["fit_residuals"][st] = {}
+        for tg in TARGETS:
+            y = ys[tg]
+            if tg == "seconds":
+                deg, coef, aic = fit_time_physics(s, b, y)
+                phys = {"kind": "poly", "degree": deg, "coef": [float(c) for c in coef],
+                        "aic": {str(k): v for k, v in aic.items()}}
+                phi = time_features(s, b, deg) @ coef
+            else:
+                coef = fit_memory_physics(st, shape, s, b, y, tg)
+                phys = {"kind": "analytic_scaled", "coef": coef}
+                from . import analytic
+
+                x = np.array([analytic.layer_memory(st, shape, int(si), int(bi))[0 if tg == "saved_bytes" else 1]
+                              for si, bi in zip(s, b)])
+                phi = coef[0] * x + coef[1]
+            spec = {"physics": phys, "xgb": None, "ratio_clip": [-0.5, 0.5]}
+            ratio = np.where(phi > 0, y / np.maximum(phi, 1e-30) - 1.0, 0.0)
+            if use_xgb and len(y) >= 3 and np.max(np.abs(ratio)) > 1e-6:
+                bst = fit_xgb_residual(s, b, np.clip(ratio, -0.5, 0.5))
+                name = f"{stem}.{st}.{tg}.xgb.json"
+                fpath = os.path.join(base, name)
+                bst.save_model(fpath)
+                meta["files"][name] = sha256(fpath)
+                spec["xgb"] = name
+            meta["targets"][st][tg] = spec
+            meta["fit_residuals"][st][tg] = float(np.max(np.abs(ratio))) if len(ratio) else 0.0
+    # non-layer: linear in tokens; the optimizer step is a constant added to its time
+    nl = [r for r in rows if r.get("type") == "nonlayer"]
+    opt = [r for r in rows if r.get("type") == "optimizer"]
+    if nl:
+        T = np.array([r["b"] * r["s"] for r in nl], float)
+        A = np.stack([np.ones_like(T), T], axis=1)
+        out = {}
+        for tg in TARGETS:
+            y = np.array([float(r[tg]) for r in nl])
+            if len(y) >= 2:
+                c = _nnls(A, y, 1.0 / np.maximum(y, 1e-30))
+            else:
+                c = np.array([float(y[0]), 0.0])
+            out[tg] = [float(v) for v in c]
+        if opt:
+            out["seconds"][0] += float(opt[0]["optimizer_seconds"])
+            out["optimizer_seconds"] = float(opt[0]["optimizer_seconds"])
+            out["param_bytes"] = int(opt[0]["param_bytes"])
+        meta["nonlayer"] = out
+    tmp = out_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(meta, f, indent=1)
+    os.replace(tmp, out_path)
+    return meta
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m megatron_paradyse.costmodel fit",
+                                 description="Fit the cost model to a profile (JSON lines).")
+    ap.add_argument("profile")
+    ap.add_argument("-o", "--output", required=True, help="the model's metadata JSON; XGBoost files go beside it")
+    ap.add_argument("--no-xgb", action="store_true", help="physics models only (no residual trees)")
+    args = ap.parse_args(argv)
+    meta = fit_profile(args.profile, args.output, use_xgb=not args.no_xgb)
+    shape = ModelShape.from_dict(meta["shape"])
+    print(f"wrote {args.output} for {shape.describe()}: strategies {', '.join(meta['strategies'])}")
+    for st in meta["strategies"]:
+        t = meta["targets"][st]["seconds"]["physics"]
+        print(f"  {st:9s} time: degree {t['degree']} in s (AIC {t['aic']}); s profiled "
+              f"{meta['s_min'][st]}..{meta['s_max'][st]}; worst physics residual "
+              + ", ".join(f"{k} {v:.1%}" for k, v in meta["fit_residuals"][st].items()))

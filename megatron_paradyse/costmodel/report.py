@@ -1,0 +1,273 @@
+"""Accuracy of a cost model: ``python -m megatron_paradyse.costmodel report MODEL --profile HELDOUT``.
+
+Per strategy: mean and worst absolute percentage error of layer time, saved bytes and
+transient bytes on the held-out profile's lengths, split into interpolated (inside the
+model's profiled range) and extrapolated (beyond it). ``--png`` draws predicted against
+measured curves per strategy (time and memory against s, log axes). ``--steps`` measures
+whole steps (forward + backward + Adam step of the full GPT, per-rank peak memory) for mixed
+plans end to end on spawned gloo ranks and compares them with ``CostModel.step``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import numpy as np
+
+from .fitted import TARGETS
+from .profile import read_profile
+
+MIB = 2 ** 20
+
+
+def ape(pred, meas):
+    return abs(pred - meas) / abs(meas) * 100.0 if meas else float("nan")
+
+
+def layer_errors(model, rows) -> dict:
+    """``{strategy: {"interp"|"extrap": {target: [errors %]}, "points": [...]}}``."""
+    out = {}
+    s_max = getattr(model, "meta", {}).get("s_max", {})
+    for r in rows:
+        if r.get("type") != "layer" or r["strategy"] not in model.strategies:
+            continue
+        st = r["strategy"]
+        pred = model.layer(st, r["s"], r["b"])
+        region = "extrap" if r["s"] > s_max.get(st, float("inf")) else "interp"
+        d = out.setdefault(st, {"interp": {t: [] for t in TARGETS}, "extrap": {t: [] for t in TARGETS},
+                                "points": []})
+        for tg, pv in zip(TARGETS, pred):
+            d[region][tg].append(ape(pv, r[tg]))
+        d["points"].append({"s": r["s"], "b": r["b"], "region": region,
+                            **{f"pred_{t}": v for t, v in zip(TARGETS, pred)},
+                            **{f"meas_{t}": r[t] for t in TARGETS}, "spread": r.get("layer_spread")})
+    return out
+
+
+def table(errs) -> str:
+    lines = ["| strategy | region | n | time mean / worst % | saved mean / worst % | transient mean / worst % |",
+             "|---|---|---:|---:|---:|---:|"]
+    for st, d in errs.items():
+        for region in ("interp", "extrap"):
+            e = d[region]
+            n = len(e["seconds"])
+            if not n:
+                continue
+            cells = [f"{np.mean(e[t]):.1f} / {np.max(e[t]):.1f}" for t in TARGETS]
+            lines.append(f"| {st} | {'interpolated' if region == 'interp' else 'extrapolated'} | {n} | "
+                         + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(model, errs, train_rows, png):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sts = list(errs)
+    fig, axes = plt.subplots(2, len(sts), figsize=(3.2 * len(sts), 6), squeeze=False)
+    colors = dict(zip(("tp_sp", "ulysses", "ring", "colossal", "metp"), plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    smax = max(p["s"] for d in errs.values() for p in d["points"])
+    smin = min([r["s"] for r in train_rows if r.get("type") == "layer"] + [smax])
+    grid = np.unique(np.geomspace(smin, smax, 60).astype(int) // model.shape.p * model.shape.p)
+    grid = grid[grid > 0]
+    for j, st in enumerate(sts):
+        c = colors.get(st)
+        pts = errs[st]["points"]
+        tr = [r for r in train_rows if r.get("type") == "layer" and r["strategy"] == st and r["b"] == 1]
+        pred = [model.layer(st, int(s), 1) for s in grid]
+        ax = axes[0][j]
+        ax.plot(grid, [p.seconds * 1e3 for p in pred], "-", color=c, label="model")
+        ax.plot([r["s"] for r in tr], [r["seconds"] * 1e3 for r in tr], "o", mfc="none", color="k", label="profiled")
+        ax.plot([p["s"] for p in pts], [p["meas_seconds"] * 1e3 for p in pts], "x", color="r", label="held out")
+        ax.set_xscale("log"); ax.set_yscale("log"); ax.set_title(st); ax.set_xlabel("s")
+        if j == 0:
+            ax.set_ylabel("layer fwd+bwd (ms)"); ax.legend(fontsize=7)
+        L = model.num_layers
+        ax = axes[1][j]
+        ax.plot(grid, [(L * p.saved_bytes + p.transient_bytes) / MIB for p in pred], "-", color=c)
+        ax.plot([r["s"] for r in tr], [(L * r["saved_bytes"] + r["transient_bytes"]) / MIB for r in tr], "o",
+                mfc="none", color="k")
+        ax.plot([p["s"] for p in pts], [(L * p["meas_saved_bytes"] + p["meas_transient_bytes"]) / MIB for p in pts],
+                "x", color="r")
+        ax.set_xscale("log"); ax.set_yscale("log"); ax.set_xlabel("s")
+        if j == 0:
+            ax.set_ylabel(f"{L} layers' saved + transient (MiB)")
+    # crossovers: all strategies' time on one panel would hide them at this size; the title says
+    fig.suptitle(f"cost model vs measurement: {model.shape.describe()}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def plot_all(model, png):
+    """All strategies' predicted time and memory on one panel each (the crossovers)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grid = np.unique(np.geomspace(128, 16384, 50).astype(int) // model.shape.p * model.shape.p)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
+    for st in model.strategies:
+        pr = [model.layer(st, int(s), 1) for s in grid]
+        a.plot(grid, [p.seconds * 1e3 for p in pr], label=st)
+        b.plot(grid, [(model.num_layers * p.saved_bytes + p.transient_bytes) / MIB for p in pr], label=st)
+    for ax, yl in ((a, "layer fwd+bwd (ms)"), (b, "layers' saved + transient (MiB)")):
+        ax.set_xscale("log"); ax.set_yscale("log"); ax.set_xlabel("s"); ax.set_ylabel(yl)
+        if hasattr(model, "meta"):
+            ax.axvline(max(model.meta["s_max"].values()), color="gray", ls=":", lw=1)
+    a.legend(fontsize=7)
+    fig.suptitle(f"predicted, all strategies ({model.shape.describe()}); dotted: largest profiled s", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------
+# whole steps, end to end
+
+
+def _step_rank(rank, world, shape_d, plans, seqs, repeats):
+    import gc
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import megatron_paradyse as mp
+    from megatron_paradyse.costmodel import measure as M
+    from megatron_paradyse.costmodel.shape import ModelShape
+    from megatron_paradyse.parallel.memory import PeakMemory
+    from megatron_paradyse.testing import models as T
+
+    shape = ModelShape(**shape_d)
+    spec, model = M.build(shape, max_seq=max(seqs))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-6)
+    out = []
+    for s in seqs:
+        tok, lab = T.make_batch(spec, 1, s, seed=s)
+        pos = torch.arange(s).unsqueeze(0).expand_as(tok)
+        for plan in plans:
+            mp.set_plan(model, list(plan))
+            M.reset_buffers()
+
+            def step():
+                loss = model(tok, pos, None, labels=lab).float().mean()
+                loss.backward()
+                T.allreduce_sequence_parallel_grads(model)
+                opt.step()
+                opt.zero_grad(set_to_none=False)
+
+            step()  # warm-up: buffers, grads and Adam state exist from here on
+            times = []
+            for _ in range(repeats):
+                dist.barrier()
+                t0 = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - t0)
+            gc.collect()
+            with PeakMemory() as m:
+                loss = model(tok, pos, None, labels=lab).float().mean()
+                loss.backward()
+            del loss
+            static = sum(p.numel() * p.element_size() for p in model.parameters())
+            static += sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+            static += sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+                          if torch.is_tensor(v) and v.dim() > 0)
+            opt.zero_grad(set_to_none=False)
+            out.append({"s": s, "plan": list(plan), "seconds": statistics.median(times),
+                        "dynamic_peak": m.peak_bytes, "static": static})
+    return out
+
+
+def measure_steps(shape, plans, seqs, repeats=3, timeout=1800):
+    from megatron_paradyse.testing.spawn import run_world
+
+    per_rank = run_world(_step_rank, shape.p, shape.key(), plans, seqs, repeats, timeout=timeout)
+    rows = []
+    for i, r in enumerate(per_rank[0]):
+        rows.append(dict(r, seconds=max(x[i]["seconds"] for x in per_rank),
+                         dynamic_peak=max(x[i]["dynamic_peak"] for x in per_rank),
+                         static=max(x[i]["static"] for x in per_rank)))
+    return rows
+
+
+DEFAULT_PLANS = [
+    ("tp_sp",) * 4, ("tp_sp", "tp_sp", "ulysses", "ulysses"), ("ulysses", "ring", "ring", "metp"),
+    ("tp_sp", "colossal", "metp", "metp"), ("ring", "ring", "metp", "metp"),
+    ("metp", "ulysses", "tp_sp", "ring"),
+]
+
+
+def step_errors(model, measured) -> list:
+    out = []
+    for r in measured:
+        pred = model.step(tuple(r["plan"]), r["s"], 1)
+        static_pred = model.static_bytes()
+        dyn_pred = pred.peak_bytes - static_pred
+        out.append(dict(r, pred_seconds=pred.seconds, pred_peak=pred.peak_bytes,
+                        meas_peak=r["static"] + r["dynamic_peak"],
+                        err_time=ape(pred.seconds, r["seconds"]),
+                        err_peak=ape(pred.peak_bytes, r["static"] + r["dynamic_peak"]),
+                        err_dynamic=ape(dyn_pred, r["dynamic_peak"])))
+    return out
+
+
+def step_table(errs) -> str:
+    from megatron_paradyse.parallel.plans import describe
+
+    lines = ["| s | plan | measured ms | predicted ms | time err % | measured peak MiB | predicted MiB | peak err % | activations-only err % |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for e in errs:
+        lines.append(f"| {e['s']} | {describe(tuple(e['plan']))} | {e['seconds'] * 1e3:.1f} | {e['pred_seconds'] * 1e3:.1f} | "
+                     f"{e['err_time']:.1f} | {e['meas_peak'] / MIB:.2f} | {e['pred_peak'] / MIB:.2f} | "
+                     f"{e['err_peak']:.1f} | {e['err_dynamic']:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    from megatron_paradyse.costmodel import build_cost_model
+    from megatron_paradyse.costmodel.fitted import FittedCostModel
+    from megatron_paradyse.costmodel.shape import ModelShape
+
+    ap = argparse.ArgumentParser(prog="python -m megatron_paradyse.costmodel report",
+                                 description="Accuracy of a cost model on held-out measurements.")
+    ap.add_argument("model", help="fitted model metadata JSON, or 'analytic'")
+    ap.add_argument("--profile", required=True, help="held-out profile (JSON lines)")
+    ap.add_argument("--train-profile", default=None, help="the profile the model was fitted on (plot only)")
+    ap.add_argument("--png", default=None, help="write the per-strategy plot here")
+    ap.add_argument("--png-all", default=None, help="write the all-strategies plot here")
+    ap.add_argument("--steps", default=None, help="comma-separated lengths: measure whole steps end to end")
+    ap.add_argument("--step-repeats", type=int, default=3)
+    ap.add_argument("--json", default=None, help="write all numbers here")
+    args = ap.parse_args(argv)
+    header, rows = read_profile(args.profile)
+    shape = ModelShape.from_dict(header["shape"])
+    model = build_cost_model(shape) if args.model == "analytic" else FittedCostModel.load(args.model, shape)
+    errs = layer_errors(model, rows)
+    print(f"model {args.model} ({getattr(model, 'kind', '?')}), held-out profile {args.profile}: {shape.describe()}\n")
+    print(table(errs))
+    result = {"layers": errs}
+    train = read_profile(args.train_profile)[1] if args.train_profile else []
+    if args.png:
+        plot(model, errs, train, args.png)
+        print(f"\nwrote {args.png}")
+    if args.png_all:
+        plot_all(model, args.png_all)
+        print(f"wrote {args.png_all}")
+    if args.steps:
+        seqs = [int(x) for x in args.steps.split(",")]
+        plans = [p for p in DEFAULT_PLANS if len(p) == shape.num_layers] or [("tp_sp",) * shape.num_layers]
+        measured = measure_steps(shape, plans, seqs, args.step_repeats)
+        se = step_errors(model, measured)
+        print("\nwhole steps (fwd + bwd + Adam step, measured end to end; peak per rank incl. weights, grads, Adam state):\n")
+        print(step_table(se))
+        print(f"\nworst: time {max(e['err_time'] for e in se):.1f}%, peak {max(e['err_peak'] for e in se):.1f}%, "
+              f"activation part of the peak {max(e['err_dynamic'] for e in se):.1f}%")
+        result["steps"] = se
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, default=float)

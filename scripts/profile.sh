@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Profile one decoder layer per strategy and fit the cost model.
+#
+#   bash scripts/profile.sh OUTDIR [profile flags...]
+#
+# Without torchrun this spawns --nproc gloo ranks on this machine (CPU); under torchrun
+# (WORLD_SIZE set) it uses the launched ranks, e.g. on a GPU node:
+#   torchrun --nproc-per-node 8 -m megatron_paradyse.costmodel profile --tensor-model-parallel-size 8 \
+#       --hidden-size 4096 --num-attention-heads 32 --num-query-groups 8 --ffn-hidden-size 14336 \
+#       --swiglu --bf16 --seqs 1024,2048,4096,8192,16384,32768 -o prof.jsonl
+# Single-device mode (one GPU plays one rank of p): --fake-world 8 --fake-rank 0 --interconnect nvlink4
+# The demo's shape on this CPU (what the package ships), p = 4:
+#   bash scripts/profile.sh runs/costmodel --p 4
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:?usage: bash scripts/profile.sh OUTDIR [profile flags...]}
+shift
+PY=${PYTHON:-.venv/bin/python}
+mkdir -p "$OUT"
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+start=$(date +%s)
+$PY -m megatron_paradyse.costmodel profile --num-layers 4 --hidden-size 128 --num-attention-heads 8 \
+    --ffn-hidden-size 512 --vocab-size 258 "$@" -o "$OUT/profile.jsonl"
+$PY -m megatron_paradyse.costmodel fit "$OUT/profile.jsonl" -o "$OUT/model.json"
+echo "profile + fit took $(( $(date +%s) - start )) s; model: $OUT/model.json"

@@ -1,0 +1,176 @@
+"""Fitted cost models: fit, predict beyond the profiled range, save/load checks, fallbacks.
+
+No process group: the profiles here are written by the test from a known law (time
+``a + c*s + q*s^2`` with noise; memory from the analytic formulas scaled), so the fit can be
+checked against the law it came from.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from megatron_paradyse.costmodel import CostModel, LayerCost, ModelShape, build_cost_model, demo_shape
+from megatron_paradyse.costmodel import analytic
+from megatron_paradyse.costmodel.fit import fit_profile
+from megatron_paradyse.costmodel.fitted import CostModelFileError, FittedCostModel
+from megatron_paradyse.costmodel.profile import FORMAT
+
+SHAPE = ModelShape(num_layers=4, hidden=64, heads=4, query_groups=4, ffn=256, swiglu=False, bias=True,
+                   vocab=512, p=2, dtype="fp32")
+LAW = {"tp_sp": (1e-3, 2e-6, 1e-10), "ulysses": (3e-3, 1.5e-6, 1.2e-10), "ring": (4e-3, 1.5e-6, 1.5e-10),
+       "colossal": (4e-3, 1.6e-6, 4e-10), "metp": (6e-3, 1.8e-6, 1.6e-10)}
+
+
+def law_time(st, s, b):
+    a, c, q = LAW[st]
+    return a + c * b * s + q * b * s * s
+
+
+def write_profile(path, seqs, noise=0.02, seed=0, shape=SHAPE):
+    rng = np.random.default_rng(seed)
+    rows = [{"type": "header", "format": FORMAT, "shape": shape.key(), "p": shape.p, "dtype": shape.dtype,
+             "strategies": list(LAW), "mode": "synthetic"}]
+    for st in LAW:
+        for s in seqs:
+            sv, tr = analytic.layer_memory(st, shape, s, 1)
+            rows.append({"type": "layer", "strategy": st, "s": s, "b": 1,
+                         "seconds": law_time(st, s, 1) * (1 + noise * rng.standard_normal()),
+                         "saved_bytes": sv * 1.01 + 1000, "transient_bytes": tr * 0.98})
+    for s in seqs:
+        rows.append({"type": "nonlayer", "s": s, "b": 1, "seconds": 1e-3 + 1e-7 * s,
+                     "saved_bytes": 100.0 * s, "transient_bytes": 50.0 * s})
+    rows.append({"type": "optimizer", "optimizer_seconds": 2e-3, "param_bytes": 12345})
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cm")
+    write_profile(d / "prof.jsonl", [128, 256, 512, 1024, 2048, 4096])
+    path = str(d / "model.json")
+    fit_profile(str(d / "prof.jsonl"), path)
+    return path
+
+
+def test_fit_interpolates_and_extrapolates_the_law(model_path):
+    m = build_cost_model(SHAPE, model_path)
+    assert isinstance(m, FittedCostModel) and isinstance(m, CostModel)
+    for st in LAW:
+        for s, tol in ((384, 0.06), (1536, 0.06), (3072, 0.06), (8192, 0.10)):
+            got = m.layer(st, s, 1)
+            assert isinstance(got, LayerCost)
+            assert abs(got.seconds / law_time(st, s, 1) - 1) < tol, (st, s, got.seconds, law_time(st, s, 1))
+            sv, tr = analytic.layer_memory(st, SHAPE, s, 1)
+            assert abs(got.saved_bytes / (sv * 1.01 + 1000) - 1) < 0.01, (st, s)
+            assert abs(got.transient_bytes / (tr * 0.98) - 1) < 0.01, (st, s)
+        # continuous at the boundary of the profiled range, and rising beyond it
+        a, b = m.layer(st, 4096, 1), m.layer(st, 4098, 1)
+        assert abs(b.seconds / a.seconds - 1) < 0.01 and b.seconds >= a.seconds * 0.999
+        assert m.layer(st, 16384, 1).seconds > m.layer(st, 8192, 1).seconds
+
+
+def test_step_composes_layers(model_path):
+    m = build_cost_model(SHAPE, model_path)
+    plan = ("tp_sp", "metp", "metp", "ring")
+    step = m.step(plan, 1024, 1)
+    layers = [m.layer(x, 1024, 1) for x in plan]
+    nl = m.nonlayer(1024, 1)
+    assert step.seconds == pytest.approx(nl.seconds + sum(c.seconds for c in layers))
+    assert step.peak_bytes == pytest.approx(m.static_bytes() + nl.saved_bytes + sum(c.saved_bytes for c in layers)
+                                            + max([c.transient_bytes for c in layers] + [nl.transient_bytes]))
+    assert m.step({"tp_sp": 1, "metp": 2, "ring": 1}, 1024, 1) == step
+    with pytest.raises(ValueError, match="plan has 3 layers"):
+        m.step(("tp_sp",) * 3, 1024, 1)
+
+
+def _copy_model(src_meta, dst_dir):
+    import shutil
+
+    base = os.path.dirname(src_meta)
+    for name in os.listdir(base):
+        if name.startswith("model"):
+            shutil.copy(os.path.join(base, name), dst_dir / name)
+    return str(dst_dir / os.path.basename(src_meta))
+
+
+def test_mismatched_shape_is_refused_naming_file_and_field(model_path):
+    other = ModelShape(**{**SHAPE.key(), "p": 4})
+    with pytest.raises(CostModelFileError) as e:
+        build_cost_model(other, model_path)
+    assert model_path in str(e.value) and "p: model 2 vs run 4" in str(e.value)
+    other = ModelShape(**{**SHAPE.key(), "dtype": "bf16"})
+    with pytest.raises(CostModelFileError, match="dtype: model 'fp32' vs run 'bf16'"):
+        build_cost_model(other, model_path)
+    with pytest.raises(CostModelFileError, match="the run needs"):
+        FittedCostModel.load(model_path, SHAPE, strategies=["tp_sp", "zigzag"])
+
+
+def test_truncated_metadata_is_refused(model_path, tmp_path):
+    path = _copy_model(model_path, tmp_path)
+    text = open(path).read()
+    with open(path, "w") as f:
+        f.write(text[: len(text) // 2])
+    with pytest.raises(CostModelFileError) as e:
+        build_cost_model(SHAPE, path)
+    assert path in str(e.value) and "truncated or corrupt" in str(e.value)
+
+
+def test_corrupt_or_missing_xgboost_file_is_refused(model_path, tmp_path):
+    path = _copy_model(model_path, tmp_path)
+    meta = json.load(open(path))
+    name = sorted(meta["files"])[0]
+    xgb_path = str(tmp_path / name)
+    data = bytearray(open(xgb_path, "rb").read())
+    data[len(data) // 2] ^= 0x55
+    open(xgb_path, "wb").write(bytes(data))
+    with pytest.raises(CostModelFileError) as e:
+        build_cost_model(SHAPE, path)
+    assert xgb_path in str(e.value) and "SHA-256" in str(e.value)
+    os.remove(xgb_path)
+    with pytest.raises(CostModelFileError, match="is missing"):
+        build_cost_model(SHAPE, path)
+
+
+def test_not_a_model_and_missing_file(tmp_path):
+    p = tmp_path / "x.json"
+    p.write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(CostModelFileError, match="is not a paradyse-costmodel/1 metadata file"):
+        build_cost_model(SHAPE, str(p))
+    with pytest.raises(CostModelFileError, match="does not exist"):
+        build_cost_model(SHAPE, str(tmp_path / "nope.json"))
+
+
+def test_analytic_fallback_and_bad_queries():
+    odd = ModelShape(**{**SHAPE.key(), "hidden": 96, "ffn": 384})
+    m = build_cost_model(odd)
+    assert m.kind == "analytic" and m.strategies == analytic.STRATEGIES and m.num_layers == 4
+    c = m.layer("metp", 1024, 1)
+    assert c.seconds > 0 and c.saved_bytes > 0 and c.transient_bytes > 0
+    # memory order the strategies promise: metp keeps the least, colossal the most
+    saved = {st: m.layer(st, 4096, 1).saved_bytes for st in m.strategies}
+    assert min(saved, key=saved.get) == "metp" and max(saved, key=saved.get) == "colossal"
+    with pytest.raises(ValueError, match="divisible by p=2"):
+        m.layer("tp_sp", 1023, 1)
+    with pytest.raises(KeyError, match="unknown strategy"):
+        m.layer("zigzag", 1024, 1)
+    with pytest.raises(ValueError, match="invalid ModelShape"):
+        ModelShape(num_layers=4, hidden=100, heads=8, query_groups=8, ffn=1, swiglu=False, bias=True, vocab=512, p=2)
+
+
+def test_shape_constructors():
+    import argparse
+
+    args = argparse.Namespace(num_layers=4, hidden_size=128, num_attention_heads=8, num_query_groups=None,
+                              group_query_attention=False, ffn_hidden_size=512, swiglu=False,
+                              add_bias_linear=True, disable_bias_linear=False, vocab_size=258,
+                              make_vocab_size_divisible_by=128, tensor_model_parallel_size=4, bf16=False)
+    assert ModelShape.from_args(args) == demo_shape(4)
+    from megatron_paradyse.testing.models import TinyGPT
+
+    cfg = TinyGPT(num_layers=4, hidden_size=128, num_attention_heads=8, ffn_hidden_size=512).transformer_config(4, True)
+    assert ModelShape.from_config(cfg, vocab=512, p=4) == demo_shape(4)
