@@ -142,6 +142,7 @@ class FailFast:
                 if fault.get("rank") == rank:
                     continue
                 _say(f"[rank {rank}] stopping: {_describe(fault)}")
+                _record_peer_stop(rank, fault)
                 os._exit(EXIT_PEER_FAILED)
 
     # ------------------------------------------------------------------ failure
@@ -169,6 +170,7 @@ class FailFast:
         if first is not None and first.get("rank") != rank and is_communication_error(exc):
             # a consequence: the cause is already published (and printed by its rank)
             _say(f"[rank {rank}] stopping: {_describe(first)} (here: {summary[:160]})")
+            _record_peer_stop(rank, first)
             code = EXIT_PEER_FAILED
         else:
             text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
@@ -179,7 +181,7 @@ class FailFast:
             _say("".join(f"[rank {rank}] {line}\n" for line in text.rstrip().splitlines()) + hint)
             if first is None:
                 self._publish(store, rank, summary, is_communication_error(exc))
-            _record_for_torchrun(exc)
+            _record_for_torchrun(f"[rank {rank}] {summary}", text)
             code = EXIT_FAILED
         _abort_communicators()
         if self.exit_process:
@@ -208,15 +210,27 @@ def _describe(fault: dict) -> str:
     return f"rank {fault.get('rank')} ({fault.get('host')}) failed: {fault.get('error')}"
 
 
-def _record_for_torchrun(exc: BaseException) -> None:
-    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+def _record_for_torchrun(message: str, callstack: str = "", timestamp: float | None = None) -> None:
+    """Write torchrun's per-worker error file (what its end-of-job summary prints).
+
+    torchrun names the failure with the smallest timestamp (whole seconds) the root cause; a
+    rank stopped by another's failure records that failure's message with a timestamp 2 s
+    later, so the summary names the failing rank even when all exit within the same second."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
         return
     try:
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-        ErrorHandler().record_exception(exc)
+        stamp = int(time.time() if timestamp is None else timestamp)
+        with open(path, "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": {
+                "py_callstack": callstack, "timestamp": str(stamp)}}}, f)
     except Exception:  # noqa: BLE001
         pass
+
+
+def _record_peer_stop(rank: int, fault: dict) -> None:
+    _record_for_torchrun(f"[rank {rank}] stopped because {_describe(fault)}", "",
+                         float(fault.get("time", time.time())) + 2)
 
 
 def _abort_communicators() -> None:
