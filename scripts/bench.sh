@@ -14,8 +14,8 @@ export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONWARNINGS="${PYTHONWARNINGS:-ign
 cd "$ROOT"
 mkdir -p "$OUT"
 start=$(date +%s)
-"$PY" -m megatron_paradyse.bench --p "${P:-4}" --steps "${STEPS:-16}" --seq-length 4096 \
-  --memory-budget-mib "${BUDGET_MIB:-32}" --max-seq-len-search --search-cap 16384 \
+"$PY" -m megatron_paradyse.bench --p "${P:-4}" --steps "${STEPS:-12}" --seq-length 4096 \
+  --memory-budget-mib "${BUDGET_MIB:-28}" --max-seq-len-search --search-probes 4 --search-cap 16384 \
   --out "$OUT" "$@" 2>&1 | tee "$OUT.log"
 "$PY" -m megatron_paradyse.bench --simulate --out "$OUT" 2>&1 | tee -a "$OUT.log"
 echo "> scripts/bench.sh took $(( $(date +%s) - start )) s" | tee -a "$OUT.log"

@@ -149,3 +149,46 @@ def plot(result: dict, out_dir: str) -> list:
     plt.close(fig)
     paths.append(p)
     return paths
+
+
+def markdown(bench: dict | None = None, sim: dict | None = None) -> str:
+    """Markdown tables of a bench.json and a simulation.json (for docs/benchmark.md)."""
+    out = []
+    if bench:
+        b = bench["budget_bytes"]
+        out.append(f"Budget {b / MiB:.0f} MiB per rank; {bench['steps']} steps; run took "
+                   f"{bench['wall_seconds']:.0f} s.\n")
+        out.append("| system | total time (s) | tokens/s | steps over budget | longest step within budget "
+                   "| max peak (MiB) | longest trainable (search) |")
+        out.append("|---|---:|---:|---:|---:|---:|---:|")
+        search = bench.get("search") or {}
+        for n, s in bench["summary"].items():
+            tot = f"{s['total_seconds']:.1f}" if s["total_seconds"] else "n/a"
+            tps = f"{s['tokens_per_second']:.0f}" if s["tokens_per_second"] else "n/a"
+            lf = search.get(n, {}).get("longest_fitting")
+            out.append(f"| `{n}` | {tot} | {tps} | {s['steps_over_budget']} | "
+                       f"{s['longest_trained_within_budget']} | {s['max_peak_mib']:.1f} | "
+                       f"{'' if lf is None else lf} |")
+        out.append("")
+    if sim:
+        d = sim["distribution"]
+        out.append(f"{sim['label']}: {d['n']} sequences, median {d['median']:.0f}, p90 {d['p90']}, "
+                   f"max {d['max']} tokens; ParaDySe = {sim['planner_source']}.\n")
+        out.append("| system | OOM steps | tokens/s (fitting steps) | long steps (≥ p90) fitting | "
+                   "time of long steps (s) | longest trainable |")
+        out.append("|---|---:|---:|---:|---:|---:|")
+        for n, s in sim["systems"].items():
+            out.append(f"| `{n}` | {s['oom_steps']} | {s['throughput_tokens_per_s']:.0f} | "
+                       f"{s['long_steps_fitting']}/{d['long_steps']} | {s['long_steps_seconds']:.0f} | "
+                       f"{s['longest_trainable']:,} |")
+        out.append("")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    import sys
+
+    args = sys.argv[1:]
+    bj = json.load(open(args[0])) if args and args[0] != "-" else None
+    sj = json.load(open(args[1])) if len(args) > 1 else None
+    print(markdown(bj, sj))
