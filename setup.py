@@ -8,6 +8,9 @@ setup(
     long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["megatron_paradyse", "megatron_paradyse.*"]),
+    # cost models: interconnect / hardware constants and the shipped profiles + fitted models
+    package_data={"megatron_paradyse.costmodel": ["README.md", "configs/*.json", "models/*.json",
+                                                  "models/*.jsonl"]},
     python_requires=">=3.10",
     install_requires=[
         # Install torch first and explicitly (scripts/setup_env.sh does): a bare requirement
@@ -17,6 +20,7 @@ setup(
         "megatron-core>=0.16.1",
         "xgboost-cpu>=2.0; platform_system=='Linux' and platform_machine=='x86_64'",
         "scikit-learn>=1.3",
+        "scipy",  # the cost-model fit (non-negative least squares); scikit-learn needs it anyway
         "numpy",
         "einops",
         "packaging",

@@ -25,7 +25,6 @@ def shapes(p):
     return [
         dict(BASE, hidden=128, heads=8, query_groups=8, ffn=512, swiglu=False, bias=True),  # the demo's layer
         dict(BASE, hidden=64, heads=4, query_groups=p, ffn=160, swiglu=True, bias=False),   # GQA, SwiGLU, no bias
-        dict(BASE, hidden=96, heads=4, query_groups=4, ffn=256, swiglu=False, bias=False),
     ]
 
 

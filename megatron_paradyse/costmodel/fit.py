@@ -5,14 +5,19 @@ how a prediction is made:
 
 * time physics: relative least squares on ``[1, b*s, b*s^2]`` with non-negative
   coefficients; degree 1 or 2 in s chosen by AIC (small-sample corrected);
-* memory physics: the analytic formula scaled to the profile, ``a * analytic + c``;
-* an XGBoost regressor (``reg:squarederror``, depth 2, 40 rounds, shrinkage 0.3) of the
+* memory physics: the analytic formula's order in s (linear; quadratic for colossal),
+  coefficients fitted (non-negative least squares) to the largest profiled lengths (2, or 3
+  for quadratic);
+* time: an XGBoost regressor (``reg:squarederror``, depth 2, 40 rounds, shrinkage 0.3) of the
   residual ratio ``measured / physics - 1`` on ``(s, b, b*s, b*s^2, log s)``. Why a residual:
   on a handful of lengths, trees alone interpolate as a staircase and extrapolate flat; the
   physics curve carries the shape, the trees its systematic wiggles (kernel switches, cache
   effects). The monotone constraint in s (``monotone_constraints``) is applied to the trees
   when they are fitted on the target itself (``--xgb-target direct``, kept for comparison);
-  on a residual ratio a monotone constraint has no meaning, so none is set there.
+  on a residual ratio a monotone constraint has no meaning, so none is set there;
+* memory: the residual ratio interpolated piecewise-linearly in log s between the profiled
+  lengths (memory is deterministic; trees turned it into steps: 18% worst held-out error on
+  ``ulysses``'s transient at p = 4, against 5% for the interpolation).
 """
 from __future__ import annotations
 
@@ -62,19 +67,30 @@ def fit_time_physics(s, b, y):
     return best[0], best[1], table
 
 
-def fit_memory_physics(strategy, shape, s, b, y, target):
+def memory_degree(strategy, shape) -> int:
+    """The order in s of the analytic memory formula: 2 where it has score rows (colossal)."""
     from . import analytic
 
-    x = np.array([analytic.layer_memory(strategy, shape, int(si), int(bi))[0 if target == "saved_bytes" else 1]
-                  for si, bi in zip(s, b)])
-    if len(y) >= 2 and np.ptp(x) > 0:
-        w = 1.0 / np.maximum(y, 1.0)
-        A = np.stack([x, np.ones_like(x)], axis=1)
-        c, *_ = np.linalg.lstsq(A * w[:, None], y * w, rcond=None)
-        a, c0 = float(c[0]), float(c[1])
-    else:
-        a, c0 = float(np.mean(y / np.maximum(x, 1.0))), 0.0
-    return [a, c0]
+    terms = set(analytic.SAVED.get(strategy, {}))
+    for phase in analytic.TRANSIENT.get(strategy, {}).values():
+        terms |= {k for k, v in phase.items() if v}
+    return 2 if terms & {"rows", "rows32"} else 1
+
+
+def fit_memory_physics(strategy, shape, s, b, y, target, top: int = 0):
+    """Memory in the analytic formula's form (its order in s), coefficients from the profile.
+
+    Fitted on the ``top`` largest profiled lengths (default: degree + 1, the fewest that fix
+    the curve; at the largest lengths the activations dominate the
+    constant weight terms, and extrapolation starts there), non-negative least squares.
+    """
+    deg = memory_degree(strategy, shape)
+    order = np.argsort(b * s)
+    k = min(max(deg + 1, top), len(y))
+    idx = order[-k:]
+    X = time_features(s[idx], b[idx], deg)
+    c = _nnls(X, y[idx], 1.0 / np.maximum(y[idx], 1.0))
+    return deg, [float(v) for v in c]
 
 
 def fit_xgb_residual(s, b, ratio, seed=0):
@@ -86,16 +102,18 @@ def fit_xgb_residual(s, b, ratio, seed=0):
     return xgb.train(params, d, num_boost_round=40)
 
 
-def layer_table(rows, strategy):
+def layer_table(rows, strategy, time_stat="median"):
     sel = [r for r in rows if r.get("type") == "layer" and r["strategy"] == strategy]
     sel.sort(key=lambda r: (r["b"], r["s"]))
     s = np.array([r["s"] for r in sel], float)
     b = np.array([r["b"] for r in sel], float)
     ys = {tg: np.array([float(r[tg]) for r in sel]) for tg in TARGETS}
+    if time_stat == "min":
+        ys["seconds"] = np.array([min(r["layer_times"]) + r.get("comm_seconds", 0.0) for r in sel])
     return s, b, ys
 
 
-def fit_profile(profile_path: str, out_path: str, use_xgb: bool = True) -> dict:
+def fit_profile(profile_path: str, out_path: str, use_xgb: bool = True, time_stat: str = "median") -> dict:
     header, rows = read_profile(profile_path)
     shape = ModelShape.from_dict(header["shape"])
     stem = os.path.splitext(os.path.basename(out_path))[0]
@@ -109,9 +127,9 @@ def fit_profile(profile_path: str, out_path: str, use_xgb: bool = True) -> dict:
             "profile": {"path": os.path.basename(profile_path), "sha256": sha256(profile_path),
                         "hardware": header.get("hardware"), "versions": header.get("versions"),
                         "mode": header.get("mode"), "interconnect": header.get("interconnect")},
-            "targets": {}, "files": {}, "s_max": {}, "s_min": {}, "limits": {}, "fit_residuals": {}}
+            "time_stat": time_stat, "targets": {}, "files": {}, "s_max": {}, "s_min": {}, "limits": {}, "fit_residuals": {}}
     for st in strategies:
-        s, b, ys = layer_table(rows, st)
+        s, b, ys = layer_table(rows, st, time_stat)
         meta["s_max"][st] = int(s.max())
         meta["s_min"][st] = int(s.min())
         lim = [r["s"] for r in rows if r.get("type") == "limit" and r["strategy"] == st]
@@ -127,16 +145,16 @@ def fit_profile(profile_path: str, out_path: str, use_xgb: bool = True) -> dict:
                         "aic": {str(k): v for k, v in aic.items()}}
                 phi = time_features(s, b, deg) @ coef
             else:
-                coef = fit_memory_physics(st, shape, s, b, y, tg)
-                phys = {"kind": "analytic_scaled", "coef": coef}
-                from . import analytic
-
-                x = np.array([analytic.layer_memory(st, shape, int(si), int(bi))[0 if tg == "saved_bytes" else 1]
-                              for si, bi in zip(s, b)])
-                phi = coef[0] * x + coef[1]
+                deg, coef = fit_memory_physics(st, shape, s, b, y, tg)
+                phys = {"kind": "poly", "degree": deg, "coef": coef, "form": "analytic order"}
+                phi = time_features(s, b, deg) @ np.asarray(coef)
             spec = {"physics": phys, "xgb": None, "ratio_clip": [-0.5, 0.5]}
             ratio = np.where(phi > 0, y / np.maximum(phi, 1e-30) - 1.0, 0.0)
-            if use_xgb and len(y) >= 3 and np.max(np.abs(ratio)) > 1e-6:
+            if tg != "seconds":
+                # memory is deterministic and smooth between profiled lengths: the residual
+                # ratio is interpolated piecewise-linearly in log s (trees would make steps)
+                spec["residual_points"] = [[float(a), float(c), float(r)] for a, c, r in zip(s, b, ratio)]
+            elif use_xgb and len(y) >= 3 and np.max(np.abs(ratio)) > 1e-6:
                 bst = fit_xgb_residual(s, b, np.clip(ratio, -0.5, 0.5))
                 name = f"{stem}.{st}.{tg}.xgb.json"
                 fpath = os.path.join(base, name)
@@ -177,8 +195,10 @@ def main(argv=None):
     ap.add_argument("profile")
     ap.add_argument("-o", "--output", required=True, help="the model's metadata JSON; XGBoost files go beside it")
     ap.add_argument("--no-xgb", action="store_true", help="physics models only (no residual trees)")
+    ap.add_argument("--time-stat", choices=("median", "min"), default="median",
+                    help="per-length statistic of the repeats that the time model fits (default median)")
     args = ap.parse_args(argv)
-    meta = fit_profile(args.profile, args.output, use_xgb=not args.no_xgb)
+    meta = fit_profile(args.profile, args.output, use_xgb=not args.no_xgb, time_stat=args.time_stat)
     shape = ModelShape.from_dict(meta["shape"])
     print(f"wrote {args.output} for {shape.describe()}: strategies {', '.join(meta['strategies'])}")
     for st in meta["strategies"]:

@@ -8,10 +8,11 @@ truncated, corrupt or swapped file is refused with its name.
 Prediction of a target ``y`` (layer seconds, saved bytes, transient bytes) at ``(s, b)``:
 
 * a physics model ``phi(s, b)``: time, least squares on ``[1, b*s, b*s^2]`` (the degree in s,
-  1 or 2, chosen by AIC); memory, the analytic formula scaled to the profile
-  (``a * analytic(s, b) + c``);
-* inside the profiled range, times ``1 + r(s, b)``, ``r`` an XGBoost regressor of the residual
-  ratio ``measured / phi - 1``;
+  1 or 2, chosen by AIC); memory, the analytic formula's form (linear in s, quadratic for
+  colossal's score rows) with its coefficients fitted to the profile's largest lengths;
+* inside the profiled range, times ``1 + r(s, b)``, ``r`` the residual ratio
+  ``measured / phi - 1``: for time an XGBoost regressor, for memory interpolated
+  piecewise-linearly in log s between the profiled lengths;
 * beyond the largest profiled length ``s_max``: ``phi(s, b) * (1 + r(s_max, b))``, which
   continues the physics curve and meets the in-range prediction at ``s_max``.
 """
@@ -140,6 +141,11 @@ class FittedCostModel(CostModel):
 
     def _ratio(self, st, tg, s, b):
         spec = self.meta["targets"][st][tg]
+        pts = spec.get("residual_points")
+        if pts:
+            bs = sorted({p[1] for p in pts}, key=lambda v: abs(v - b))
+            sel = sorted((p[0], p[2]) for p in pts if p[1] == bs[0])
+            return 1.0 + float(np.interp(np.log(s), np.log([p[0] for p in sel]), [p[1] for p in sel]))
         name = spec.get("xgb")
         if not name:
             return 1.0
