@@ -77,10 +77,19 @@ def load_cost_model(args, path=None):
         from ..costmodel import ModelShape, build_cost_model
     except ImportError as e:
         return None, f"no cost model ({e}): predictions and planners left out"
+    shape = ModelShape.from_args(args)
     try:
-        return build_cost_model(ModelShape.from_args(args), path), None
+        return build_cost_model(shape, path), None
     except Exception as e:  # noqa: BLE001
-        return None, f"cost model could not be built: {type(e).__name__}: {e}"
+        if path is not None:
+            return None, f"cost model {path} could not be loaded: {type(e).__name__}: {e}"
+        try:  # the shipped fitted model is unusable: the analytic one, said so
+            from ..costmodel.analytic import AnalyticCostModel
+
+            return AnalyticCostModel(shape), (f"the shipped fitted cost model could not be loaded "
+                                              f"({type(e).__name__}: {e}); the analytic model is used")
+        except Exception as e2:  # noqa: BLE001
+            return None, f"cost model could not be built: {type(e2).__name__}: {e2}"
 
 
 def build_systems(cfg, args):
