@@ -52,10 +52,12 @@ class SystemSpec:
         """The longest multiple of ``res`` up to ``cap`` the cost model (or planner) says fits; None if unknown."""
         if self.kind == "stock" or self.cost_model is None:
             return None
+        if self.kind == "planner" and hasattr(self.planner, "longest_fit"):
+            return int(self.planner.longest_fit(1, multiple=res, upper=cap)) or None
 
         def ok(s):
             if self.kind == "planner":
-                return bool(self.planner.plan(s, 1).fits)
+                return bool(getattr(self.planner, "choose", self.planner.plan)(s, 1).fits)
             pred = self.predict(self.plan_for(s, 1), s, 1)
             return pred is not None and pred[1] <= self.budget
         lo, hi = 0, cap // res

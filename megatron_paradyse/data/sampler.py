@@ -32,8 +32,10 @@ from .datasets import padded_length
 def make_cost_fn(planner=None, cost_model=None, fallback: str = "tokens", num_layers: int | None = None):
     """``cost_fn(s, b) -> float`` for balancing (see the module docstring)."""
     if planner is not None:
+        query = getattr(planner, "choose", planner.plan)  # choose: no hysteresis state touched
+
         def cost(s, b):
-            return float(planner.plan(int(s), int(b)).seconds)
+            return float(query(int(s), int(b)).seconds)
         return cost
     if cost_model is not None:
         n = num_layers or cost_model.num_layers
@@ -52,10 +54,13 @@ def make_cost_fn(planner=None, cost_model=None, fallback: str = "tokens", num_la
 def longest_fitting(planner, micro_batch_size: int, upper: int, multiple: int = 1) -> int:
     """The longest padded length ``<= upper`` (a multiple of ``multiple``) for which
     ``planner.plan(s, b).fits``; 0 if none. Assumes fitting is monotone in ``s`` (bisection)."""
+    if hasattr(planner, "longest_fit"):  # megatron_paradyse.planner: no state touched
+        return int(planner.longest_fit(micro_batch_size, multiple=multiple, upper=upper))
+    query = getattr(planner, "choose", planner.plan)
     lo, hi = 0, int(upper) // multiple
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if planner.plan(mid * multiple, micro_batch_size).fits:
+        if query(mid * multiple, micro_batch_size).fits:
             lo = mid
         else:
             hi = mid - 1

@@ -49,13 +49,22 @@ class RunReport:
         self._pred_cache: dict = {}
 
     def predict(self, mb):
-        if self.planner is None:
+        """The planner's (seconds, peak bytes) for the plan ``mb`` ran, without touching its state."""
+        pl = self.planner
+        if pl is None or mb.plan is None:
             return None
-        key = (mb.seq_length, mb.tokens.shape[0])
+        key = (mb.seq_length, mb.tokens.shape[0], tuple(mb.plan))
         if key not in self._pred_cache:
             try:
-                c = self.planner.plan(*key)
-                self._pred_cache[key] = (float(c.seconds), float(c.peak_bytes))
+                if hasattr(pl, "costs") and hasattr(pl, "evaluate"):
+                    counts: dict = {}
+                    for n in mb.plan:
+                        counts[n] = counts.get(n, 0) + 1
+                    sec, peak = pl.evaluate(pl.costs(key[0], key[1]), counts)
+                else:
+                    c = getattr(pl, "choose", pl.plan)(key[0], key[1])
+                    sec, peak = c.seconds, c.peak_bytes
+                self._pred_cache[key] = (float(sec), float(peak))
             except Exception:  # noqa: BLE001 - a report never stops training
                 self._pred_cache[key] = None
         return self._pred_cache[key]
