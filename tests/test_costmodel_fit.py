@@ -53,7 +53,7 @@ def model_path(tmp_path_factory):
     d = tmp_path_factory.mktemp("cm")
     write_profile(d / "prof.jsonl", [128, 256, 512, 1024, 2048, 4096])
     path = str(d / "model.json")
-    fit_profile(str(d / "prof.jsonl"), path)
+    fit_profile(str(d / "prof.jsonl"), path, use_xgb=True)
     return path
 
 
@@ -66,8 +66,8 @@ def test_fit_interpolates_and_extrapolates_the_law(model_path):
             assert isinstance(got, LayerCost)
             assert abs(got.seconds / law_time(st, s, 1) - 1) < tol, (st, s, got.seconds, law_time(st, s, 1))
             sv, tr = analytic.layer_memory(st, SHAPE, s, 1)
-            assert abs(got.saved_bytes / (sv * 1.01 + 1000) - 1) < 0.01, (st, s)
-            assert abs(got.transient_bytes / (tr * 0.98) - 1) < 0.01, (st, s)
+            assert abs(got.saved_bytes / (sv * 1.01 + 1000) - 1) < 0.03, (st, s)  # the memory target
+            assert abs(got.transient_bytes / (tr * 0.98) - 1) < 0.03, (st, s)
         # continuous at the boundary of the profiled range, and rising beyond it
         a, b = m.layer(st, 4096, 1), m.layer(st, 4098, 1)
         assert abs(b.seconds / a.seconds - 1) < 0.01 and b.seconds >= a.seconds * 0.999
@@ -81,9 +81,18 @@ def test_step_composes_layers(model_path):
     layers = [m.layer(x, 1024, 1) for x in plan]
     nl = m.nonlayer(1024, 1)
     assert step.seconds == pytest.approx(nl.seconds + sum(c.seconds for c in layers))
-    assert step.peak_bytes == pytest.approx(m.static_bytes() + nl.saved_bytes + sum(c.saved_bytes for c in layers)
-                                            + max([c.transient_bytes for c in layers] + [nl.transient_bytes]))
-    assert m.step({"tp_sp": 1, "metp": 2, "ring": 1}, 1024, 1) == step
+    emb = 1024 / SHAPE.p * SHAPE.hidden * SHAPE.elt  # the embedding's output, alive under the layers
+    prefix = emb + np.cumsum([c.saved_bytes for c in layers])
+    expect = max([nl.saved_bytes + prefix[-1] - emb + nl.transient_bytes]
+                 + [prefix[i] + layers[i].transient_bytes for i in range(4)])
+    assert step.peak_bytes == pytest.approx(m.static_bytes() + expect)
+    # counts: the worst order (every transient on the whole stack's saved bytes)
+    bound = m.step({"tp_sp": 1, "metp": 2, "ring": 1}, 1024, 1)
+    assert bound.seconds == pytest.approx(step.seconds)
+    worst = max(nl.saved_bytes + prefix[-1] - emb + nl.transient_bytes,
+                prefix[-1] + max(c.transient_bytes for c in layers))
+    assert bound.peak_bytes == pytest.approx(m.static_bytes() + worst)
+    assert bound.peak_bytes >= step.peak_bytes
     with pytest.raises(ValueError, match="plan has 3 layers"):
         m.step(("tp_sp",) * 3, 1024, 1)
 

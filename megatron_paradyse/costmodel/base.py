@@ -8,13 +8,15 @@ sequence length ``s`` and micro-batch size ``b`` (per rank of the switching grou
 * ``transient_bytes``: the layer's peak above its saved bytes while it runs (gathered
   weights, communication buffers, score rows, recompute).
 
-A step is composed from layers (layers of one model are alike, so only the count of layers per
-strategy matters): its time is the non-layer time (embedding, output layer and loss, gradient
-reduction, optimizer step) plus the sum of the layers' times; its peak is the static memory
-(weights, gradients, optimizer state), plus the non-layer activations, plus the saved bytes of
-every layer, plus the largest transient of any layer (the peak is reached in the backward of the
-layer with the largest transient while every layer's activations are still alive; bounding it by
-the largest is exact for a stack whose layers are alike).
+A step is composed from layers: its time is the non-layer time (embedding, output layer and
+loss, gradient reduction, optimizer step) plus the sum of the layers' times; its peak is the
+static memory (weights, gradients, optimizer state) plus the largest of: the non-layer
+activations + every layer's saved bytes + the head's transient (output layer and loss), and,
+for each layer i in order, the embedding's output + the saved bytes of layers 0..i + layer
+i's transient (layer i peaks in its forward, when later layers have saved nothing yet, or in
+its backward, when they have freed theirs and the head's activations are gone). For a plan
+given as counts ``{strategy: n}`` the order is unknown and each transient is bounded by the
+whole stack's saved bytes (the peak of the worst order; exact for a stack of one strategy).
 """
 from __future__ import annotations
 
@@ -63,13 +65,33 @@ class CostModel:
         if self.num_layers and n != self.num_layers:
             raise ValueError(f"plan has {n} layers, the cost model's model has {self.num_layers}")
         extra = self.nonlayer(s, b)
-        seconds, saved, transient = extra.seconds, extra.saved_bytes, extra.transient_bytes
-        for name, k in counts.items():
-            c = self.layer(name, s, b)
-            seconds += k * c.seconds
-            saved += k * c.saved_bytes
-            transient = max(transient, c.transient_bytes)
-        return StepCost(seconds, self.static_bytes() + saved + transient)
+        costs = {name: self.layer(name, s, b) for name in counts}
+        seconds = extra.seconds + sum(k * costs[name].seconds for name, k in counts.items())
+        total_saved = sum(k * costs[name].saved_bytes for name, k in counts.items())
+        # the output layer and loss run with every layer's activations alive
+        peak = extra.saved_bytes + total_saved + extra.transient_bytes
+        # the layers run with only the embedding's output of the non-layer activations alive
+        # (the head's are made after the last layer's forward and freed before its backward)
+        resident = self.resident_bytes(s, b)
+        if isinstance(plan, dict):
+            # order unknown: bound every layer's transient by the whole stack's saved bytes
+            peak = max(peak, resident + total_saved + max(c.transient_bytes for c in costs.values()))
+        else:
+            # layer i's peak (forward, or backward: layers after i already freed) sits on the
+            # saved bytes of layers 0..i
+            below = resident
+            for name in plan:
+                below += costs[name].saved_bytes
+                peak = max(peak, below + costs[name].transient_bytes)
+        return StepCost(seconds, self.static_bytes() + peak)
+
+    def resident_bytes(self, s: int, b: int) -> float:
+        """Non-layer activations alive while the decoder layers run (the embedding's output,
+        ``[s/p, b, h]``); default: all non-layer saved bytes (an upper bound)."""
+        shape = getattr(self, "shape", None)
+        if shape is not None:
+            return s * b / shape.p * shape.hidden * shape.elt
+        return self.nonlayer(s, b).saved_bytes
 
 
 def plan_counts(plan) -> dict:
