@@ -317,3 +317,13 @@ def test_cpu_shims_for_megatron_training_are_documented():
         m = re.search(rf"^``{name}``\n((?:    .*\n)+)", c.__doc__, re.M)
         assert m and "Needed by" in m.group(1), f"shim {name!r} is not documented with its users"
     assert c.needed() == (not __import__("torch").cuda.is_available())
+
+
+@full
+def test_four_ranks_tp2_dp2():
+    """4 gloo ranks, TP=2 x DP=2 (Megatron-LM's data parallelism and DDP around the plugin)."""
+    base = model_flags(2) + ["--mock-data", "--paradyse-document-data", "--global-batch-size", "8"]
+    stock = launch(base, nproc=4).check()
+    got = launch(base + ["--paradyse", "--paradyse-plan", PLAN], nproc=4).check()
+    assert "data-parallel size: 2" in stock.out and sorted(got.plans) == list(range(1, ITERS + 1))
+    _assert_close(got.losses, stock.losses, range(1, ITERS + 1), "TP=2 x DP=2: --paradyse vs stock")
