@@ -18,7 +18,7 @@ from megatron_paradyse.testing.spawn import run_world
 
 STRATS = ("tp_sp", "ulysses", "ring", "colossal", "metp")
 BASE = dict(num_layers=1, vocab=512, dtype="fp32")
-S, B = 192, 2  # not a power of two, b > 1
+S, B = 96, 2  # not a power of two, b > 1
 
 
 def shapes(p):
