@@ -1,0 +1,134 @@
+"""``python -m megatron_paradyse.plan`` (or ``-m megatron_paradyse.planner``): explain the planners'
+choice per sequence length as a table, without starting a training run.
+
+    python -m megatron_paradyse.plan --cost-model M.json --seq-lens 4k,32k,256k --memory-budget 70
+
+Per length: every candidate (each uniform plan, the heuristic's two-strategy mixes, the
+optimal plan) with its predicted time and peak, whether it fits the budget minus the margin,
+which plan each planner chose and why; when nothing fits, the numbers and the longest length
+that fits with the leanest plan.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .core import GiB
+
+
+def parse_length(text: str) -> int:
+    t = text.strip().lower()
+    mult = {"k": 1024, "m": 1024 ** 2}.get(t[-1:], 1)
+    if mult > 1:
+        t = t[:-1]
+    try:
+        v = int(float(t) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad length {text!r} (e.g. 4096, 4k, 1m)") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"length must be positive: {text!r}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m megatron_paradyse.plan", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cost-model", default=None, metavar="PATH",
+                    help="a fitted cost model (metadata .json); default: the model shipped for the shape "
+                         "given by --p and the shape flags (the demo's shape), else the analytic model")
+    ap.add_argument("--analytic", action="store_true", help="use the analytic model for the shape")
+    ap.add_argument("--p", type=int, default=4, help="switching group size (default 4) for the demo shape")
+    ap.add_argument("--num-layers", type=int, default=None, help="override the demo shape's layer count")
+    ap.add_argument("--hidden-size", type=int, default=None)
+    ap.add_argument("--num-attention-heads", type=int, default=None)
+    ap.add_argument("--ffn-hidden-size", type=int, default=None)
+    ap.add_argument("--seq-lens", required=True, help="comma list of padded lengths: 4096,32k,1m")
+    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--memory-budget", type=float, required=True, help="GiB per rank")
+    ap.add_argument("--memory-margin", type=float, default=None,
+                    help="GiB kept free (default 10%% of the budget on GPU, 5%% on CPU)")
+    ap.add_argument("--gamma", type=float, default=None)
+    ap.add_argument("--planner", choices=("heuristic", "optimal", "both"), default="both")
+    return ap
+
+
+def load_model(a):
+    from ..costmodel import ModelShape, build_cost_model, demo_shape
+
+    if a.cost_model and not a.analytic:
+        from ..costmodel.fitted import FittedCostModel
+
+        return FittedCostModel.load(a.cost_model)
+    shape = demo_shape(a.p)
+    over = {k: v for k, v in dict(num_layers=a.num_layers, hidden=a.hidden_size, heads=a.num_attention_heads,
+                                    ffn=a.ffn_hidden_size).items() if v is not None}
+    if over:
+        import dataclasses
+
+        if "heads" in over:
+            over["query_groups"] = over["heads"]
+        shape = dataclasses.replace(shape, **over)
+    if a.analytic:
+        from ..costmodel.analytic import AnalyticCostModel
+
+        return AnalyticCostModel(shape)
+    return build_cost_model(shape)
+
+
+def explain(planners: dict, s: int, b: int, out=print) -> None:
+    from ..parallel.plans import describe
+
+    any_pl = next(iter(planners.values()))
+    from .heuristic import HeuristicPlanner
+
+    h = planners.get("heuristic") or HeuristicPlanner(any_pl.cm, any_pl.budget, gamma=0.0,
+                                                       margin_bytes=any_pl.margin, strategies=any_pl.strategies)
+    costs = h.costs(s, b)
+    rows = {}
+    for layers, sec, peak, fits, note in h.candidates(costs):
+        rows[layers] = [sec, peak, fits, note]
+    for name, sec, peak in h.uniform(costs):  # dominated uniform plans too
+        layers = (name,) * h.num_layers
+        rows.setdefault(layers, [sec, peak, peak <= h.limit, f"uniform {name} (dominated)"])
+    chosen = {}
+    for kind, pl in planners.items():
+        c = pl.choose(s, b)
+        chosen[kind] = c
+        rows.setdefault(c.layers, [c.seconds, c.peak_bytes, c.fits, "exact search"])
+    out(f"\n== s = {s}, micro-batch {b}: budget {h.budget / GiB:.3f} GiB - margin {h.margin / GiB:.3f} GiB "
+        f"= {h.limit / GiB:.3f} GiB per rank")
+    w = max(len(describe(k)) for k in rows) + 2
+    out(f"  {'plan':<{w}} {'pred s':>12} {'peak GiB':>12}  fits  candidate / chosen by")
+    for layers, (sec, peak, fits, note) in sorted(rows.items(), key=lambda kv: kv[1][0]):
+        by = [k for k, c in chosen.items() if c.layers == layers and c.fits]
+        mark = ("  <== chosen by " + ", ".join(by)) if by else ""
+        out(f"  {describe(layers):<{w}} {sec:12.4f} {peak / GiB:12.4f}  {'yes ' if fits else 'no  '}  {note}{mark}")
+    for kind, c in chosen.items():
+        out(f"  {kind}: {describe(c.layers)}: {c.reason}")
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        lens = [parse_length(x) for x in a.seq_lens.split(",") if x.strip()]
+    except argparse.ArgumentTypeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if a.memory_budget <= 0:
+        print("error: --memory-budget must be positive (GiB)", file=sys.stderr)
+        return 2
+    from . import build_planner
+
+    cm = load_model(a)
+    kinds = ("heuristic", "optimal") if a.planner == "both" else (a.planner,)
+    margin = None if a.memory_margin is None else a.memory_margin * GiB
+    planners = {k: build_planner(k, cm, a.memory_budget * GiB, gamma=a.gamma, margin_bytes=margin) for k in kinds}
+    shape = getattr(cm, "shape", None)
+    print(f"cost model: {type(cm).__name__}" + (f" for {shape.describe()}" if shape is not None else "")
+          + f"; {next(iter(planners.values())).describe()}")
+    for s in lens:
+        explain(planners, s, a.micro_batch)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,288 @@
+"""What every planner shares: the budget, per-(s, b) layer costs, plan evaluation, the cache,
+the hysteresis, the no-fit message and the longest length that fits.
+
+Memory model (that of :meth:`megatron_paradyse.costmodel.base.CostModel.step` for a plan given
+as counts): a plan with ``k_i`` layers of strategy ``i`` at padded length ``s`` and micro-batch
+size ``b`` peaks at
+
+    static + sum_i k_i * saved_i + max(nonlayer.saved + nonlayer.transient,
+                                       resident + max_{i: k_i > 0} transient_i)
+
+(``resident``: the non-layer bytes alive under the layers, the embedding output). This bounds
+every order of the layers; the per-layer plans returned put the layers with the largest
+transient first, the order whose ordered peak (``CostModel.step`` on a tuple) is lowest, so the
+plan run never peaks above the number reported.
+
+and takes ``nonlayer.seconds + sum_i k_i * seconds_i``. A plan *fits* when its peak is at most
+``budget - margin``. The margin covers what the model does not see (the CUDA caching
+allocator's fragmentation, NCCL and cuBLAS workspaces, the model's own error): default 10% of
+the budget on GPU, 5% on CPU (where the measured peak is the live-tensor tracker's exact byte
+count, so only the model's error is left to cover).
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+GiB = float(1 << 30)
+MiB = float(1 << 20)
+
+
+class PlanChoice(NamedTuple):
+    """A planner's answer for one micro-batch."""
+
+    layers: tuple          # one strategy name per layer
+    seconds: float         # predicted forward+backward seconds of the micro-batch
+    peak_bytes: float      # predicted peak bytes on one rank
+    fits: bool             # peak_bytes <= budget - margin
+    reason: str            # why this plan (or, when nothing fits, the numbers)
+
+
+class NoFitError(RuntimeError):
+    """Nothing fits the memory budget (raised by the ``error`` policy; the message has the numbers)."""
+
+
+def default_margin_fraction() -> float:
+    """10% of the budget on GPU, 5% on CPU (module docstring)."""
+    try:
+        import torch
+
+        return 0.10 if torch.cuda.is_available() else 0.05
+    except Exception:  # noqa: BLE001
+        return 0.05
+
+
+class Costs(NamedTuple):
+    """Per-strategy layer costs at one (s, b), refinement factors applied."""
+
+    names: tuple
+    t: tuple        # seconds per layer
+    m: tuple        # saved bytes per layer
+    x: tuple        # transient bytes per layer
+    t0: float       # non-layer seconds
+    base: float     # static + non-layer saved bytes
+    x0: float       # non-layer transient bytes
+
+
+def counts_of(layers) -> dict:
+    out: dict = {}
+    for n in layers:
+        out[n] = out.get(n, 0) + 1
+    return out
+
+
+def layers_of(counts: dict, costs: "Costs") -> tuple:
+    """A per-layer plan from counts: the largest transient first (exchange argument: for two
+    adjacent layers, running the one with the larger transient first never raises the ordered
+    peak max_i(saved of layers 0..i + transient_i)); ties in the strategies' order."""
+    order = sorted(range(len(costs.names)), key=lambda i: (-costs.x[i], i))
+    out = []
+    for i in order:
+        out += [costs.names[i]] * int(counts.get(costs.names[i], 0))
+    return tuple(out)
+
+
+class Planner:
+    """Base class: subclasses implement :meth:`_search` (the best plan at one (s, b), no hysteresis).
+
+    ``plan(s, b)`` = the cached search result, then the hysteresis: the previous plan returned
+    by ``plan`` is kept if it still fits at (s, b) and is at most ``gamma`` slower than the new
+    choice. ``choose(s, b)`` is the same without hysteresis and without touching any state
+    (explanations, predictions, tests).
+    """
+
+    kind = "base"
+
+    def __init__(self, cost_model, memory_budget_bytes: float, gamma: float = 0.05,
+                 margin_bytes: float | None = None, strategies=None, refinement=None,
+                 cache_size: int = 4096):
+        if memory_budget_bytes is None or not (float(memory_budget_bytes) > 0):
+            raise ValueError(f"memory budget must be a positive number of bytes, got {memory_budget_bytes!r}")
+        if gamma is None or gamma < 0:
+            raise ValueError(f"gamma must be >= 0, got {gamma!r}")
+        self.cm = cost_model
+        self.num_layers = int(cost_model.num_layers)
+        if self.num_layers < 1:
+            raise ValueError("the cost model has no layers (num_layers < 1)")
+        names = tuple(strategies) if strategies is not None else tuple(cost_model.strategies)
+        unknown = [n for n in names if n not in tuple(cost_model.strategies)]
+        if unknown or not names:
+            raise ValueError(f"strategies {unknown or names} not predicted by the cost model "
+                             f"(it knows {tuple(cost_model.strategies)})")
+        self.strategies = names
+        self.budget = float(memory_budget_bytes)
+        self.margin = (default_margin_fraction() * self.budget if margin_bytes is None
+                       else float(margin_bytes))
+        if self.margin < 0 or self.margin >= self.budget:
+            raise ValueError(f"margin {self.margin / MiB:.1f} MiB must be >= 0 and below the budget "
+                             f"{self.budget / MiB:.1f} MiB")
+        self.limit = self.budget - self.margin
+        # lengths the cost model accepts are multiples of p (the layout's divisor)
+        self.multiple = int(getattr(getattr(cost_model, "shape", None), "p", 1) or 1)
+        self.gamma = float(gamma)
+        self.refinement = refinement
+        self._cache: dict = {}
+        self._cache_size = int(cache_size)
+        self._cache_version = None
+        self.prior = None        # the previous plan returned by plan() (hysteresis)
+        self.hits = self.misses = 0
+
+    # ------------------------------------------------------------------ costs
+    def costs(self, s: int, b: int) -> Costs:
+        r = self.refinement
+        t, m, x = [], [], []
+        for n in self.strategies:
+            c = self.cm.layer(n, s, b)
+            ft, fm = r.factors(n, s) if r is not None else (1.0, 1.0)
+            t.append(float(c.seconds) * ft)
+            m.append(float(c.saved_bytes) * fm)
+            x.append(float(c.transient_bytes) * fm)
+        nl = self.cm.nonlayer(s, b)
+        ft, fm = r.factors("nonlayer", s) if r is not None else (1.0, 1.0)
+        # CostModel.step for a counts plan: the output layer and loss peak at
+        # nonlayer.saved + nonlayer.transient over every layer's saved bytes; a layer peaks at its
+        # transient over every layer's saved bytes plus the non-layer bytes resident under the
+        # layers (the embedding output). Both are "saved sum + a max": fold them into (x0, x_i).
+        res = getattr(self.cm, "resident_bytes", None)
+        resident = float(res(s, b)) * fm if res is not None else float(nl.saved_bytes) * fm
+        return Costs(self.strategies, tuple(t), tuple(m), tuple(resident + xi for xi in x),
+                     float(nl.seconds) * ft, float(self.cm.static_bytes()),
+                     float(nl.saved_bytes + nl.transient_bytes) * fm)
+
+    @staticmethod
+    def evaluate(costs: Costs, counts: dict) -> tuple:
+        """(seconds, peak bytes) of a plan given as ``{strategy: count}``."""
+        sec, saved, trans = costs.t0, costs.base, costs.x0
+        for i, n in enumerate(costs.names):
+            k = counts.get(n, 0)
+            if k:
+                sec += k * costs.t[i]
+                saved += k * costs.m[i]
+                trans = max(trans, costs.x[i])
+        return sec, saved + trans
+
+    def uniform(self, costs: Costs) -> list:
+        """[(name, seconds, peak)] of every uniform plan."""
+        L = self.num_layers
+        return [(n, costs.t0 + L * costs.t[i], costs.base + L * costs.m[i] + max(costs.x0, costs.x[i]))
+                for i, n in enumerate(costs.names)]
+
+    # ------------------------------------------------------------------ planning
+    def _search(self, costs: Costs, s: int, b: int) -> PlanChoice:
+        raise NotImplementedError
+
+    def _version(self):
+        return None if self.refinement is None else self.refinement.version
+
+    def choose(self, seq_len: int, micro_batch: int) -> PlanChoice:
+        """The best plan at (s, b) without hysteresis; cached per (padded length, micro-batch size)."""
+        s, b = int(seq_len), int(micro_batch)
+        if s < 1 or b < 1:
+            raise ValueError(f"sequence length and micro-batch size must be positive, got s={s}, b={b}")
+        v = self._version()
+        if v != self._cache_version:
+            self._cache.clear()
+            self._cache_version = v
+        key = (s, b)
+        hit = self._cache.get(key)
+        if hit is not None:
+            self.hits += 1
+            return hit
+        self.misses += 1
+        costs = self.costs(s, b)
+        choice = self._search(costs, s, b)
+        if not choice.fits:
+            choice = choice._replace(reason=self.no_fit_message(s, b, choice))
+        if len(self._cache) >= self._cache_size:
+            self._cache.pop(next(iter(self._cache)))
+        self._cache[key] = choice
+        return choice
+
+    def plan(self, seq_len: int, micro_batch: int) -> PlanChoice:
+        """The plan for one micro-batch: :meth:`choose`, then the hysteresis on the previous plan."""
+        new = self.choose(seq_len, micro_batch)
+        prior = self.prior
+        if (prior is not None and new.fits and self.gamma > 0 and prior != new.layers):
+            sec, peak = self.evaluate(self.costs(int(seq_len), int(micro_batch)), counts_of(prior))
+            if peak <= self.limit and sec <= (1.0 + self.gamma) * new.seconds:
+                new = PlanChoice(prior, sec, peak, True,
+                                 f"kept the previous plan: it fits and is {100 * (sec / new.seconds - 1):.1f}% "
+                                 f"slower than the new choice (<= gamma {100 * self.gamma:.0f}%)")
+        self.prior = new.layers if new.fits else self.prior
+        return new
+
+    def reset(self) -> None:
+        """Forget the previous plan (hysteresis) and the cache."""
+        self.prior = None
+        self._cache.clear()
+
+    # ------------------------------------------------------------------ no fit
+    def leanest(self, s: int, b: int):
+        """(name, seconds, peak) of the leanest uniform plan at (s, b): no plan peaks lower.
+
+        Any plan's peak >= (1/L) sum_i k_i (L saved_i + transient_i) >= min_i uniform peak_i.
+        """
+        return min(self.uniform(self.costs(s, b)), key=lambda u: (u[2], u[1]))
+
+    def longest_fit(self, micro_batch: int, multiple: int = 1, upper: int | None = None) -> int:
+        """The longest padded length (a multiple of ``multiple``, at most ``upper``) at which the
+        leanest plan fits; 0 if none. Bisection: the peak grows with s."""
+        b, mult = int(micro_batch), max(1, int(multiple))
+        mult = mult * self.multiple // math.gcd(mult, self.multiple)
+
+        def fits(k):
+            return self.leanest(k * mult, b)[2] <= self.limit
+
+        if not fits(1):
+            return 0
+        if upper is not None:
+            hi = int(upper) // mult
+            if hi < 1:
+                return 0
+            if fits(hi):
+                return hi * mult
+        else:
+            hi = 2
+            while fits(hi):
+                if hi > (1 << 40):
+                    return hi * mult
+                hi *= 2
+        lo = 1  # fits(lo), not fits(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo * mult
+
+    def no_fit_message(self, s: int, b: int, choice: PlanChoice | None = None) -> str:
+        name, sec, peak = self.leanest(s, b)
+        longest = self.longest_fit(b, multiple=1, upper=s)
+        return (f"nothing fits the memory budget at sequence length {s}, micro-batch size {b}: the "
+                f"leanest plan ({name} on all {self.num_layers} layers) needs {peak / GiB:.3f} GiB, the "
+                f"budget is {self.budget / GiB:.3f} GiB minus a margin of {self.margin / GiB:.3f} GiB = "
+                f"{self.limit / GiB:.3f} GiB per rank; the longest length that fits with the leanest "
+                f"plan is {longest} tokens" + ("" if longest else " (none)"))
+
+    def describe(self) -> str:
+        return (f"{self.kind} planner, budget {self.budget / GiB:.3f} GiB, margin {self.margin / GiB:.3f} GiB, "
+                f"gamma {self.gamma:g}, strategies {','.join(self.strategies)}")
+
+
+def pareto(items):
+    """Strategies not dominated in (time, memory): ``items`` = [(key, time, memory)], result sorted
+    by time ascending, memory strictly descending. A strategy is dropped when another is at most
+    as slow and at most as large (ties: the earlier in ``items`` order is kept).
+
+    The reference code's ``pop_useless`` compared only neighbours and stopped one pair short
+    (``i < n - 2``), so the last pair was never compared; this compares every strategy with the
+    leanest kept so far, after sorting, which is the whole frontier.
+    """
+    order = sorted(range(len(items)), key=lambda j: (items[j][1], items[j][2], j))
+    out, best_mem = [], math.inf
+    for j in order:
+        if items[j][2] < best_mem:
+            out.append(items[j])
+            best_mem = items[j][2]
+    return out

@@ -1,0 +1,163 @@
+"""The exact fastest plan under the memory budget.
+
+Layers of one model are alike, so a plan is a count ``k_i`` of layers per strategy: its time
+``t0 + sum k_i t_i`` and its peak ``base + sum k_i m_i + max(x0, max_{k_i > 0} x_i)`` do not
+depend on the order of the layers. The max-transient term is handled exactly by iterating over
+the value ``X`` it takes: for each ``X`` in ``{max(x0, x_i)}``, only strategies with
+``x_i <= X`` are allowed and the saved bytes must fit in ``limit - base - X``; every such plan
+is feasible (its true transient is at most ``X``) and the optimum is feasible in the subproblem
+of its own ``X``, so the best over all ``X`` is the optimum.
+
+Each subproblem (``min sum k_i t_i`` s.t. ``sum k_i = L``, ``sum k_i m_i <= C``, integers) is
+solved by depth-first branch and bound over the strategies sorted fastest first (dominated ones
+removed: a strategy at least as slow and as large as another is never needed), most layers on
+the faster strategy first, pruned by the linear-programming bound (the lower convex hull of the
+remaining strategies in (memory, time)). Exact; ``tests/test_planner.py`` checks it against
+brute force over every composition.
+
+Where the order-independence assumption breaks (then this is a model, not the truth):
+
+* pipeline parallelism: a stage holds activations of several micro-batches in flight, and the
+  first stage holds more than the last (1F1B), so per-stage plans and per-stage budgets differ;
+* the first and last layers differ from the others (embedding and output layer are handled as
+  the non-layer term here; a model whose layers differ in width, MoE layers, or
+  local/global attention alternation needs per-layer costs, i.e. a DP over layers);
+* activation recomputation: a recomputed layer keeps only its input, and the peak moves to the
+  recompute of the layer with the largest transient, which depends on where it sits;
+* the peak is taken at the backward of the layer with the largest transient while every
+  layer's activations are alive; with strongly different per-layer saved bytes the order in
+  which backward frees them could make an earlier moment the peak (not for a stack of like layers).
+"""
+from __future__ import annotations
+
+import math
+
+from .core import Costs, PlanChoice, Planner, layers_of
+
+
+def _hull(points):
+    """Lower convex hull of (m, t) points sorted by m ascending (for the LP bound)."""
+    pts = sorted(set(points))
+    hull = []
+    for p in pts:
+        while len(hull) >= 2:
+            (x1, y1), (x2, y2) = hull[-2], hull[-1]
+            if (x2 - x1) * (p[1] - y1) - (y2 - y1) * (p[0] - x1) <= 0:
+                hull.pop()
+            else:
+                break
+        hull.append(p)
+    # keep only the decreasing part (more memory than the fastest point never helps)
+    best = min(range(len(hull)), key=lambda i: (hull[i][1], hull[i][0]))
+    return hull[:best + 1]
+
+
+def _lp(hull, r, c):
+    """min sum of times for r layers of average memory <= c / r over the hull (continuous)."""
+    if r == 0:
+        return 0.0 if c >= 0 else math.inf
+    a = c / r
+    if a < hull[0][0]:
+        return math.inf
+    if a >= hull[-1][0]:
+        return r * hull[-1][1]
+    for (m1, t1), (m2, t2) in zip(hull, hull[1:]):
+        if a <= m2:
+            return r * (t1 + (t2 - t1) * (a - m1) / (m2 - m1))
+    return r * hull[-1][1]
+
+
+def solve_counts(t, m, L, C):
+    """Exact ``min sum k_i t_i`` s.t. ``sum k_i = L``, ``sum k_i m_i <= C``, ``k_i >= 0`` integers.
+
+    Returns (time, counts list aligned with t) or (inf, None). ``t``/``m``: per-layer time and
+    memory of the allowed strategies.
+    """
+    n = len(t)
+    order = sorted(range(n), key=lambda i: (t[i], m[i], i))
+    front = []
+    best_m = math.inf
+    for i in order:
+        if m[i] < best_m:
+            front.append(i)
+            best_m = m[i]
+    if not front:
+        return math.inf, None
+    mt = [t[i] for i in front]
+    mm = [m[i] for i in front]
+    q = len(front)
+    if L * mm[0] <= C:
+        counts = [0] * n
+        counts[front[0]] = L
+        return L * mt[0], counts
+    if L * mm[-1] > C:
+        return math.inf, None
+    hulls = [_hull([(mm[j], mt[j]) for j in range(s, q)]) for s in range(q)]
+    m_last = mm[-1]
+    best = [math.inf, None]
+    ks = [0] * q
+    eps = 1e-12
+
+    def rec(j, r, c, acc):
+        if j == q - 1:
+            if r * mm[j] <= c:
+                tot = acc + r * mt[j]
+                if tot < best[0] * (1 - eps) or best[1] is None and tot < math.inf:
+                    ks[j] = r
+                    best[0], best[1] = tot, list(ks)
+                    ks[j] = 0
+            return
+        dm = mm[j] - m_last
+        kmax = r if dm <= 0 else min(r, int(math.floor((c - r * m_last) / dm)))
+        while kmax > 0 and kmax * mm[j] + (r - kmax) * m_last > c:
+            kmax -= 1
+        prev = None
+        for k in range(kmax, -1, -1):
+            rest_c = c - k * mm[j]
+            bound = acc + k * mt[j] + _lp(hulls[j + 1], r - k, rest_c)
+            if bound >= best[0] * (1 - eps):
+                if prev is not None and bound >= prev:
+                    break  # the bound is convex in k: past its minimum it only grows
+                prev = bound
+                continue
+            prev = bound
+            ks[j] = k
+            rec(j + 1, r - k, rest_c, acc + k * mt[j])
+            ks[j] = 0
+
+    rec(0, L, C, 0.0)
+    if best[1] is None:
+        return math.inf, None
+    counts = [0] * n
+    for j, k in enumerate(best[1]):
+        counts[front[j]] = k
+    return best[0], counts
+
+
+class OptimalPlanner(Planner):
+    kind = "optimal"
+
+    def _search(self, costs: Costs, s: int, b: int) -> PlanChoice:
+        L, n = self.num_layers, len(costs.names)
+        xs = sorted({max(costs.x0, x) for x in costs.x})
+        best = None
+        for X in xs:
+            allowed = [i for i in range(n) if max(costs.x0, costs.x[i]) <= X]
+            C = self.limit - costs.base - X
+            tsum, counts = solve_counts([costs.t[i] for i in allowed], [costs.m[i] for i in allowed], L, C)
+            if counts is None:
+                continue
+            cdict = {costs.names[allowed[j]]: k for j, k in enumerate(counts) if k}
+            sec, peak = self.evaluate(costs, cdict)
+            if peak > self.limit:  # float rounding at the boundary: never return an over-budget plan
+                continue
+            if best is None or sec < best[0] or (sec == best[0] and peak < best[1]):
+                best = (sec, peak, cdict)
+        if best is None:
+            name, sec, peak = min(self.uniform(costs), key=lambda u: (u[2], u[1]))
+            return PlanChoice((name,) * L, sec, peak, False, "nothing fits")
+        sec, peak, cdict = best
+        layers = layers_of(cdict, costs)
+        why = ("the fastest plan that fits (exact)" if len(cdict) > 1 or sec > min(
+            costs.t0 + L * t for t in costs.t) else "the fastest uniform plan fits")
+        return PlanChoice(layers, sec, peak, True, why)

@@ -1,0 +1,318 @@
+"""The planners on synthetic cost models (no spawned world): budget, exactness, hysteresis,
+the reference code's bugs, refinement agreement, the no-fit policies, the CLI."""
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+
+from megatron_paradyse.costmodel.base import CostModel, LayerCost
+from megatron_paradyse.planner import (NoFitError, Refinement, build_planner, make_plan_fn, pareto,
+                                       solve_counts)
+from megatron_paradyse.planner.core import counts_of
+
+NAMES = ("tp_sp", "ulysses", "ring", "colossal", "metp")
+
+
+class TableModel(CostModel):
+    """Per-strategy (seconds, saved, transient) per layer, scaled linearly in s*b (and s^2 terms)."""
+
+    def __init__(self, table, num_layers, static=0.0, nonlayer=(0.0, 0.0, 0.0)):
+        self.table = dict(table)
+        self.strategies = tuple(self.table)
+        self.num_layers = num_layers
+        self._static = static
+        self._nl = nonlayer
+
+    def layer(self, strategy, s, b):
+        t, m, x, q = self.table[strategy]
+        u = s * b / 1024.0
+        return LayerCost(t * u + q * u * u, m * u, x * u + 0.01 * q * u * u)
+
+    def static_bytes(self):
+        return self._static
+
+    def nonlayer(self, s, b):
+        u = s * b / 1024.0
+        return LayerCost(self._nl[0] * u, self._nl[1] * u, self._nl[2] * u)
+
+
+def random_model(rng, k=None, layers=None):
+    k = k or rng.randint(2, 5)
+    names = NAMES[:k]
+    table = {n: (rng.uniform(0.5, 3.0), rng.uniform(1.0, 10.0), rng.uniform(0.0, 20.0), rng.uniform(0.0, 0.5))
+             for n in names}
+    return TableModel(table, layers or rng.randint(1, 8), static=rng.uniform(0, 50),
+                      nonlayer=(rng.uniform(0, 1), rng.uniform(0, 5), rng.uniform(0, 5)))
+
+
+def brute(planner, s, b):
+    """Fastest fitting plan by enumerating every composition of L layers (None if none fits)."""
+    costs = planner.costs(s, b)
+    L, K = planner.num_layers, len(costs.names)
+    best = None
+    for cut in itertools.combinations(range(L + K - 1), K - 1):
+        prev, counts = -1, {}
+        for j, c in enumerate(cut + (L + K - 1,)):
+            if c - prev - 1:
+                counts[costs.names[j]] = c - prev - 1
+            prev = c
+        sec, peak = planner.evaluate(costs, counts)
+        if peak <= planner.limit and (best is None or sec < best[0]):
+            best = (sec, peak, counts)
+    return best
+
+
+def _budget(rng, cm, s, b):
+    """A budget between the leanest and the fattest uniform peak (so some plans fit, some not)."""
+    peaks = [cm.step({n: cm.num_layers}, s, b).peak_bytes for n in cm.strategies]
+    return rng.uniform(min(peaks) * 0.97, max(peaks) * 1.05)
+
+
+def test_properties_on_random_models():
+    rng = random.Random(1234)
+    n_fit = n_mixed = 0
+    for case in range(400):
+        cm = random_model(rng)
+        s, b = rng.choice([512, 1024, 3000, 4096]), rng.choice([1, 2])
+        budget = _budget(rng, cm, s, b)
+        margin = rng.choice([0.0, 0.05 * budget])
+        h = build_planner("heuristic", cm, budget, margin_bytes=margin)
+        o = build_planner("optimal", cm, budget, margin_bytes=margin)
+        ch, co = h.choose(s, b), o.choose(s, b)
+        ref = brute(o, s, b)
+        for c, pl in ((ch, h), (co, o)):
+            assert len(c.layers) == cm.num_layers
+            sec, peak = cm.step(counts_of(c.layers), s, b)  # the cost model's own composition
+            assert math.isclose(sec, c.seconds, rel_tol=1e-9) and math.isclose(peak, c.peak_bytes, rel_tol=1e-9)
+            # the layer order returned (largest transient first) never peaks above it
+            assert cm.step(c.layers, s, b).peak_bytes <= c.peak_bytes * (1 + 1e-12)
+            if c.fits:
+                assert c.peak_bytes <= budget - margin, (case, c)  # never over budget
+            else:
+                assert "nothing fits" in c.reason and "GiB" in c.reason
+        assert (ref is not None) == co.fits == ch.fits, case  # a fitting plan exists <=> uniform fits
+        if ref is None:
+            continue
+        n_fit += 1
+        n_mixed += len(set(co.layers)) > 1
+        assert math.isclose(co.seconds, ref[0], rel_tol=1e-9), (case, co, ref)  # optimal == brute force
+        assert co.seconds <= ch.seconds * (1 + 1e-12)  # never slower than the heuristic
+        for name in cm.strategies:  # ... nor than any uniform plan that fits
+            sec, peak = cm.step({name: cm.num_layers}, s, b)
+            if peak <= budget - margin:
+                assert co.seconds <= sec * (1 + 1e-12)
+        hp = h.plan(s, b)  # with hysteresis, first call: no prior
+        assert hp.layers == ch.layers
+    assert n_fit > 200 and n_mixed > 50, (n_fit, n_mixed)  # the cases exercised mixed plans
+
+
+def test_optimal_equals_brute_force_with_large_transients():
+    """Transient-heavy strategies (colossal-like): the max-transient term decides."""
+    rng = random.Random(7)
+    for case in range(150):
+        table = {n: (rng.uniform(0.5, 3), rng.uniform(0.1, 2), rng.choice([0.0, rng.uniform(5, 40)]), 0.0)
+                 for n in NAMES[:rng.randint(3, 5)]}
+        cm = TableModel(table, rng.randint(2, 7), static=1.0)
+        budget = _budget(rng, cm, 2048, 1)
+        o = build_planner("optimal", cm, budget, margin_bytes=0)
+        ref = brute(o, 2048, 1)
+        c = o.choose(2048, 1)
+        assert c.fits == (ref is not None)
+        if ref:
+            assert math.isclose(c.seconds, ref[0], rel_tol=1e-9), (case, c, ref)
+
+
+def test_solve_counts_large_against_enumeration_of_three():
+    rng = random.Random(3)
+    for _ in range(50):
+        t = [rng.uniform(1, 3) for _ in range(3)]
+        m = [rng.uniform(1, 5) for _ in range(3)]
+        L = rng.randint(10, 40)
+        C = rng.uniform(min(m) * L, max(m) * L)
+        got, counts = solve_counts(t, m, L, C)
+        best = min((a * t[0] + bb * t[1] + (L - a - bb) * t[2] for a in range(L + 1) for bb in range(L + 1 - a)
+                    if a * m[0] + bb * m[1] + (L - a - bb) * m[2] <= C), default=math.inf)
+        assert math.isclose(got, best, rel_tol=1e-12)
+        assert sum(counts) == L and sum(k * mi for k, mi in zip(counts, m)) <= C
+
+
+def test_hysteresis_keeps_only_fitting_plans_within_gamma():
+    rng = random.Random(99)
+    kept = 0
+    for case in range(200):
+        cm = random_model(rng, layers=rng.randint(2, 6))
+        budget = _budget(rng, cm, 4096, 1)
+        for kind in ("heuristic", "optimal"):
+            pl = build_planner(kind, cm, budget, gamma=0.2, margin_bytes=0)
+            for s in [rng.choice([256, 1024, 2048, 4096, 6000, 8192]) for _ in range(8)]:
+                prior = pl.prior
+                fresh = pl.choose(s, 1)
+                c = pl.plan(s, 1)
+                if c.fits:
+                    assert c.peak_bytes <= budget
+                    assert c.seconds <= 1.2 * fresh.seconds * (1 + 1e-12)
+                    if c.layers != fresh.layers:
+                        kept += 1
+                        assert c.layers == prior and "kept the previous plan" in c.reason
+                else:
+                    assert not fresh.fits  # a prior that no longer fits is never kept
+    assert kept > 10
+
+
+def test_heuristic_returns_largest_fitting_mix_not_one_over():
+    """Reference bug 1: the aliased list made the returned mix one fast layer over budget."""
+    cm = TableModel({"fast": (1.0, 10.0, 0.0, 0.0), "lean": (2.0, 1.0, 0.0, 0.0)}, num_layers=8)
+    # budget for exactly 5 fast + 3 lean layers (u = 1 at s = 1024): 5*10 + 3*1 = 53
+    h = build_planner("heuristic", cm, 53.5, margin_bytes=0)
+    c = h.choose(1024, 1)
+    assert counts_of(c.layers) == {"fast": 5, "lean": 3}, c
+    assert c.peak_bytes <= 53.5
+    # the reference's aliasing replica: the candidate list for e = 1..5 all point at e = 6
+    plan, stored = ["lean"] * 8, []
+    for e in range(1, 8):
+        plan.pop()
+        plan.insert(0, "fast")
+        if cm.step(plan, 1024, 1).peak_bytes <= 53.5:
+            stored.append(plan)  # the bug: no copy
+        else:
+            break
+    assert cm.step(stored[-1], 1024, 1).peak_bytes > 53.5  # what the reference returned
+    assert build_planner("optimal", cm, 53.5, margin_bytes=0).choose(1024, 1).layers == c.layers
+
+
+def test_pareto_prunes_the_last_pair():
+    """Reference bug 2: ``pop_useless`` (i < n - 2) never compared the last pair."""
+    items = [("a", 1.0, 10.0), ("b", 2.0, 5.0), ("c", 3.0, 2.0), ("d", 4.0, 3.0)]  # d dominated by c
+    assert [k for k, _, _ in pareto(items)] == ["a", "b", "c"]
+
+    def pop_useless(lst):  # the reference's loop bound, as a replica
+        out, i = list(lst), 0
+        while i < len(out) - 2:
+            if out[i + 1][1] >= out[i][1] and out[i + 1][2] >= out[i][2]:
+                out.pop(i + 1)
+            else:
+                i += 1
+        return out
+    assert [k for k, _, _ in pop_useless(items)] == ["a", "b", "c", "d"]  # keeps the dominated one
+    assert [k for k, _, _ in pareto(items[::-1])] == ["a", "b", "c"]  # order of input does not matter
+    # equal time and memory: exactly one kept, the first
+    assert [k for k, _, _ in pareto([("x", 1.0, 1.0), ("y", 1.0, 1.0)])] == ["x"]
+
+
+def test_no_sticky_out_of_memory_flag():
+    """Reference bug 3: after a length that fits nothing, a shorter length gets its best plan again."""
+    cm = TableModel({"fast": (1.0, 10.0, 0.0, 0.0), "lean": (2.0, 1.0, 0.0, 0.0)}, num_layers=4)
+    for kind in ("heuristic", "optimal"):
+        pl = build_planner(kind, cm, 45.0, margin_bytes=0)
+        assert pl.plan(1024, 1).layers == ("fast",) * 4
+        long = pl.plan(1024 * 16, 1)
+        assert not long.fits and long.layers == ("lean",) * 4
+        assert "longest length that fits" in long.reason and "needs" in long.reason
+        assert pl.plan(1024, 1).layers == ("fast",) * 4  # the reference stayed on its leanest plan
+        assert pl.plan(512, 1).layers == ("fast",) * 4
+
+
+def test_refinement_is_identical_on_every_rank():
+    """Reference bug 4: predictions refined per rank diverge; here only the summed vector is applied."""
+    cm = TableModel({"fast": (1.0, 10.0, 0.0, 0.0), "lean": (1.05, 1.0, 0.0, 0.0)}, num_layers=4)
+    ranks = [build_planner("optimal", cm, 1e9, refinement=True) for _ in range(4)]
+    rng = random.Random(0)
+    for step in range(10):
+        contribs = []
+        for r, pl in enumerate(ranks):
+            c = pl.plan(2048, 1)
+            measured = c.seconds * (1.5 if "fast" in c.layers else 1.0) * (1 + 0.1 * rng.random() * r)
+            contribs.append(pl.refinement.contribution([(c.layers, 2048)], c.seconds, measured, c.peak_bytes,
+                                                       c.peak_bytes * (1 + 0.01 * r)))
+        summed = [sum(v) for v in zip(*contribs)]
+        for pl in ranks:
+            pl.refinement.apply(summed)
+        plans = {pl.plan(2048, 1).layers for pl in ranks}
+        assert len(plans) == 1, plans
+        assert len({tuple(pl.refinement.time) for pl in ranks}) == 1
+    # measured 'fast' ~1.5x slower than predicted: the planner has switched to 'lean'
+    assert ranks[0].plan(2048, 1).layers == ("lean",) * 4
+    # what the reference did (each rank its own measured time) would have made them disagree
+    local = [build_planner("optimal", cm, 1e9, refinement=True) for _ in range(2)]
+    for r, pl in enumerate(local):
+        c = pl.plan(2048, 1)
+        for _ in range(5):
+            pl.refinement.apply(pl.refinement.contribution([(c.layers, 2048)], c.seconds, c.seconds * (1.0 + 0.6 * r)))
+    assert local[0].plan(2048, 1).layers != local[1].plan(2048, 1).layers
+
+
+def test_refinement_memory_factor_shrinks_what_fits():
+    cm = TableModel({"fast": (1.0, 10.0, 0.0, 0.0), "lean": (2.0, 1.0, 0.0, 0.0)}, num_layers=4)
+    pl = build_planner("optimal", cm, 45.0, margin_bytes=0, refinement=True)
+    before = pl.plan(1024, 1)
+    assert before.layers == ("fast",) * 4 and before.fits
+    for _ in range(10):  # measured peaks 30% above prediction
+        pl.refinement.apply(pl.refinement.contribution([(before.layers, 1024)], 1.0, 1.0, 40.0, 52.0))
+    after = pl.plan(1024, 1)
+    assert after.fits and after.peak_bytes <= 45.0 and after.layers != before.layers
+
+
+def test_cache_and_longest_fit():
+    cm = TableModel({"fast": (1.0, 10.0, 0.0, 0.0), "lean": (2.0, 1.0, 0.0, 0.0)}, num_layers=4)
+    pl = build_planner("optimal", cm, 45.0, margin_bytes=0)
+    pl.plan(1000, 1), pl.plan(1000, 1), pl.plan(1000, 2)
+    assert (pl.hits, pl.misses) == (1, 2)
+    # leanest: 4 layers lean = 4 * s/1024 <= 45 -> s <= 11520
+    assert pl.longest_fit(1) == 11520
+    assert pl.longest_fit(1, multiple=64) == 11520 - 11520 % 64
+    assert pl.longest_fit(2, multiple=4) == 5760
+    assert pl.longest_fit(1, upper=5000) == 5000
+
+
+class _MB:
+    def __init__(self, s, lengths=None):
+        self.tokens = torch.zeros(1, s, dtype=torch.long)
+        self.labels = torch.zeros(1, s, dtype=torch.long)
+        self.loss_mask = torch.ones(1, s)
+        self.position_ids = torch.arange(s)[None]
+        self.lengths = tuple(lengths or (s,))
+
+
+def test_no_fit_policies():
+    cm = TableModel({"fast": (1.0, 10.0, 0.0, 0.0), "lean": (2.0, 1.0, 0.0, 0.0)}, num_layers=4)
+    pl = build_planner("heuristic", cm, 45.0, margin_bytes=0)
+    with pytest.raises(NoFitError, match=r"needs .* GiB.*longest length that fits .* 11520"):
+        make_plan_fn(pl, "error")(_MB(16384), 3, 0)
+    warned = []
+    fn = make_plan_fn(pl, "truncate", multiple=4, warn=warned.append)
+    mb = _MB(16384)
+    assert fn(mb, 0, 0) == ("lean",) * 4 and mb.tokens.shape == (1, 11520) and mb.lengths == (11520,)
+    assert "truncated to 11520" in warned[-1] and "16384" in warned[-1]
+    fn = make_plan_fn(pl, "skip", multiple=4, warn=warned.append)
+    mb = _MB(16384)
+    fn(mb, 0, 1)
+    assert mb.tokens.shape == (1, 4) and float(mb.loss_mask.sum()) == 0 and "skipped" in warned[-1]
+    mb = _MB(1024)
+    assert fn(mb, 0, 2) == ("fast",) * 4 and mb.tokens.shape == (1, 1024)  # fitting ones untouched
+
+
+def test_bad_arguments():
+    cm = TableModel({"a": (1.0, 1.0, 0.0, 0.0)}, num_layers=2)
+    with pytest.raises(ValueError, match="unknown planner"):
+        build_planner("greedy", cm, 1.0)
+    with pytest.raises(ValueError, match="positive"):
+        build_planner("optimal", cm, 0)
+    with pytest.raises(ValueError, match="margin"):
+        build_planner("optimal", cm, 10.0, margin_bytes=10.0)
+    with pytest.raises(ValueError, match="on_no_fit"):
+        make_plan_fn(build_planner("optimal", cm, 10.0), "oom")
+
+
+def test_cli_explains_every_candidate(capsys):
+    from megatron_paradyse.planner.cli import main
+
+    assert main(["--analytic", "--p", "4", "--seq-lens", "1k,64k,4m", "--memory-budget", "0.05"]) == 0
+    text = capsys.readouterr().out
+    for name in NAMES:
+        assert f"uniform {name}" in text
+    assert "chosen by heuristic, optimal" in text and "nothing fits" in text and "longest length that fits" in text
+    assert text.count("== s = ") == 3
