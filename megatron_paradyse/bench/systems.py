@@ -29,13 +29,22 @@ class SystemSpec:
     cost_model: object = None
     budget: float = 0.0
     last_fits: bool | None = None
+    errors: list = dataclasses.field(default_factory=list)
 
     def plan_for(self, s: int, b: int):
         if self.kind == "stock":
             return None
         if self.kind == "uniform":
             return (self.strategy,) * self.num_layers
-        choice = self.planner.plan(int(s), int(b))
+        try:
+            choice = self.planner.plan(int(s), int(b))
+        except Exception as e:  # noqa: BLE001 - the planner failed: run its leanest plan, say so
+            if not hasattr(self.planner, "leanest"):
+                raise
+            self.errors.append(f"{self.name}: planner.plan({s}, {b}) raised {type(e).__name__}: {e}; "
+                               "ran the leanest uniform plan")
+            self.last_fits = False
+            return (self.planner.leanest(int(s), int(b))[0],) * self.num_layers
         self.last_fits = bool(choice.fits)
         return tuple(choice.layers)
 

@@ -155,8 +155,14 @@ def bench_world(rank, world, cfg):
            "notes": notes, "seconds": time.perf_counter() - t_start,
            "systems": [spec.describe() for spec, _ in systems]}
     if cfg.get("search"):
-        out["search"] = {spec.name: _search(spec, sysm, cfg, args, dataset, mult, rank)
-                         for spec, sysm in systems}
+        out["search"] = {}
+        for spec, sysm in systems:
+            try:
+                out["search"][spec.name] = _search(spec, sysm, cfg, args, dataset, mult, rank)
+            except Exception as e:  # noqa: BLE001 - same on every rank (deterministic); keep the rest
+                out["search"][spec.name] = {"longest_fitting": None, "error": f"{type(e).__name__}: {e}"}
+    for spec, _ in systems:
+        out["notes"].extend(dict.fromkeys(spec.errors))
     return out if rank == 0 else None
 
 
