@@ -122,6 +122,7 @@ class Planner:
         self.gamma = float(gamma)
         self.refinement = refinement
         self._cache: dict = {}
+        self._costs: dict = {}
         self._cache_size = int(cache_size)
         self._cache_version = None
         self.prior = None        # the previous plan returned by plan() (hysteresis)
@@ -129,6 +130,24 @@ class Planner:
 
     # ------------------------------------------------------------------ costs
     def costs(self, s: int, b: int) -> Costs:
+        """Per-strategy costs at (s, b) with the refinement's factors (cached with the plans)."""
+        self._check_version()
+        key = (int(s), int(b))
+        got = self._costs.get(key)
+        if got is None:
+            if len(self._costs) >= self._cache_size:
+                self._costs.pop(next(iter(self._costs)))
+            got = self._costs[key] = self._compute_costs(*key)
+        return got
+
+    def _check_version(self):
+        v = self._version()
+        if v != self._cache_version:
+            self._cache.clear()
+            self._costs.clear()
+            self._cache_version = v
+
+    def _compute_costs(self, s: int, b: int) -> Costs:
         r = self.refinement
         t, m, x = [], [], []
         for n in self.strategies:
@@ -179,10 +198,7 @@ class Planner:
         s, b = int(seq_len), int(micro_batch)
         if s < 1 or b < 1:
             raise ValueError(f"sequence length and micro-batch size must be positive, got s={s}, b={b}")
-        v = self._version()
-        if v != self._cache_version:
-            self._cache.clear()
-            self._cache_version = v
+        self._check_version()
         key = (s, b)
         hit = self._cache.get(key)
         if hit is not None:
@@ -215,6 +231,7 @@ class Planner:
         """Forget the previous plan (hysteresis) and the cache."""
         self.prior = None
         self._cache.clear()
+        self._costs.clear()
 
     # ------------------------------------------------------------------ no fit
     def leanest(self, s: int, b: int):

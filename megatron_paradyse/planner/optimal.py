@@ -67,11 +67,12 @@ def _lp(hull, r, c):
     return r * hull[-1][1]
 
 
-def solve_counts(t, m, L, C):
+def solve_counts(t, m, L, C, upper=math.inf):
     """Exact ``min sum k_i t_i`` s.t. ``sum k_i = L``, ``sum k_i m_i <= C``, ``k_i >= 0`` integers.
 
     Returns (time, counts list aligned with t) or (inf, None). ``t``/``m``: per-layer time and
-    memory of the allowed strategies.
+    memory of the allowed strategies. ``upper``: only a plan faster than this is of interest
+    (a bound from another subproblem; (inf, None) if none is).
     """
     n = len(t)
     order = sorted(range(n), key=lambda i: (t[i], m[i], i))
@@ -87,25 +88,53 @@ def solve_counts(t, m, L, C):
     mm = [m[i] for i in front]
     q = len(front)
     if L * mm[0] <= C:
+        if L * mt[0] >= upper:
+            return math.inf, None
         counts = [0] * n
         counts[front[0]] = L
         return L * mt[0], counts
     if L * mm[-1] > C:
         return math.inf, None
     hulls = [_hull([(mm[j], mt[j]) for j in range(s, q)]) for s in range(q)]
-    m_last = mm[-1]
-    best = [math.inf, None]
-    ks = [0] * q
+    m_last, t_last = mm[-1], mt[-1]
     eps = 1e-12
+    if _lp(hulls[0], L, C) >= upper * (1 - eps):
+        return math.inf, None
+
+    def pair(j, r, c):
+        """Two strategies left (j and the leanest): as many layers on j as fit. (k, time) or None."""
+        dm = mm[j] - m_last
+        k = min(r, int(math.floor((c - r * m_last) / dm))) if dm > 0 else r
+        while k > 0 and k * mm[j] + (r - k) * m_last > c:
+            k -= 1  # float rounding
+        if k < 0 or (k == 0 and r * m_last > c):
+            return None
+        return k, k * mt[j] + (r - k) * t_last
+
+    # incumbent: the best plan of at most two strategies (closed form per pair)
+    best = [upper, None]
+    for a in range(q - 1):
+        for bb in range(a + 1, q):
+            dm = mm[a] - mm[bb]
+            k = min(L, int(math.floor((C - L * mm[bb]) / dm))) if dm > 0 else L
+            while k > 0 and k * mm[a] + (L - k) * mm[bb] > C:
+                k -= 1
+            if k < 0 or (k == 0 and L * mm[bb] > C):
+                continue
+            tot = k * mt[a] + (L - k) * mt[bb]
+            if tot < best[0] * (1 - eps):
+                ks = [0] * q
+                ks[a], ks[bb] = k, L - k
+                best = [tot, ks]
+    ks = [0] * q
 
     def rec(j, r, c, acc):
-        if j == q - 1:
-            if r * mm[j] <= c:
-                tot = acc + r * mt[j]
-                if tot < best[0] * (1 - eps) or best[1] is None and tot < math.inf:
-                    ks[j] = r
-                    best[0], best[1] = tot, list(ks)
-                    ks[j] = 0
+        if j == q - 2:
+            got = pair(j, r, c)
+            if got is not None and acc + got[1] < best[0] * (1 - eps):
+                ks[j], ks[q - 1] = got[0], r - got[0]
+                best[0], best[1] = acc + got[1], list(ks)
+                ks[j] = ks[q - 1] = 0
             return
         dm = mm[j] - m_last
         kmax = r if dm <= 0 else min(r, int(math.floor((c - r * m_last) / dm)))
@@ -125,7 +154,8 @@ def solve_counts(t, m, L, C):
             rec(j + 1, r - k, rest_c, acc + k * mt[j])
             ks[j] = 0
 
-    rec(0, L, C, 0.0)
+    if q >= 3 and _lp(hulls[0], L, C) < best[0] * (1 - eps):
+        rec(0, L, C, 0.0)
     if best[1] is None:
         return math.inf, None
     counts = [0] * n
@@ -144,7 +174,9 @@ class OptimalPlanner(Planner):
         for X in xs:
             allowed = [i for i in range(n) if max(costs.x0, costs.x[i]) <= X]
             C = self.limit - costs.base - X
-            tsum, counts = solve_counts([costs.t[i] for i in allowed], [costs.m[i] for i in allowed], L, C)
+            upper = math.inf if best is None else (best[0] - costs.t0) * (1 + 1e-9)
+            tsum, counts = solve_counts([costs.t[i] for i in allowed], [costs.m[i] for i in allowed], L, C,
+                                        upper=upper)
             if counts is None:
                 continue
             cdict = {costs.names[allowed[j]]: k for j, k in enumerate(counts) if k}
