@@ -183,3 +183,24 @@ def test_shape_constructors():
 
     cfg = TinyGPT(num_layers=4, hidden_size=128, num_attention_heads=8, ffn_hidden_size=512).transformer_config(4, True)
     assert ModelShape.from_config(cfg, vocab=512, p=4) == demo_shape(4)
+
+
+def test_shipped_demo_models():
+    import megatron_paradyse.costmodel as cm
+
+    for p in (4, 2):
+        m = build_cost_model(demo_shape(p))
+        assert isinstance(m, FittedCostModel), p
+        assert os.path.dirname(m.path) == os.path.join(os.path.dirname(cm.__file__), "models")
+        assert m.strategies == analytic.STRATEGIES and m.num_layers == 4
+        for st in m.strategies:
+            prev = None
+            for s in (128, 512, 2048, 4096, 8192, 16384):
+                c = m.layer(st, s, 1)
+                assert c.seconds > 0 and c.saved_bytes > 0 and c.transient_bytes > 0, (p, st, s)
+                if prev is not None:  # the planner relies on costs rising with s
+                    assert c.seconds >= prev.seconds and c.saved_bytes > prev.saved_bytes, (p, st, s)
+                prev = c
+        # the promised memory order at the demo's length
+        saved = {st: m.layer(st, 4096, 1).saved_bytes for st in m.strategies}
+        assert min(saved, key=saved.get) == "metp" and max(saved, key=saved.get) == "colossal"

@@ -104,10 +104,10 @@ class FittedCostModel(CostModel):
         if strategies is not None and set(strategies) - set(meta["strategies"]):
             raise CostModelFileError(f"cost model file {path!r} covers strategies {meta['strategies']}, "
                                      f"the run needs {sorted(strategies)}")
-        import xgboost as xgb
-
         base = os.path.dirname(os.path.abspath(path))
         boosters = {}
+        if meta["files"]:
+            import xgboost as xgb
         for name, digest in meta["files"].items():
             fpath = os.path.join(base, name)
             if not os.path.isfile(fpath):
