@@ -95,8 +95,21 @@ def _world_a(rank, world, ckpt_root):
     out["paradyse_params"] = params if rank == 0 else None
     out["paradyse_seconds"] = time.perf_counter() - t0
     out["log"] = lines if rank == 0 else None
+    # the planner chooses per micro-batch (--paradyse, no plan): 10 steps; the budget (analytic
+    # model of this shape) fits tp_sp up to s = 32 and needs tp_sp+metp mixes beyond
+    t0 = time.perf_counter()
+    planned_lines = []
+    hist, _, _ = _train(4, world, ["--paradyse-memory-budget", PLANNER_BUDGET_GIB], paradyse=True,
+                        steps=PLANNER_STEPS, lines=planned_lines)
+    out["planned"] = _summary(hist)
+    out["planned_log"] = planned_lines if rank == 0 else None
+    out["planned_seconds"] = time.perf_counter() - t0
     dist.barrier()
     return out
+
+
+PLANNER_STEPS = 10
+PLANNER_BUDGET_GIB = "0.001336"
 
 
 class _Planted:
@@ -316,6 +329,28 @@ def test_paradyse_training_equals_stock(worlds):
     assert pd[-1]["loss"] < pd[0]["loss"]
 
 
+def test_planner_chooses_and_training_equals_stock(worlds):
+    """--paradyse without --paradyse-plan: the planner picks each micro-batch's plan; losses equal stock's."""
+    a, _, _ = worlds
+    r0 = a[0]
+    stock, pl = r0["stock"][:PLANNER_STEPS], r0["planned"]
+    assert len(pl) == PLANNER_STEPS
+    plans = [p for step in pl for p in step["plans"]]
+    assert all(p is not None and len(p) == 4 for p in plans)
+    assert len(set(plans)) > 1 and any(len(set(p)) > 1 for p in plans), plans  # chosen per length, mixed
+    worst = max(_rel(x["loss"], y["loss"]) for x, y in zip(pl, stock))
+    log = r0["planned_log"]
+    print(f"\nplanner, p=4 {PLANNER_STEPS} steps: max rel loss err {worst:.2e} "
+          f"({r0['planned_seconds']:.1f} s); plans {sorted(set(plans))}")
+    print("\n".join(log[:4]))
+    assert worst < 1e-5
+    assert any("optimal planner" in line for line in log)
+    steps = [line for line in log if "iteration" in line and "pred:" in line]
+    assert len(steps) == PLANNER_STEPS and all("measured peak" in line for line in steps)
+    for r in a[1:]:  # one switching group: every rank planned the same
+        assert [x["plans"] for x in r["planned"]] == [x["plans"] for x in pl]
+
+
 def test_resume_and_cross_loading(worlds):
     a, b, root = worlds
     full_pd, full_stock = a[0]["paradyse"], a[0]["stock"]
@@ -415,8 +450,11 @@ def test_bad_flags_fail_before_any_collective():
         (_argv(4, ["--bf16"]), 4, "bf16"),
         (_argv(4, ["--use-distributed-optimizer"]), 4, "distributed-optimizer"),
         ([a for a in _argv(4, []) if a != "--mock-data"], 4, "--mock-data"),
-        (_argv(4, ["--paradyse", "--paradyse-memory-budget", "70"]), 4, "not implemented yet"),
-        (_argv(4, ["--paradyse", "--paradyse-cost-model", "cm.json"]), 4, "not implemented yet"),
+        (_argv(4, ["--paradyse", "--paradyse-memory-budget", "-1"]), 4, "must be positive"),
+        (_argv(4, ["--paradyse", "--paradyse-cost-model", "cm.json"]), 4, "no such file"),
+        (_argv(4, ["--paradyse", "--paradyse-plan", "tp_sp", "--paradyse-planner", "optimal"]), 4,
+         "give one or the other"),
+        (_argv(4, ["--paradyse-gamma", "0.1"]), 4, "needs --paradyse"),
     ]
     for argv, world, needle in cases:
         with pytest.raises(ArgumentError, match=needle.replace("-", r"\-")):

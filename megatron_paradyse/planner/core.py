@@ -28,6 +28,11 @@ GiB = float(1 << 30)
 MiB = float(1 << 20)
 
 
+def fmt_bytes(x: float) -> str:
+    """GiB with 3 decimals, or MiB below 1 GiB."""
+    return f"{x / GiB:.3f} GiB" if abs(x) >= GiB else f"{x / MiB:.2f} MiB"
+
+
 class PlanChoice(NamedTuple):
     """A planner's answer for one micro-batch."""
 
@@ -283,7 +288,7 @@ class Planner:
                 f"plan is {longest} tokens" + ("" if longest else " (none)"))
 
     def describe(self) -> str:
-        return (f"{self.kind} planner, budget {self.budget / GiB:.3f} GiB, margin {self.margin / GiB:.3f} GiB, "
+        return (f"{self.kind} planner, budget {fmt_bytes(self.budget)}, margin {fmt_bytes(self.margin)}, "
                 f"gamma {self.gamma:g}, strategies {','.join(self.strategies)}")
 
 

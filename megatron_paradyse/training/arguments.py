@@ -38,9 +38,11 @@ def add_paradyse_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--paradyse-mock-min-length", type=int, default=16,
                    help="Shortest document of --mock-data (lengths are log-uniform up to --seq-length).")
     g.add_argument("--paradyse-cost-model", type=str, default=None,
-                   help="Reserved for the cost-model planner (not implemented yet: an error for now).")
+                   help="The planner's fitted cost model (metadata .json; default: the model shipped "
+                        "for this model's shape, else the analytic model).")
     g.add_argument("--paradyse-memory-budget", type=float, default=None,
-                   help="Reserved for the cost-model planner, GiB per rank (not implemented yet: an error for now).")
+                   help="The planner's memory budget, GiB per rank (default: the GPU's memory; on "
+                        "CPU the host's memory divided by the ranks on the node).")
     g.add_argument("--paradyse-trainer", choices=("auto", "core", "megatron"), default="core",
                    help="pretrain_gpt_paradyse.py: 'core' (default) = the megatron-core training "
                         "loop of megatron_paradyse.training; 'megatron' = Megatron-LM's pretrain() "
@@ -196,7 +198,34 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
 
     add_paradyse_args(p)
+    add_planner_args(p)
     return p
+
+
+def add_planner_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The planner's flags (megatron_paradyse.planner); this trainer only, so ``--paradyse-plan``
+    defaults to None here: ``--paradyse`` without a plan means the planner chooses."""
+    g = parser.add_argument_group("ParaDySe planner", "each micro-batch's per-layer plan from the cost model")
+    g.add_argument("--paradyse-planner", choices=("heuristic", "optimal"), default=None,
+                   help="the planner (default 'optimal' when --paradyse is given without "
+                        "--paradyse-plan): 'optimal' = the exact fastest plan under the budget; "
+                        "'heuristic' = the paper's algorithm with its reference code's bugs fixed")
+    g.add_argument("--paradyse-memory-margin", type=float, default=None,
+                   help="GiB of the budget kept free (default 10%% of the budget on GPU: allocator "
+                        "fragmentation, NCCL/cuBLAS workspaces; 5%% on CPU: the cost model's error)")
+    g.add_argument("--paradyse-gamma", type=float, default=None,
+                   help="hysteresis: keep the previous plan while it fits and is at most this much "
+                        "slower (default 0.05 heuristic, 0 optimal)")
+    g.add_argument("--paradyse-on-no-fit", choices=("error", "skip", "truncate"), default="error",
+                   help="a micro-batch no plan fits: stop with the numbers (default), skip it (no "
+                        "loss, no gradient) or truncate it to the longest length that fits, with a "
+                        "warning; decided identically on every rank before the step")
+    g.add_argument("--paradyse-refine", choices=("auto", "on", "off"), default="auto",
+                   help="correct predictions with measured step times and peaks (one small "
+                        "all-reduce per step): 'auto' = on with CUDA, off on CPU (CPU timings of "
+                        "ranks sharing cores measure the CPU, not the strategies)")
+    parser.set_defaults(paradyse_plan=None)
+    return parser
 
 
 def parse_args(argv=None, world_size: int | None = None, validate: bool = True) -> argparse.Namespace:
@@ -314,13 +343,10 @@ def validate_args(args, world_size: int | None = None) -> argparse.Namespace:
             warnings.warn(f"{flag} is accepted for compatibility with Megatron-LM scripts and has "
                           "no effect in this trainer", stacklevel=2)
     # the plan: parsed and checked for this model here, before any collective
-    if args.paradyse:
+    _validate_planner_args(args, tp)
+    if args.paradyse and args.paradyse_plan is not None:
         from ..parallel.plans import parse_plan
 
-        for flag in ("paradyse_cost_model", "paradyse_memory_budget"):
-            if getattr(args, flag) is not None:
-                _err(f"--{flag.replace('_', '-')} needs the cost-model planner, which is not "
-                     "implemented yet; give the plan with --paradyse-plan")
         try:
             rule = parse_plan(args.paradyse_plan, args.num_layers)
         except ValueError as e:
@@ -334,6 +360,59 @@ def validate_args(args, world_size: int | None = None) -> argparse.Namespace:
                 _err(f"--paradyse-plan uses {name!r}, which cannot run this model over "
                      f"TP={tp}: {why}")
     return args
+
+
+def _validate_planner_args(args, tp: int) -> None:
+    """The planner's flags (local checks); sets ``args.paradyse_planner`` when the planner runs."""
+    planner_flags = ("paradyse_planner", "paradyse_memory_margin", "paradyse_gamma")
+    given = [f for f in planner_flags if getattr(args, f, None) is not None]
+    if not hasattr(args, "paradyse_planner"):  # a parser without add_planner_args
+        if getattr(args, "paradyse_plan", None) is None:
+            args.paradyse_plan = "tp_sp"
+        return
+    if not args.paradyse:
+        if given:
+            _err(f"--{given[0].replace('_', '-')} needs --paradyse")
+        return
+    if args.paradyse_plan is not None:
+        if given:
+            _err(f"--{given[0].replace('_', '-')} is for the planner; with --paradyse-plan the plan "
+                 "is fixed: give one or the other")
+        return
+    if args.paradyse_planner is None:
+        args.paradyse_planner = "optimal"
+    if args.paradyse_cost_model is not None and not os.path.exists(args.paradyse_cost_model):
+        _err(f"--paradyse-cost-model {args.paradyse_cost_model}: no such file")
+    if args.paradyse_memory_budget is not None and not args.paradyse_memory_budget > 0:
+        _err(f"--paradyse-memory-budget {args.paradyse_memory_budget} must be positive (GiB per rank)")
+    if args.paradyse_memory_margin is not None:
+        if args.paradyse_memory_margin < 0:
+            _err("--paradyse-memory-margin must be >= 0 (GiB)")
+        if args.paradyse_memory_budget is not None and args.paradyse_memory_margin >= args.paradyse_memory_budget:
+            _err(f"--paradyse-memory-margin {args.paradyse_memory_margin} GiB must be below the budget "
+                 f"{args.paradyse_memory_budget} GiB")
+    if args.paradyse_gamma is not None and args.paradyse_gamma < 0:
+        _err("--paradyse-gamma must be >= 0")
+    config = transformer_config_from_args(args)
+    import megatron_paradyse as mp
+
+    why = {n: mp.supports(n, config, tp) for n in mp.STRATEGIES}
+    args.paradyse_planner_strategies = tuple(n for n in mp.STRATEGIES if why[n][0])
+    if not args.paradyse_planner_strategies:
+        _err(f"no ParaDySe strategy can run this model over TP={tp}: "
+             + "; ".join(f"{n}: {r}" for n, (_, r) in why.items()))
+
+
+def default_memory_budget_gib() -> float:
+    """The planner's default budget: the GPU's memory; on CPU the host's memory divided by the
+    ranks on this node (``LOCAL_WORLD_SIZE``, else ``WORLD_SIZE``), which share it."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / float(1 << 30)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")) or 1)
+    return total / max(1, ranks) / float(1 << 30)
 
 
 def transformer_config_from_args(args, **overrides):

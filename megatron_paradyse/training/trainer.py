@@ -199,6 +199,10 @@ class Trainer:
 
             self.iteration = checkpointing.load_checkpoint(args, self.model, self.optimizer, self.scheduler,
                                                            iteration=getattr(args, "ckpt_step", None))
+        self.planner = getattr(self, "planner", None)
+        self._planner_fn = None
+        if args.paradyse and self.plan_fn is None and getattr(args, "paradyse_plan", None) is None:
+            self._planner_fn = self._build_planner()
         # with a planner (self.planner, set above by the planner wiring): the longest length any
         # plan fits in the budget; longer documents follow --paradyse-long-docs, named in a warning
         max_fit = getattr(self, "max_fit_length", None)
@@ -218,11 +222,63 @@ class Trainer:
             args.paradyse_pad_multiple, consumed_samples=self.iteration * args.global_batch_size,
             sampler=self.sampler)
         plan_fn = self.plan_fn
-        if plan_fn is None and args.paradyse:
+        if plan_fn is None and self._planner_fn is not None:
+            plan_fn = self._planner_fn
+        elif plan_fn is None and args.paradyse:
             plan_fn = rule_plan_fn(parse_plan(args.paradyse_plan, args.num_layers))
         self.data_iterator = PlannedIterator(
             loader, plan_fn if args.paradyse else None, args.num_microbatches,
             group_index=self.dp_rank, num_groups=self.dp_size, start_step=self.iteration)
+
+    # ------------------------------------------------------------------ planner (megatron_paradyse.planner)
+    def _build_planner(self):
+        """The planner for ``--paradyse`` without ``--paradyse-plan``; its ``plan_fn``."""
+        from ..costmodel import ModelShape, build_cost_model
+        from ..planner import GiB, build_planner, make_plan_fn
+        from .arguments import default_memory_budget_gib
+
+        args = self.args
+        cm = build_cost_model(ModelShape.from_args(args), path=args.paradyse_cost_model)
+        budget = args.paradyse_memory_budget
+        if budget is None:
+            budget = args.paradyse_memory_budget = default_memory_budget_gib()
+        margin = None if args.paradyse_memory_margin is None else args.paradyse_memory_margin * GiB
+        refine = {"on": True, "off": False}.get(args.paradyse_refine, torch.cuda.is_available())
+        self.planner = build_planner(args.paradyse_planner, cm, budget * GiB, gamma=args.paradyse_gamma,
+                                     margin_bytes=margin, strategies=args.paradyse_planner_strategies,
+                                     refinement=True if refine else None)
+        self.log(f"> planner: {self.planner.describe()}; cost model {type(cm).__name__}"
+                 + (f" ({args.paradyse_cost_model})" if args.paradyse_cost_model else "")
+                 + f"; on no fit: {args.paradyse_on_no_fit}; refinement {'on' if refine else 'off'}")
+        return make_plan_fn(self.planner, args.paradyse_on_no_fit, multiple=args.paradyse_pad_multiple,
+                            warn=self.log)
+
+    def _planned_step(self):
+        """One step with the planner's predictions, the measured peak (all ranks' max is not
+        taken: this rank's), and the refinement's all-reduce; returns (stats, log text)."""
+        from ..parallel.memory import PeakMemory
+        from .run_report import static_bytes
+
+        static = static_bytes(self.model, self.optimizer)
+        with PeakMemory() as m:
+            stats = self.train_step()
+        measured = m.peak_bytes + static
+        choices = [self._planner_fn.choices.get(i) for i in range(len(self.data_iterator.current))]
+        pred_s = sum(c.seconds for c in choices if c is not None)
+        pred_m = max((c.peak_bytes for c in choices if c is not None), default=0.0)
+        ref = self.planner.refinement
+        if ref is not None:
+            micro = [(mb.plan, mb.seq_length) for mb in self.data_iterator.current if mb.plan is not None]
+            b = self.args.micro_batch_size
+            idx = {n: i for i, n in enumerate(self.planner.strategies)}
+            vec = ref.contribution(micro, pred_s, stats.seconds, pred_m, measured,
+                                   layer_seconds=lambda n, s: self.planner.costs(s, b).t[idx[n]])
+            ref.step(vec)  # one all-reduce over the world: every rank applies the same sum
+        MiB = float(1 << 20)
+        text = (f"pred: {pred_s:.3f} s, peak {pred_m / MiB:.1f} MiB | measured peak (rank "
+                f"{dist.get_rank() if dist.is_initialized() else 0}): {measured / MiB:.1f} MiB "
+                f"(budget {self.planner.budget / MiB:.1f} MiB)")
+        return stats, text
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> StepStats:
@@ -273,12 +329,14 @@ class Trainer:
         end = args.train_iters if train_iters is None else train_iters
         window: list = []
         last_saved = None
-        self.log(f"> training {describe_setup(args, custom_plan=self.plan_fn is not None)} "
+        self.log(f"> training {describe_setup(args, custom_plan=self.plan_fn is not None, planner=self.planner if self._planner_fn else None)} "
                  f"from iteration {self.iteration} to {end}")
         report = self._run_report()
         while self.iteration < end:
             extra = ""
-            if report is None:
+            if report is None and self._planner_fn is not None:
+                stats, extra = self._planned_step()
+            elif report is None:
                 stats = self.train_step()
             else:
                 stats, extra = self._reported_step(report)
@@ -329,8 +387,9 @@ class Trainer:
                  f"({time.perf_counter() - t0:.2f} s)")
 
 
-def describe_setup(args, custom_plan: bool = False) -> str:
-    plan = "a custom plan_fn" if custom_plan else f"plan {args.paradyse_plan!r}"
+def describe_setup(args, custom_plan: bool = False, planner=None) -> str:
+    plan = ("a custom plan_fn" if custom_plan else f"the {planner.kind} planner" if planner is not None
+            else f"plan {args.paradyse_plan!r}")
     mode = (f"with ParaDySe ({plan})" if args.paradyse
             else "with stock Megatron TP+SP" if args.sequence_parallel else "with stock Megatron TP")
     return (f"GPT {args.num_layers}L h{args.hidden_size} a{args.num_attention_heads} on "
