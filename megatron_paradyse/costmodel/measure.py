@@ -65,6 +65,27 @@ class _HeldWork:
 _PATCHED = {}
 
 
+def _fill_receives(ops):
+    """Fake receives leave their buffers as allocated (uninitialised: NaNs and denormals make
+    CPU kernels many times slower); give each the values of a send of the same shape, as a
+    ring neighbour would, else small normal noise."""
+    sends = [op.tensor for op in ops if op.op is dist.isend]
+    for op in ops:
+        if op.op is dist.irecv:
+            src = next((x for x in sends if x.shape == op.tensor.shape and x.dtype == op.tensor.dtype), None)
+            if src is not None:
+                op.tensor.copy_(src)
+            else:
+                op.tensor.normal_(0.0, 0.02)
+
+
+def _fill_broadcast(args, kwargs):
+    tensor = args[0] if args else kwargs.get("tensor")
+    src = kwargs.get("src", args[1] if len(args) > 1 else None)
+    if isinstance(tensor, torch.Tensor) and src is not None and src != dist.get_rank() and tensor.is_floating_point():
+        tensor.normal_(0.0, 0.02)
+
+
 def _hold_async_buffers():
     if _PATCHED:
         return
@@ -79,7 +100,10 @@ def _hold_async_buffers():
             tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
             if name == "batch_isend_irecv":
                 tensors = [op.tensor for op in args[0]]
+                _fill_receives(args[0])
                 return [_HeldWork(w, tensors) for w in (res or [])] or ([_HeldWork(None, tensors)] if tensors else [])
+            if name == "broadcast":
+                _fill_broadcast(args, kwargs)
             if res is None:
                 return res
             return _HeldWork(res, tensors)

@@ -116,6 +116,7 @@ def rank_sweep(rank, world, shape_d, cfg):
     from . import measure as M
 
     shape = ModelShape(**shape_d)
+    log = cfg.get("log", True) and rank == 0  # the process that prints (also in fake mode)
     if cfg.get("fake_world"):
         M.init_fake(cfg["fake_rank"], cfg["fake_world"])
         rank = cfg["fake_rank"]
@@ -131,7 +132,6 @@ def rank_sweep(rank, world, shape_d, cfg):
     done_w, t0 = 0.0, time.time()
     stopped = set()
     limit = cfg.get("memory_limit")
-    log = cfg.get("log", True) and rank == 0
 
     def progress(msg):
         if log:
