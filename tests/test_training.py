@@ -99,7 +99,8 @@ def _world_a(rank, world, ckpt_root):
     # model of this shape) fits tp_sp up to s = 32 and needs tp_sp+metp mixes beyond
     t0 = time.perf_counter()
     planned_lines = []
-    hist, _, _ = _train(4, world, ["--paradyse-memory-budget", PLANNER_BUDGET_GIB], paradyse=True,
+    hist, _, _ = _train(4, world, ["--paradyse-memory-budget", PLANNER_BUDGET_GIB, "--paradyse-refine", "on"],
+                        paradyse=True,
                         steps=PLANNER_STEPS, lines=planned_lines)
     out["planned"] = _summary(hist)
     out["planned_log"] = planned_lines if rank == 0 else None
@@ -347,7 +348,10 @@ def test_planner_chooses_and_training_equals_stock(worlds):
     assert any("optimal planner" in line for line in log)
     steps = [line for line in log if "iteration" in line and "pred:" in line]
     assert len(steps) == PLANNER_STEPS and all("measured peak" in line for line in steps)
-    for r in a[1:]:  # one switching group: every rank planned the same
+    # the refinement (all-reduced measured/predicted ratios) changed the planner's view, and
+    # every rank still planned the same (one switching group)
+    assert any("refinement v" in line and "refinement v0" not in line for line in steps)
+    for r in a[1:]:
         assert [x["plans"] for x in r["planned"]] == [x["plans"] for x in pl]
 
 

@@ -278,6 +278,8 @@ class Trainer:
         text = (f"pred: {pred_s:.3f} s, peak {pred_m / MiB:.1f} MiB | measured peak (rank "
                 f"{dist.get_rank() if dist.is_initialized() else 0}): {measured / MiB:.1f} MiB "
                 f"(budget {self.planner.budget / MiB:.1f} MiB)")
+        if ref is not None:
+            text += f" | refinement v{ref.version}"
         return stats, text
 
     # ------------------------------------------------------------------ one step
