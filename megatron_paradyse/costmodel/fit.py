@@ -16,8 +16,8 @@ how a prediction is made:
   meaning (the physics curve, non-negative in every coefficient, carries the rise in s).
   Default: off,
   the physics curve alone (chosen on held-out data: on this noisy 2-core CPU the trees fit
-  the timing noise of six lengths, made the curve non-monotone in s and did not lower the
-  held-out error, see docs/costmodel.md);
+  the timing noise of six lengths, made the curve non-monotone in s and raised the
+  interpolated held-out error, see docs/costmodel.md);
 * memory: the residual ratio interpolated piecewise-linearly in log s between the profiled
   lengths (memory is deterministic; trees turned it into steps: 18% worst held-out error on
   ``ulysses``'s transient at p = 4, against 5% for the interpolation).
@@ -199,8 +199,8 @@ def main(argv=None):
     ap.add_argument("-o", "--output", required=True, help="the model's metadata JSON; XGBoost files go beside it")
     ap.add_argument("--xgb", action="store_true",
                     help="add the XGBoost residual to the time model (off by default: on the shipped CPU "
-                         "profiles it fitted the timing noise, broke monotonicity in s and did not lower "
-                         "the held-out error; see docs/costmodel.md)")
+                         "profiles it fitted the timing noise, broke monotonicity in s and raised the "
+                         "interpolated held-out error; see docs/costmodel.md)")
     ap.add_argument("--time-stat", choices=("median", "min"), default="median",
                     help="per-length statistic of the repeats that the time model fits (default median)")
     args = ap.parse_args(argv)
