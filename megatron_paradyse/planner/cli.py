@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .core import GiB
+from .core import GiB, MiB, fmt_bytes
 
 
 def parse_length(text: str) -> int:
@@ -94,14 +94,15 @@ def explain(planners: dict, s: int, b: int, out=print) -> None:
         c = pl.choose(s, b)
         chosen[kind] = c
         rows.setdefault(c.layers, [c.seconds, c.peak_bytes, c.fits, "exact search"])
-    out(f"\n== s = {s}, micro-batch {b}: budget {h.budget / GiB:.3f} GiB - margin {h.margin / GiB:.3f} GiB "
-        f"= {h.limit / GiB:.3f} GiB per rank")
+    out(f"\n== s = {s}, micro-batch {b}: budget {fmt_bytes(h.budget)} - margin {fmt_bytes(h.margin)} "
+        f"= {fmt_bytes(h.limit)} per rank")
     w = max(len(describe(k)) for k in rows) + 2
-    out(f"  {'plan':<{w}} {'pred s':>12} {'peak GiB':>12}  fits  candidate / chosen by")
+    unit, div = ("GiB", GiB) if h.budget >= GiB else ("MiB", MiB)
+    out(f"  {'plan':<{w}} {'pred s':>12} {'peak ' + unit:>12}  fits  candidate / chosen by")
     for layers, (sec, peak, fits, note) in sorted(rows.items(), key=lambda kv: kv[1][0]):
         by = [k for k, c in chosen.items() if c.layers == layers and c.fits]
         mark = ("  <== chosen by " + ", ".join(by)) if by else ""
-        out(f"  {describe(layers):<{w}} {sec:12.4f} {peak / GiB:12.4f}  {'yes ' if fits else 'no  '}  {note}{mark}")
+        out(f"  {describe(layers):<{w}} {sec:12.4f} {peak / div:12.4f}  {'yes ' if fits else 'no  '}  {note}{mark}")
     for kind, c in chosen.items():
         out(f"  {kind}: {describe(c.layers)}: {c.reason}")
 
