@@ -141,17 +141,26 @@ class RunReport:
 
         st = self.steps
         it = [s["iteration"] for s in st]
-        plans = [" | ".join("stock" if p is None else describe(tuple(p)) for p in s["plans"]) for s in st]
-        names = list(dict.fromkeys(plans))
+        points = []  # (iteration, length, plan) per micro-batch
+        for s_ in st:
+            per = max(1, len(s_["plans"]))
+            lens = s_["lengths"]
+            b = max(1, len(lens) // per)  # lengths are stored micro-batch after micro-batch
+            mbl = [lens[i * b:(i + 1) * b] for i in range(per)]
+            for k, p in enumerate(s_["plans"] or [None]):
+                name = "stock" if p is None else describe(tuple(p))
+                for x in (mbl[k] if k < len(mbl) else []):
+                    points.append((s_["iteration"], x, name))
+        names = list(dict.fromkeys(n for _, _, n in sorted(points, key=lambda q: q[1])))
         cmap = plt.get_cmap("tab10")
         fig, axes = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
         ax = axes[0]
-        ax.bar(it, [max(s["lengths"]) for s in st], color=[cmap(names.index(p) % 10) for p in plans])
-        ax.set_ylabel("longest length in step")
-        ax.set_yscale("log")
         for i, n in enumerate(names):
-            ax.bar([], [], color=cmap(i % 10), label=n)
-        ax.legend(fontsize=7, title="plan", title_fontsize=7)
+            pts = [(x, y) for x, y, m in points if m == n]
+            ax.scatter([q[0] for q in pts], [q[1] for q in pts], color=cmap(i % 10), s=28, label=n, zorder=3)
+        ax.set_ylabel("micro-batch length")
+        ax.set_yscale("log")
+        ax.legend(fontsize=7, title="plan (per layer)", title_fontsize=7, loc="lower left", ncol=2)
         ax = axes[1]
         ax.plot(it, [s["seconds"] for s in st], "o-", label="measured", markersize=3)
         if any(s["predicted_seconds"] for s in st):
