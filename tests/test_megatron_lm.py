@@ -101,7 +101,7 @@ def model_flags(nproc: int, seq: int = 128) -> list:
         "--attention-dropout", "0", "--hidden-dropout", "0", "--calculate-per-token-loss",
         "--no-create-attention-mask-in-dataloader", "--no-persist-layer-norm",
         "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
-        "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000", "--seed", "1234",
+        "--log-interval", "1", "--eval-iters", "1", "--eval-interval", str(SAVE_AT), "--seed", "1234",
     ]
 
 
@@ -110,6 +110,9 @@ class Run:
         self.rc, self.out = rc, out
         self.losses = {int(m.group(1)): float(m.group(2)) for m in re.finditer(
             r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|", out)}
+        self.valid = {(int(m.group(1)), m.group(3) or "periodic"): float(m.group(4)) for m in re.finditer(
+            r"validation loss at iteration\s+(\d+)( on (validation|test) set)? \| lm loss value: ([0-9.E+-]+)",
+            out)}
         self.plans = {int(m.group(1)): (m.group(2), m.group(3)) for m in re.finditer(
             r"\[paradyse\] iteration\s+(\d+) \| seq len: ([0-9,]+) \| plan: (\S+)", out)}
 
@@ -205,6 +208,9 @@ def _resumed_expected(stock: dict) -> dict:
 def test_stock_and_paradyse_losses_equal():
     stock, para = run("stock").check(), run("paradyse").check()
     _assert_close(para.losses, stock.losses, range(1, ITERS + 1), "--paradyse vs stock Megatron-LM")
+    # Megatron-LM's evaluation (every SAVE_AT iterations, then the validation and test sets)
+    assert len(stock.valid) == 4 and set(para.valid) == set(stock.valid), (stock.valid, para.valid)
+    _assert_close(para.valid, stock.valid, sorted(stock.valid), "validation/test loss")
     # the plugin really switched: per-micro-batch plans, several, mixed per layer
     assert not stock.plans, "the stock run must not run the plugin's forward step"
     assert sorted(para.plans) == list(range(1, ITERS + 1))
@@ -252,7 +258,7 @@ def test_indexed_dataset():
     rng = np.random.default_rng(0)
     docs = [rng.integers(1, 250, size=int(n)) for n in rng.integers(8, 200, size=120)]
     write_indexed_dataset(prefix, docs, vocab_size=256)
-    base = model_flags(2) + ["--data-path", prefix, "--split", "100,0,0"]
+    base = model_flags(2) + ["--data-path", prefix, "--split", "100,0,0", "--eval-iters", "0"]
     para = ["--paradyse", "--paradyse-plan", "tp_sp+ulysses+ring+metp"]
     for extra in ([], ["--paradyse-document-data"]):
         stock = launch(base + extra).check()
@@ -320,10 +326,14 @@ def test_cpu_shims_for_megatron_training_are_documented():
 
 
 @full
-def test_four_ranks_tp2_dp2():
-    """4 gloo ranks, TP=2 x DP=2 (Megatron-LM's data parallelism and DDP around the plugin)."""
-    base = model_flags(2) + ["--mock-data", "--paradyse-document-data", "--global-batch-size", "8"]
+@pytest.mark.parametrize("tp", [2, 4])
+def test_four_ranks(tp):
+    """4 gloo ranks: TP=2 x DP=2 (Megatron-LM's data parallelism and DDP around the plugin) and
+    TP=4; training and evaluation losses."""
+    base = model_flags(tp) + ["--mock-data", "--paradyse-document-data", "--global-batch-size", "8"]
     stock = launch(base, nproc=4).check()
     got = launch(base + ["--paradyse", "--paradyse-plan", PLAN], nproc=4).check()
-    assert "data-parallel size: 2" in stock.out and sorted(got.plans) == list(range(1, ITERS + 1))
-    _assert_close(got.losses, stock.losses, range(1, ITERS + 1), "TP=2 x DP=2: --paradyse vs stock")
+    assert f"data-parallel size: {4 // tp}" in stock.out and sorted(got.plans) == list(range(1, ITERS + 1))
+    _assert_close(got.losses, stock.losses, range(1, ITERS + 1), f"TP={tp} x DP={4 // tp}: --paradyse vs stock")
+    assert len(stock.valid) == 4 and set(got.valid) == set(stock.valid)
+    _assert_close(got.valid, stock.valid, sorted(stock.valid), f"TP={tp}: validation/test loss")

@@ -129,18 +129,28 @@ def check_paradyse_args(args) -> None:
 
 # ---------------------------------------------------------------------------- forward step
 def _megatron_planned_iterator(data_iterator, model):
-    """One :class:`PlannedIterator` per (Megatron data iterator, train/eval)."""
+    """The :class:`PlannedIterator` for training, or the one for evaluation.
+
+    Keyed by train/eval only, not by the data iterator: on TP ranks other than 0 Megatron-LM's
+    data iterators are ``None`` (the batch comes by broadcast), so their identity cannot tell
+    the validation and test sets apart there, while it does on TP rank 0. Every rank calls the
+    forward step equally often, so the step counters agree; the micro-batches are read from
+    the iterator of the current call.
+    """
     from megatron.core import parallel_state
     from megatron.training import get_args
 
     import torch
 
     args = get_args()
-    key = (id(data_iterator), bool(model.training))
-    it = _MEGATRON_ITERATORS.get(key)
-    if it is not None:
+    key = bool(model.training)
+    cached = _MEGATRON_ITERATORS.get(key)
+    if cached is not None:
+        holder, it = cached
+        holder[0] = data_iterator
         return it
     multiple = args.paradyse_pad_multiple or args.tensor_model_parallel_size
+    holder = [data_iterator]
 
     def source():
         from megatron.training import utils as mutils
@@ -148,9 +158,9 @@ def _megatron_planned_iterator(data_iterator, model):
         get_batch_on_this_tp_rank = getattr(mutils, "get_batch_on_this_tp_rank", None)
         while True:
             if get_batch_on_this_tp_rank is not None:  # 0.16: data on TP rank 0, broadcast
-                batch = get_batch_on_this_tp_rank(data_iterator)
+                batch = get_batch_on_this_tp_rank(holder[0])
             else:  # 0.19: megatron.core.utils's takes the batch read on TP rank 0
-                batch = _get_batch_019(data_iterator, args)
+                batch = _get_batch_019(holder[0], args)
             yield pdata.trim_to_multiple(batch["tokens"], batch["labels"], batch["loss_mask"], multiple,
                                          batch.get("position_ids"))
 
@@ -166,7 +176,7 @@ def _megatron_planned_iterator(data_iterator, model):
                                 num_groups=parallel_state.get_data_parallel_world_size(),
                                 start_step=int(getattr(args, "iteration", 0) or 0))
     it.log = model.training and torch.distributed.get_rank() == 0
-    _MEGATRON_ITERATORS[key] = it
+    _MEGATRON_ITERATORS[key] = (holder, it)
     return it
 
 
@@ -252,10 +262,12 @@ def paradyse_datasets_provider(train_val_test_num_samples, vp_stage=None):
                                min_length=getattr(args, "paradyse_mock_min_length", 16))
     else:
         ds = pdata.DocumentDataset(args.data_path[0], args.seq_length, seed=args.seed)
+    # train, validation, test: disjoint index ranges (mock: different synthetic documents; an
+    # IndexedDataset: later reshuffled epochs of the same documents, no held-out split)
     views = []
-    for n in train_val_test_num_samples:
-        views.append(_MaskedView(ds, args.seq_length, int(n), args.create_attention_mask_in_dataloader)
-                     if n else None)
+    for k, n in enumerate(train_val_test_num_samples):
+        views.append(_MaskedView(ds, args.seq_length, int(n), args.create_attention_mask_in_dataloader,
+                                 offset=k << 30) if n else None)
     return tuple(views)
 
 
@@ -265,14 +277,16 @@ paradyse_datasets_provider.is_distributed = True
 class _MaskedView(pdata.FixedLengthView):
     """:class:`FixedLengthView` plus Megatron-LM's dataloader attention mask when it wants one."""
 
-    def __init__(self, dataset, seq_length, num_samples, with_mask):
+    def __init__(self, dataset, seq_length, num_samples, with_mask, offset=0):
         super().__init__(dataset, seq_length, num_samples=max(1, num_samples))
-        self.with_mask = with_mask
+        self.with_mask, self.offset = with_mask, offset
 
     def __getitem__(self, i):
         import torch
 
-        out = super().__getitem__(i)
+        if not 0 <= int(i) < len(self):
+            raise IndexError(i)
+        out = super().__getitem__(int(i) + self.offset)
         if self.with_mask:  # Megatron's convention: True = masked out
             s = self.seq_length
             out["attention_mask"] = ~torch.tril(torch.ones((1, s, s), dtype=torch.bool))
