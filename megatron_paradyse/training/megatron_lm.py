@@ -23,8 +23,9 @@ Without ``--paradyse`` (and without ``--paradyse-document-data``) the script run
 Megatron-LM ships it. Without CUDA, :mod:`megatron_paradyse.cpu_compat_training` is applied
 first (CPU + gloo; this is how the repository tests it).
 
-Tested against Megatron-LM's files at core_v0.16.1 (with megatron-core 0.16.1; see
-docs/megatron_lm.md for what ran, on what).
+Tested on CPU gloo ranks against Megatron-LM's unmodified files at core_v0.16.1 (with
+megatron-core 0.16.1) and core_v0.19.0 (with megatron-core 0.19.2); docs/megatron_lm.md says
+what ran, on what. Never run on a GPU.
 """
 from __future__ import annotations
 
