@@ -34,7 +34,11 @@ def gather_dim0(shard: torch.Tensor, group, name: str) -> torch.Tensor:
     """
     size = dist.get_world_size(group)
     out = pool_buffer(name, (size * shard.shape[0],) + tuple(shard.shape[1:]), shard.dtype, shard.device)
-    dist.all_gather_into_tensor(out, shard.contiguous(), group=group)
+    if not shard.is_contiguous():
+        # Stage a strided shard in the pool: a fresh copy would be kept alive by the backend's
+        # work object for an unknowable while after the wait (gloo frees it on its own thread).
+        shard = pool_buffer(name + "_in", shard.shape, shard.dtype, shard.device).copy_(shard)
+    dist.all_gather_into_tensor(out, shard, group=group)
     return out
 
 
