@@ -3,10 +3,10 @@
 Two 4-rank gloo worlds (spawning costs ~5 s of imports per rank on 2 cores, so each world runs
 many checks):
 
-* world A, TP=p=4: stock megatron-core TP+SP and ParaDySe train the same small GPT for 20
+* world A, TP=p=4: stock megatron-core TP+SP and ParaDySe train the same small GPT for 14
   steps over variable-length micro-batches; ParaDySe's plan changes per step, per
-  micro-batch and per layer. Both save at step 10.
-* world B (fresh): resume from step 10 (ParaDySe -> ParaDySe, ParaDySe -> stock,
+  micro-batch and per layer. Both save at step 7.
+* world B (fresh): resume from step 7 (ParaDySe -> ParaDySe, ParaDySe -> stock,
   stock -> ParaDySe); a divergent plan planted on one rank; dp=2 x p=2 equality; padding
   invariance of loss and gradient at TP=1.
 
@@ -21,8 +21,8 @@ import pytest
 
 from megatron_paradyse.testing.spawn import run_world
 
-STEPS = 20
-SAVE_AT = 10
+STEPS = 14
+SAVE_AT = 7
 
 BASE = [
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -143,7 +143,7 @@ def _world_b(rank, world, ckpt_root):
 
     out = {}
     load = ["--ckpt-step", str(SAVE_AT)]
-    # (b) resume from step 10 in a fresh world
+    # (b) resume from step 7 in a fresh world
     hist, params, _ = _train(4, world, ["--load", f"{ckpt_root}/paradyse"] + load, paradyse=True,
                              plan_fn_factory=_cycling_plan_fn)
     out["resume_pd_pd"] = _summary(hist)
@@ -318,7 +318,7 @@ def test_paradyse_training_equals_stock(worlds):
     worst = max(_rel(x["loss"], y["loss"]) for x, y in zip(pd, stock))
     worst_gn = max(_rel(x["gn"], y["gn"]) for x, y in zip(pd, stock))
     prel = _param_rel(r0["paradyse_params"], r0["stock_params"])
-    print(f"\np=4 20 steps: max rel loss err {worst:.2e}, grad-norm {worst_gn:.2e}, params {prel:.2e}; "
+    print(f"\np=4 {STEPS} steps: max rel loss err {worst:.2e}, grad-norm {worst_gn:.2e}, params {prel:.2e}; "
           f"stock {r0['stock_seconds']:.1f} s, paradyse {r0['paradyse_seconds']:.1f} s")
     print("\n".join(r0["log"][:6]))
     assert worst < 1e-5 and prel < 1e-5
@@ -358,13 +358,13 @@ def test_planner_chooses_and_training_equals_stock(worlds):
 def test_resume_and_cross_loading(worlds):
     a, b, root = worlds
     full_pd, full_stock = a[0]["paradyse"], a[0]["stock"]
-    assert os.path.isdir(os.path.join(root, "paradyse", "iter_0000010"))
-    assert open(os.path.join(root, "paradyse", "latest_checkpointed_iteration.txt")).read().strip() == "20"
+    assert os.path.isdir(os.path.join(root, "paradyse", f"iter_{SAVE_AT:07d}"))
+    assert open(os.path.join(root, "paradyse", "latest_checkpointed_iteration.txt")).read().strip() == str(STEPS)
     assert not [n for n in os.listdir(os.path.join(root, "paradyse")) if n.endswith(".tmp")]
     res = b[0]["resume_pd_pd"]
     assert [x["it"] for x in res] == list(range(SAVE_AT + 1, STEPS + 1))
     diffs = [abs(x["loss"] - y["loss"]) for x, y in zip(res, full_pd[SAVE_AT:])]
-    print(f"\nresume ParaDySe->ParaDySe steps 11-20: max |loss diff| {max(diffs):.3e}")
+    print(f"\nresume ParaDySe->ParaDySe steps {SAVE_AT + 1}-{STEPS}: max |loss diff| {max(diffs):.3e}")
     # bitwise: the resumed run is the uninterrupted one, loss by loss and parameter by parameter
     assert [x["loss"] for x in res] == [y["loss"] for y in full_pd[SAVE_AT:]]
     assert [x["plans"] for x in res] == [x["plans"] for x in full_pd[SAVE_AT:]]
@@ -373,7 +373,7 @@ def test_resume_and_cross_loading(worlds):
     for key, ref in (("resume_pd_stock", full_stock), ("resume_stock_pd", full_pd)):
         got = b[0][key]
         err = max(_rel(x["loss"], y["loss"]) for x, y in zip(got, ref[SAVE_AT:]))
-        print(f"{key}: steps 11-20 max rel loss err vs uninterrupted {err:.2e}")
+        print(f"{key}: steps {SAVE_AT + 1}-{STEPS} max rel loss err vs uninterrupted {err:.2e}")
         assert [x["it"] for x in got] == list(range(SAVE_AT + 1, STEPS + 1))
         assert err < 1e-5
 

@@ -93,8 +93,9 @@ def check_paradyse_args(args) -> None:
         return
     for flag in ("paradyse_cost_model", "paradyse_memory_budget"):
         if getattr(args, flag, None) is not None:
-            raise ValueError(f"--{flag.replace('_', '-')} needs the cost-model planner, which is not "
-                             "implemented yet; give the plan with --paradyse-plan")
+            raise ValueError(f"--{flag.replace('_', '-')} needs the planner, which runs in "
+                             "pretrain_gpt_paradyse.py's trainer but is not yet wired into Megatron-LM's "
+                             "pretrain(); give the plan with --paradyse-plan")
     tp = args.tensor_model_parallel_size
     if tp > 1 and not args.sequence_parallel:
         raise ValueError("--paradyse needs --sequence-parallel: every strategy keeps the "
