@@ -139,6 +139,20 @@ def build(shape: ModelShape, num_layers: int | None = None, max_seq: int = 8192,
     return spec, T.build_gpt(spec, shape.p, seed=seed)
 
 
+
+def _timed(fwd, bwd, warmup, repeats):
+    """Wall seconds of ``repeats`` forward+backward passes after ``warmup``, ranks aligned by a barrier."""
+    times = []
+    for i in range(warmup + repeats):
+        _barrier()
+        _sync()
+        t0 = time.perf_counter()
+        bwd(fwd())
+        _sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
 def _sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -205,17 +219,7 @@ class LayerRunner:
         return forward, backward
 
     def time(self, part, s, b, warmup=1, repeats=3):
-        fwd, bwd = self.pass_fn(part, s, b)
-        times = []
-        for i in range(warmup + repeats):
-            _barrier()
-            _sync()
-            t0 = time.perf_counter()
-            bwd(fwd())
-            _sync()
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-        return times
+        return _timed(*self.pass_fn(part, s, b), warmup, repeats)
 
     def memory(self, part, s, b):
         from megatron_paradyse.parallel.memory import PeakMemory
@@ -282,15 +286,7 @@ class NonLayerRunner:
         dec, layers = self._without_layers()
         try:
             fwd, bwd = self._pass(s, b)
-            times = []
-            for i in range(warmup + repeats):
-                _barrier()
-                _sync()
-                t0 = time.perf_counter()
-                bwd(fwd())
-                _sync()
-                if i >= warmup:
-                    times.append(time.perf_counter() - t0)
+            times = _timed(fwd, bwd, warmup, repeats)
             gc.collect()
             with PeakMemory() as mf:
                 out = fwd()
