@@ -139,7 +139,6 @@ def build(shape: ModelShape, num_layers: int | None = None, max_seq: int = 8192,
     return spec, T.build_gpt(spec, shape.p, seed=seed)
 
 
-
 def _timed(fwd, bwd, warmup, repeats):
     """Wall seconds of ``repeats`` forward+backward passes after ``warmup``, ranks aligned by a barrier."""
     times = []
@@ -152,6 +151,7 @@ def _timed(fwd, bwd, warmup, repeats):
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return times
+
 
 def _sync():
     if torch.cuda.is_available():
