@@ -1,14 +1,19 @@
-"""Per-rank causal attention work of a ring under the contiguous and the zig-zag split (estimated).
+"""Per-rank attention time inside a real ring pass: contiguous split against the balanced one.
 
-    python -m benchmarks.ring_balance --p 4 --seq 8192
+    python -m benchmarks.ring_balance --p 4 --seq 16384 [--heads 8 --head-dim 32 --repeats 3]
 
-Times, in one process, one attention block of each kind (full / causal diagonal, forward +
-backward, the plugin's CPU flash kernel) and estimates each rank's time as the number of
-blocks of each kind that rank computes in a causal ring times the block's median time:
-contiguous chunks (rank r attends r full blocks and one causal diagonal block) against
-Megatron CP's zig-zag (2p chunks, rank r holds chunks r and 2p-1-r). No ring runs and no
-communication is timed. Prints each rank's estimate and the max/mean imbalance; the ring's
-step time is set by the slowest rank.
+On p gloo ranks, runs ``ring.RingAttention`` forward + backward over one causal sequence of
+``--seq`` tokens (``[1, heads, s/p, head_dim]`` per rank, fp32) with each layout of
+``zigzag.RingLayout``: ``contiguous`` (rank r holds the r-th chunk: the split before the
+balanced layout landed) and ``balanced`` (half-chunks c and 2p-1-c). Every call of the block
+kernels (``attn_forward`` / ``attn_backward``) inside the pass is timed on the rank that makes
+it, in thread CPU time (the compute the rank itself does, so oversubscribed cores, p ranks
+on fewer cores, do not inflate it) and in wall time. Prints each rank's median kernel time
+over ``--repeats`` passes, max/mean over ranks, and the pass's wall time (slowest rank).
+
+Also times what the balanced layout adds per layer (the layer-level re-layout of the
+in-layer design): ``to_balanced`` + ``from_balanced`` of an ``[s/p, 1, hidden]`` activation,
+forward and backward (4 exchanges of half a rank's tokens with its partner).
 """
 from __future__ import annotations
 
@@ -16,56 +21,93 @@ import argparse
 import statistics
 import time
 
-import torch
 
-from megatron_paradyse.parallel.attention_kernels import attn_backward, attn_forward
+def measure(rank, world, seq, heads, head_dim, hidden, repeats):
+    import torch
+    import torch.distributed as dist
 
+    from megatron_paradyse.parallel import zigzag
+    from megatron_paradyse.parallel.strategies import ring as ring_mod
+    from megatron_paradyse.testing import models as T
 
-def _block(q, k, v, causal, scale):
-    out, lse = attn_forward(q, k, v, causal, scale)
-    attn_backward(torch.ones_like(out), q, k, v, out, lse, causal, scale)
+    T.init_megatron(world)
+    group = dist.group.WORLD
+    length = seq // world
+    scale = head_dim ** -0.5
+    spent = {"cpu": 0.0, "wall": 0.0}
 
+    def timed(fn):
+        def wrapper(*args, **kwargs):
+            c0, w0 = time.thread_time(), time.perf_counter()
+            out = fn(*args, **kwargs)
+            spent["cpu"] += time.thread_time() - c0
+            spent["wall"] += time.perf_counter() - w0
+            return out
+        return wrapper
 
-def rank_blocks(layout, p, r):
-    """(number of full blocks, number of causal diagonal blocks, chunk length in units of s/2p)."""
-    if layout == "contiguous":
-        return r, 1, 2
-    return 2 * p - 1, 2, 1
+    ring_mod.attn_forward = timed(ring_mod.attn_forward)
+    ring_mod.attn_backward = timed(ring_mod.attn_backward)
+    g = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(1, heads, length, head_dim, generator=g).requires_grad_(True) for _ in range(3))
+    rows = {}
+    for name, balanced in (("contiguous", False), ("balanced", True)):
+        layout = zigzag.RingLayout(world, length, balanced=balanced)
+        cpus, walls, passes = [], [], []
+        for i in range(1 + repeats):
+            spent.update(cpu=0.0, wall=0.0)
+            dist.barrier()
+            t0 = time.perf_counter()
+            out = ring_mod.RingAttention.apply(q, k, v, group, scale, layout)
+            out.backward(torch.ones_like(out))
+            dist.barrier()
+            if i:
+                cpus.append(spent["cpu"])
+                walls.append(spent["wall"])
+                passes.append(time.perf_counter() - t0)
+        rows[name] = {"cpu": statistics.median(cpus), "wall": statistics.median(walls),
+                      "pass": statistics.median(passes)}
+    layout = zigzag.RingLayout(world, length)
+    x = torch.randn(length, 1, hidden, generator=g).requires_grad_(True)
+    times = []
+    for i in range(1 + repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        y = zigzag.from_balanced(zigzag.to_balanced(x, layout, group) * 1.0, layout, group)
+        y.backward(torch.ones_like(y))
+        if i:
+            times.append(time.perf_counter() - t0)
+    rows["relayout"] = statistics.median(times)
+    return rows
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--p", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=8192)
-    ap.add_argument("--heads", type=int, default=2)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--seq", type=int, default=16384)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=256, help="width of the re-laid-out activation")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--timeout", type=float, default=1800)
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    unit = args.seq // (2 * args.p)
-    scale = args.head_dim ** -0.5
+    from megatron_paradyse.testing.spawn import run_world
 
-    def t(n, causal):
-        q, k, v = (torch.randn(1, args.heads, n, args.head_dim) for _ in range(3))
-        _block(q, k, v, causal, scale)
-        times = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            _block(q, k, v, causal, scale)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    cost = {(n, c): t(n * unit, c) for n in (1, 2) for c in (False, True)}
-    print(f"p={args.p} s={args.seq} heads={args.heads} d={args.head_dim}: "
-          f"estimated ms per rank = blocks x median of {args.repeats} fwd+bwd per block")
-    for layout in ("contiguous", "zigzag"):
-        per_rank = []
-        for r in range(args.p):
-            full, diag, n = rank_blocks(layout, args.p, r)
-            per_rank.append(1e3 * (full * cost[(n, False)] + diag * cost[(n, True)]))
-        mean = sum(per_rank) / len(per_rank)
-        print(f"{layout:>10}: " + " ".join(f"{x:8.1f}" for x in per_rank)
-              + f"   max/mean = {max(per_rank) / mean:.2f}")
+    per_rank = run_world(measure, args.p, args.seq, args.heads, args.head_dim, args.hidden, args.repeats,
+                         timeout=args.timeout)
+    print(f"p={args.p} s={args.seq} heads={args.heads} head_dim={args.head_dim} fp32: one RingAttention "
+          f"forward+backward, median of {args.repeats} passes, kernel time per rank in ms")
+    print("| layout | kind | " + " | ".join(f"rank {r}" for r in range(args.p)) + " | max/mean | pass wall s |")
+    print("|---|---|" + "---:|" * args.p + "---:|---:|")
+    for name in ("contiguous", "balanced"):
+        for kind in ("cpu", "wall"):
+            vals = [1e3 * r[name][kind] for r in per_rank]
+            mean = sum(vals) / len(vals)
+            pass_s = max(r[name]["pass"] for r in per_rank)
+            print(f"| {name} | {'thread CPU' if kind == 'cpu' else 'wall'} | "
+                  + " | ".join(f"{x:.0f}" for x in vals) + f" | {max(vals) / mean:.2f} | {pass_s:.2f} |")
+    relayout = max(r["relayout"] for r in per_rank)
+    print(f"re-layout of [s/p, 1, {args.hidden}] to balanced and back, fwd+bwd: {1e3 * relayout:.1f} ms "
+          "(slowest rank)")
 
 
 if __name__ == "__main__":

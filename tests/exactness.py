@@ -12,14 +12,15 @@ import contextlib
 from collections import Counter
 
 REL_TOL = 1e-5
-KINDS = ("all_to_all", "p2p", "broadcast", "weight_gather", "sdpa")
+KINDS = ("all_to_all", "p2p", "broadcast", "weight_gather", "sdpa", "relayout")
 
 
 @contextlib.contextmanager
 def observe(model):
     """Count, per decoder layer and module, the calls made inside its forward to
     ``all_to_all_single`` (Ulysses), ``batch_isend_irecv`` (rings), ``broadcast`` (METP),
-    the plugin's ZeRO weight gather (``collectives.gather_shards``) and torch's
+    the plugin's ZeRO weight gather (``collectives.gather_shards``), the balanced ring layout's
+    exchange (``zigzag.exchange``, whose point-to-point calls count as ``p2p`` too) and torch's
     ``scaled_dot_product_attention`` (megatron's local spec never calls it).
 
     Yields a dict ``{(layer index, "attention" | "mlp"): Counter}``.
@@ -27,12 +28,12 @@ def observe(model):
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from megatron_paradyse.parallel import collectives, dispatch
+    from megatron_paradyse.parallel import collectives, dispatch, zigzag
 
     records, current = {}, []
     targets = [(dist, "all_to_all_single", "all_to_all"), (dist, "batch_isend_irecv", "p2p"),
                (dist, "broadcast", "broadcast"), (collectives, "gather_shards", "weight_gather"),
-               (F, "scaled_dot_product_attention", "sdpa")]
+               (zigzag, "exchange", "relayout"), (F, "scaled_dot_product_attention", "sdpa")]
     saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in targets]
 
     def counting(fn, kind):
@@ -66,14 +67,19 @@ def signature(name, module: str, p: int, config) -> Counter:
         return {"ulysses": zero_mlp, "ring": zero_mlp, "colossal": zero_mlp,
                 "metp": Counter(p2p=p - 1)}.get(name, Counter())  # tp_sp's MLP is megatron's own
     qkv_bias = config.add_bias_linear or config.add_qkv_bias
+    # the ring strategies re-lay out their tokens to the balanced split and back: two
+    # exchanges (with p even and s/p >= 2 every rank has a partner to swap with)
+    relayout = 2 if p % 2 == 0 else None
     return {
         None: Counter(),
         "tp_sp": Counter(sdpa=1),
         "ulysses": Counter(all_to_all=4, weight_gather=2, sdpa=1),  # q, k, v and the output
-        "ring": Counter(p2p=p - 1, weight_gather=2),
-        "colossal": Counter(p2p=2 * (p - 1), weight_gather=2),  # a K ring, then a V ring
+        "ring": Counter(p2p=p - 1 + relayout, weight_gather=2, relayout=relayout),
+        # a K ring, then a V ring
+        "colossal": Counter(p2p=2 * (p - 1) + relayout, weight_gather=2, relayout=relayout),
         # per head group: W_qkv, W_proj (and b_qkv) broadcast, a ring attention of p-1 hops
-        "metp": Counter(broadcast=p * (3 if qkv_bias else 2), p2p=p * (p - 1)),
+        "metp": Counter(broadcast=p * (3 if qkv_bias else 2), p2p=p * (p - 1) + relayout,
+                        relayout=relayout),
     }[name]
 
 

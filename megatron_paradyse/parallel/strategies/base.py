@@ -145,13 +145,20 @@ def rope_freqs(rotary_pos_emb):
     return rotary_pos_emb
 
 
-def apply_rope(x, freqs, config, start: int):
-    """Megatron's RoPE on ``x [s, b, n, d]`` holding positions ``start .. start+s`` of the sequence."""
+def apply_rope(x, freqs, config, positions):
+    """Megatron's RoPE on ``x [s, b, n, d]``: ``positions`` is the first position of its tokens
+    (an int: they are consecutive) or their ``(start, stop)`` ranges in order (a balanced ring
+    layout, ``zigzag.RingLayout.ranges``)."""
     if freqs is None:
         return x
     from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 
-    return apply_rotary_pos_emb(x, freqs[start:start + x.shape[0]], config=config)
+    if isinstance(positions, int):
+        local = freqs[positions:positions + x.shape[0]]
+    else:
+        local = torch.cat([freqs[a:b] for a, b in positions]) if len(positions) > 1 else \
+            freqs[positions[0][0]:positions[0][1]]
+    return apply_rotary_pos_emb(x, local, config=config)
 
 
 def to_bhsd(x):

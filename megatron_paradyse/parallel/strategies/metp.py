@@ -10,7 +10,8 @@ Attention, forward: for each head group ``i = 0..p-1`` (the heads whose ``linear
 QKV bias shard); the next group's broadcast is posted before this group's compute
 (double-buffered). Every rank computes the QKV of its own tokens for group ``i``'s heads,
 applies RoPE at the tokens' global positions, runs causal ring attention over the group's
-heads (:class:`~.ring.RingAttention`, contiguous chunks) and adds ``ctx_i W_proj_i^T`` to
+heads (:class:`~.ring.RingAttention`; the layer's tokens are re-laid out to the balanced
+split of ``zigzag.py`` before the attention and back after it) and adds ``ctx_i W_proj_i^T`` to
 its output. Backward: the same broadcasts in the same order; per group the QKV, RoPE and
 ring attention are recomputed (activation-checkpoint style) and differentiated, each weight
 gradient (a partial sum over this rank's tokens) is reduced onto its owner, and the input
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import zigzag
 from ..buffers import weight_slot
 from ..collectives import broadcast_start, reduce_to, wait
 from ..ring_comm import GradRing, ring_stream
@@ -95,12 +97,13 @@ def _group_qkv(x, wq, bq):
     return mixed + bq if bq is not None else mixed
 
 
-def _group_attention(mixed, geo, qf, kf, config, start):
+def _group_attention(mixed, geo, qf, kf, config, layout):
     """Split, RoPE and causal ring attention for one head group: ``[s/p, b, (heads/p)*d]``."""
     q, k, v = split_qkv(mixed, geo.groups // geo.p, geo.q_per_group, geo.head_dim)
-    q, k = apply_rope(q, qf, config, start), apply_rope(k, kf, config, start)
+    positions = layout.ranges(geo.rank)
+    q, k = apply_rope(q, qf, config, positions), apply_rope(k, kf, config, positions)
     ctx = ring_attention(to_bhsd(q), to_bhsd(k).contiguous(), to_bhsd(v).contiguous(), geo.group,
-                         geo.scale)
+                         geo.scale, layout)
     return from_bhsd(ctx)
 
 
@@ -111,29 +114,28 @@ def _attn_shards(w_qkv, b_qkv, w_proj):
 class METPAttention(torch.autograd.Function):
     """Self-attention (QKV, RoPE, causal attention, output projection, no proj bias) on local tokens.
 
-    Takes this rank's stock shards ``w_qkv`` ``[(groups/p)*(q_per_group+2)*d, h]``, ``b_qkv``
-    (or None) and ``w_proj`` ``[h, (heads/p)*d]``; returns ``[s/p, b, h]``. Saves ``x`` and
-    this rank's own shards (parameters, no copy): never a broadcast shard.
+    Takes this rank's tokens ``x`` as laid out by ``layout`` (``zigzag.RingLayout``), its stock
+    shards ``w_qkv`` ``[(groups/p)*(q_per_group+2)*d, h]``, ``b_qkv`` (or None) and ``w_proj``
+    ``[h, (heads/p)*d]``; returns ``[s/p, b, h]`` in the same layout. Saves ``x`` and this
+    rank's own shards (parameters, no copy): never a broadcast shard.
     """
 
     @staticmethod
-    def forward(ctx, x, w_qkv, b_qkv, w_proj, geo, qf, kf, config):
-        start = geo.rank * x.shape[0]
+    def forward(ctx, x, w_qkv, b_qkv, w_proj, geo, qf, kf, config, layout):
         out = torch.zeros(x.shape[:-1] + (w_proj.shape[0],), dtype=_ACC, device=x.device)
         shards = _attn_shards(w_qkv, b_qkv, w_proj)
         for _, (wq, wp, *bq) in _group_weight_stream(shards, geo.group, geo.p):
             bq = bq[0] if bq else None
-            attn = _group_attention(_group_qkv(x, wq, bq), geo, qf, kf, config, start)
+            attn = _group_attention(_group_qkv(x, wq, bq), geo, qf, kf, config, layout)
             out += attn.matmul(wp.t())
         ctx.save_for_backward(x, w_qkv, b_qkv, w_proj)
-        ctx.geo, ctx.qf, ctx.kf, ctx.config = geo, qf, kf, config
+        ctx.geo, ctx.qf, ctx.kf, ctx.config, ctx.layout = geo, qf, kf, config, layout
         return out.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         x, w_qkv, b_qkv, w_proj = ctx.saved_tensors
         geo = ctx.geo
-        start = geo.rank * x.shape[0]
         dx = torch.zeros(x.shape, dtype=_ACC, device=x.device)
         x2, dout2 = _flat(x), _flat(dout)
         mine = (None, None, None)
@@ -142,7 +144,7 @@ class METPAttention(torch.autograd.Function):
             bq = bq[0] if bq else None
             mixed = _group_qkv(x, wq, bq).detach().requires_grad_(True)  # recomputed
             with torch.enable_grad():
-                attn = _group_attention(mixed, geo, ctx.qf, ctx.kf, ctx.config, start)
+                attn = _group_attention(mixed, geo, ctx.qf, ctx.kf, ctx.config, ctx.layout)
             dwp = dout2.t().matmul(_flat(attn.detach())).to(_ACC)
             (dmixed,) = torch.autograd.grad(attn, mixed, dout.matmul(wp))
             del attn
@@ -156,7 +158,7 @@ class METPAttention(torch.autograd.Function):
                 mine = got
         dwq, dbq, dwp = (g.to(w.dtype) if g is not None else None
                          for g, w in zip(mine, (w_qkv, b_qkv, w_proj)))
-        return dx.to(x.dtype), dwq, dbq, dwp, None, None, None, None
+        return dx.to(x.dtype), dwq, dbq, dwp, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,9 +239,11 @@ class METP(Strategy):
         b = bias_of(qkv)
         b = b if (b is not None and not qkv.skip_bias_add) else None
         qf, kf = rope_freqs(rotary_pos_emb)
-        out = METPAttention.apply(hidden_states, qkv.weight, b, attn.linear_proj.weight, geo, qf, kf,
-                                  attn.config)
-        return _output_bias(attn.linear_proj, out)
+        layout = zigzag.layout_for(hidden_states, geo.group)
+        x = zigzag.to_balanced(hidden_states, layout, geo.group)
+        out = METPAttention.apply(x, qkv.weight, b, attn.linear_proj.weight, geo, qf, kf,
+                                  attn.config, layout)
+        return _output_bias(attn.linear_proj, zigzag.from_balanced(out, layout, geo.group))
 
     def mlp(self, mlp, hidden_states):
         group = switching_group(mlp)

@@ -1,10 +1,13 @@
 """``ring``: context parallelism by a causal KV ring, with ZeRO-3-style weights (MegatronCZ).
 
-Forward: QKV for local tokens and all heads (weight gathered just in time), RoPE at global
-positions, then :class:`RingAttention`: p steps, each passing the visiting K/V block to the
-next rank while attending the local queries to it; partial results are merged with their
-log-sum-exp. Blocks from later ranks are fully masked by causality and skipped (the ring
-still carries them). Output projection and MLP as in ``zero3.py``.
+Forward: the layer input is re-laid out to the balanced split (``zigzag.py``: ranks r and
+p-1-r swap their second halves, so each holds half-chunks c and 2p-1-c); QKV for those tokens
+and all heads (weight gathered just in time), RoPE at their global positions, then
+:class:`RingAttention`: p steps, each passing the visiting K/V block to the next rank while
+attending the local queries to the part of it they see (the rank's own tokens: one causal
+block; another rank's: all queries over its first half, or the second-half queries over all
+of it, the same work on every rank); partial results are merged with their log-sum-exp.
+Output projection, then the inverse re-layout; MLP as in ``zero3.py``.
 Backward: the K/V ring runs again; each step's dK/dV is added to an accumulator that travels
 one hop behind with the block, and a last hop hands each block's complete gradient to its
 owner. Memory: O(s/p) activations, two K/V blocks in flight, one gathered weight at a time.
@@ -24,56 +27,83 @@ def _slot(k, slot):
     return block_slot("kv"[k], slot)
 
 
+def _merge_rows(out, lse, rows, blk_out, blk_lse):
+    """Merge one block's result into rows ``rows`` of the running (out, lse); the first block
+    (the rank's own, causal) covers every row."""
+    if out is None:
+        return merge_lse(None, None, blk_out, blk_lse)
+    o, l = merge_lse(out[:, :, rows], lse[:, :, rows], blk_out, blk_lse)
+    out[:, :, rows], lse[:, :, rows] = o, l
+    return out, lse
+
+
+def _blocks(layout, rank, src, length):
+    """``(rows, keys, causal)`` kernel calls for the block from ``src``: the rank's own tokens
+    are one causal block (they are in position order), others the layout's full blocks."""
+    if src == rank:
+        return ((slice(0, length), slice(0, length), True),)
+    return tuple((rows, keys, False) for rows, keys in layout.full_blocks(rank, src))
+
+
 class RingAttention(torch.autograd.Function):
     """Causal attention of local queries ``[b, n, s/p, d]`` over the whole sequence by a K/V ring.
 
-    Rank r holds the r-th contiguous chunk of the sequence. ``k``/``v`` are ``[b, kv, s/p, d]``
-    with ``n % kv == 0``; each block is expanded to the query heads only for the kernel.
+    Rank r holds the tokens ``layout.segments(r)`` (``zigzag.RingLayout``: balanced, or
+    contiguous). ``k``/``v`` are ``[b, kv, s/p, d]`` with ``n % kv == 0``; each block is
+    expanded to the query heads only for the kernel.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, group, scale):
+    def forward(ctx, q, k, v, group, scale, layout):
         rank = dist.get_rank(group)
-        rep = q.shape[1] // k.shape[1]
+        rep, length = q.shape[1] // k.shape[1], q.shape[2]
         out = lse = None
         for src, (cur_k, cur_v) in ring_stream([k, v], group, _slot):
-            if src <= rank:
-                o, l = attn_forward(q, expand_kv(cur_k, rep), expand_kv(cur_v, rep), src == rank, scale)
-                out, lse = merge_lse(out, lse, o, l)
+            for rows, keys, causal in _blocks(layout, rank, src, length):
+                o, l = attn_forward(q[:, :, rows], expand_kv(cur_k[:, :, keys], rep),
+                                    expand_kv(cur_v[:, :, keys], rep), causal, scale)
+                out, lse = _merge_rows(out, lse, rows, o, l)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale, ctx.rep = group, scale, rep
+        ctx.group, ctx.scale, ctx.rep, ctx.layout = group, scale, rep, layout
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         group, rep = ctx.group, ctx.rep
-        rank = dist.get_rank(group)
+        rank, length = dist.get_rank(group), q.shape[2]
         dq = torch.zeros_like(q, dtype=torch.float32)
         grads = GradRing([k, v], group)
         for src, (cur_k, cur_v) in ring_stream([k, v], group, _slot):
+            blocks = _blocks(ctx.layout, rank, src, length)
             contrib = None
-            if src <= rank:
-                dq_b, dk_b, dv_b = attn_backward(dout, q, expand_kv(cur_k, rep), expand_kv(cur_v, rep),
-                                                 out, lse, src == rank, ctx.scale)
-                dq += dq_b
-                contrib = [reduce_kv(dk_b, rep).float(), reduce_kv(dv_b, rep).float()]
+            if blocks:
+                contrib = [torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
+            for rows, keys, causal in blocks:
+                dq_b, dk_b, dv_b = attn_backward(dout[:, :, rows], q[:, :, rows],
+                                                 expand_kv(cur_k[:, :, keys], rep),
+                                                 expand_kv(cur_v[:, :, keys], rep),
+                                                 out[:, :, rows], lse[:, :, rows], causal, ctx.scale)
+                dq[:, :, rows] += dq_b
+                contrib[0][:, :, keys] += reduce_kv(dk_b, rep)
+                contrib[1][:, :, keys] += reduce_kv(dv_b, rep)
             grads.add(contrib)
         dk, dv = grads.result()
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
-def ring_attention(q, k, v, group, scale):
-    """``q [b, n, s/p, d]``, ``k``/``v`` ``[b, kv, s/p, d]`` to the causal output like ``q``."""
+def ring_attention(q, k, v, group, scale, layout):
+    """``q [b, n, s/p, d]``, ``k``/``v`` ``[b, kv, s/p, d]`` holding ``layout``'s tokens of this
+    rank, to the causal output like ``q``."""
     if torch.distributed.get_world_size(group) == 1:
         return causal_attention(q, k, v, scale)
-    return RingAttention.apply(q, k, v, group, scale)
+    return RingAttention.apply(q, k, v, group, scale, layout)
 
 
-class Ring(zero3.SequenceShardedStrategy):
+class Ring(zero3.RingStrategy):
     name = "ring"
-    description = "causal K/V ring attention with log-sum-exp merge, ZeRO-3 weights"
+    description = "causal K/V ring attention (balanced zig-zag split) with log-sum-exp merge, ZeRO-3 weights"
 
-    def core(self, q, k, v, geo):
-        return ring_attention(q, k, v, geo.group, geo.scale)
+    def core(self, q, k, v, geo, layout):
+        return ring_attention(q, k, v, geo.group, geo.scale, layout)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-from .. import collectives
+from .. import collectives, zigzag
 from ..buffers import weight_slot
 from .base import (Strategy, apply_activation, apply_rope, bias_of, from_bhsd, geometry, rope_freqs,
                    split_qkv, switching_group, to_bhsd, zero_support)
@@ -69,14 +69,16 @@ def row(linear, x, group):
     return y, bias
 
 
-def qkv_local_tokens(attn, hidden_states, rotary_pos_emb, geo):
+def qkv_local_tokens(attn, hidden_states, rotary_pos_emb, geo, positions=None):
     """Q, K, V for this rank's tokens and *all* heads, ``[s/p, b, heads|groups, d]``, with RoPE
-    at the tokens' global positions."""
+    at the tokens' global positions (``positions``: see ``base.apply_rope``; default: the
+    rank's contiguous chunk)."""
     mixed = column(attn.linear_qkv, hidden_states, geo.group)
     q, k, v = split_qkv(mixed, geo.groups, geo.q_per_group, geo.head_dim)
-    start = geo.rank * hidden_states.shape[0]
+    if positions is None:
+        positions = geo.rank * hidden_states.shape[0]
     qf, kf = rope_freqs(rotary_pos_emb)
-    return apply_rope(q, qf, attn.config, start), apply_rope(k, kf, attn.config, start), v
+    return apply_rope(q, qf, attn.config, positions), apply_rope(k, kf, attn.config, positions), v
 
 
 def mlp(mlp_module, hidden_states):
@@ -90,22 +92,28 @@ def mlp(mlp_module, hidden_states):
     return row(mlp_module.linear_fc2, act, group)
 
 
-class SequenceShardedStrategy(Strategy):
-    """A strategy that attends from local tokens: QKV and output projection with gathered
-    weights, the ZeRO MLP, and a sequence-parallel attention core that subclasses provide."""
+class RingStrategy(Strategy):
+    """A strategy that attends through a causal ring from local tokens: QKV and output
+    projection with gathered weights, the ZeRO MLP, and a ring attention core that
+    subclasses provide. The layer's tokens are re-laid out to the balanced (zig-zag) split
+    after the layer input and back after the output projection (``zigzag.py``)."""
 
     def supports(self, config, p):
         return zero_support(config, p)
 
-    def core(self, q, k, v, geo):
-        """``q [b, n, s/p, d]``, ``k``/``v`` ``[b, kv, s/p, d]`` to the causal output like ``q``."""
+    def core(self, q, k, v, geo, layout):
+        """``q [b, n, s/p, d]``, ``k``/``v`` ``[b, kv, s/p, d]`` holding ``layout``'s tokens of
+        this rank, to the causal output like ``q``."""
         raise NotImplementedError
 
     def attention(self, attn, hidden_states, rotary_pos_emb):
         geo = geometry(attn)
-        q, k, v = qkv_local_tokens(attn, hidden_states, rotary_pos_emb, geo)
-        ctx = self.core(to_bhsd(q), to_bhsd(k).contiguous(), to_bhsd(v).contiguous(), geo)
-        return row(attn.linear_proj, from_bhsd(ctx), geo.group)
+        layout = zigzag.layout_for(hidden_states, geo.group)
+        x = zigzag.to_balanced(hidden_states, layout, geo.group)
+        q, k, v = qkv_local_tokens(attn, x, rotary_pos_emb, geo, layout.ranges(geo.rank))
+        ctx = self.core(to_bhsd(q), to_bhsd(k).contiguous(), to_bhsd(v).contiguous(), geo, layout)
+        y, bias = row(attn.linear_proj, from_bhsd(ctx), geo.group)
+        return zigzag.from_balanced(y, layout, geo.group), bias
 
     def mlp(self, mlp_module, hidden_states):
         return mlp(mlp_module, hidden_states)
