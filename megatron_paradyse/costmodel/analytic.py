@@ -18,7 +18,7 @@ own linears save the local input and re-gather; the ZeRO strategies save local t
 (:mod:`megatron_paradyse.parallel.memory`), which also found the implementation's extra
 copies (contiguous copies after permutes, a bias-free row-parallel output kept by autograd,
 SwiGLU's chunked gate); ``tests/test_costmodel_analytic.py`` holds the result to 5% at
-p = 2 and 4 over several shapes. Ranks differ (the causal ring's later ranks do more);
+p = 2 and 4 over several shapes. Ranks differ (colossal's dS rows reach the rank's last position);
 the formulas give the largest rank, which is what a memory budget needs.
 
 Time: a roofline (``flops / peak + bytes / memory bandwidth``) plus an alpha-beta model of the
@@ -323,11 +323,9 @@ def layer_flops(strategy: str, shape: ModelShape, s: int, b: int) -> float:
     T = s * b
     t = T / p
     lin = 2 * T * (h * qw + h * h + h * f1 + f * h) / p
-    # causal attention, QK^T and PV: balanced strategies do half of s*s per head
-    if strategy in ("tp_sp", "ulysses"):
-        att = 2 * 2 * T * s * h / p / 2
-    else:  # contiguous ring split: the last rank attends over all s
-        att = 2 * 2 * t * s * h * (1 - 1 / (2 * p))
+    # causal attention, QK^T and PV: half of s*s per head, split evenly (the ring strategies
+    # by their balanced zig-zag layout)
+    att = 2 * 2 * T * s * h / p / 2
     fwd = lin + att
     total = 3 * fwd
     if strategy == "metp":  # recomputes the forward of attention and fc1 in backward
@@ -355,6 +353,8 @@ def comm_ops(strategy: str, shape: ModelShape, s: int, b: int) -> list:
     if strategy in ("ulysses", "ring", "colossal"):
         for wb in w:
             ops += [("allgather", wb, 2), ("reducescatter", wb * 4 / e, 1)]
+    if strategy in ("ring", "colossal", "metp"):  # the balanced re-layout: half the local tokens, 4 swaps
+        ops += [("p2p", t * h * e / 2, 4)]
     if strategy == "ulysses":
         ops += [("alltoall", t * (qw + h) * e, 2)]
     elif strategy == "ring":

@@ -18,7 +18,8 @@ Backward: a V ring gives ``dP_j = dO V_j^T`` and ``dV_j = P_j^T dO``; then
 ``dK_j = dS_j^T Q * scale``. dK/dV travel in an accumulator one hop behind their block, and
 a last hop hands each block's complete gradient to its owner (as in ``ring``).
 Collectives: point-to-point only (two rings forward, two rings and two accumulator rings
-backward), plus the ZeRO-3 weight all-gathers / gradient reduce-scatters.
+backward, the re-layout's partner swaps), plus the ZeRO-3 weight all-gathers / gradient
+reduce-scatters.
 Memory: the saved probabilities ``P [b, n, s/p, s]`` (quadratic in s, the nature of RSA),
 a ``dS`` of the same size during backward, one K or V block in flight, one gathered
 weight at a time. With GQA, blocks travel with ``num_query_groups`` heads and are expanded

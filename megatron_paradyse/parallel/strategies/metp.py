@@ -30,7 +30,8 @@ Collectives per layer, with ``k`` = 2 or 3 attention shards (W_qkv, W_proj, b_qk
 forward ``k*p`` broadcasts and ``p`` ring attentions (``p-1`` K/V hops each); backward the
 same broadcasts, ``p`` ring attentions recomputed and differentiated, and ``k*p`` reduces.
 MLP: ``p-1`` hops of (W1, W2, b1 if any) forward; backward ``p-1`` weight hops and ``p``
-gradient hops. The next group's broadcast and the next shard's hop are in flight while the
+gradient hops. The attention's re-layout: one partner swap of half the local tokens before
+and one after, forward and backward. The next group's broadcast and the next shard's hop are in flight while the
 current one computes.
 Memory: autograd saves only the layer input ``[s/p, b, h]`` and the rank's own shards
 (parameters, no copy): no other rank's weight, no QKV, no intermediate. Transient: two
