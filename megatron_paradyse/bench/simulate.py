@@ -73,7 +73,7 @@ class H100Roofline(CostModel):
     def _comm(self, nbytes):
         return nbytes / (self.hw.nvlink_bytes_per_s * self.hw.comm_efficiency)
 
-    def _compute(self, s, b, recompute=False, imbalance=1.0):
+    def _compute(self, s, b, recompute=False):
         m, p = self.m, self.m.p
         mm = 2 * b * s * self.layer_params * 3 / p                    # fwd + 2x bwd
         att = 2 * 2 * b * s * s * m.hidden * 0.5 * 3.5 / p            # causal; bwd 2.5x fwd
@@ -81,14 +81,14 @@ class H100Roofline(CostModel):
             mm *= 4 / 3
             att *= 4.5 / 3.5
         return mm / (self.hw.bf16_flops * self.hw.mfu_matmul) + \
-            imbalance * att / (self.hw.bf16_flops * self.hw.mfu_attention)
+            att / (self.hw.bf16_flops * self.hw.mfu_attention)
 
     def layer(self, strategy, s, b):
         m, p, e = self.m, self.m.p, 2
         act = s * b * m.hidden * e                                    # one [s, h] bf16 tensor
         tp_sp_saved = 34 * s * b * m.hidden / p                       # Korthikanti et al., SP, flash
         w_layer = self.layer_params * e                               # one layer's bf16 weights
-        causal_imb = 2 * p / (p + 1)                                  # contiguous causal ring split
+        relayout = self._comm(2 * act / p)                            # balanced split: 4 swaps of act/2p
         saved = SAVED_FACTOR[strategy] * tp_sp_saved
         if strategy == "metp":  # keeps each layer's input and residual only, recomputes the rest
             saved = 2 * act / p
@@ -104,7 +104,7 @@ class H100Roofline(CostModel):
         elif strategy in ("ring", "colossal"):
             kv = self._comm(3 * 2 * (p - 1) / p * act)                # K,V ring fwd; + dK,dV bwd
             zero3 = self._comm(3 * (p - 1) / p * w_layer)
-            comp = self._compute(s, b, imbalance=causal_imb)
+            comp = self._compute(s, b) + relayout
             if strategy == "ring":
                 t = max(comp, kv, zero3)                              # ring overlaps its blocks
                 transient = w_layer + 4 * act / p + 3 * s * b * m.ffn * e / p
@@ -116,7 +116,7 @@ class H100Roofline(CostModel):
         elif strategy == "metp":
             kv = self._comm(3 * 2 * (p - 1) / p * act)
             weights = self._comm(3 * (p - 1) / p * w_layer)           # round-robin broadcast x2 + grads
-            t = self._compute(s, b, recompute=True, imbalance=causal_imb) + max(kv, weights) * 0.5
+            t = self._compute(s, b, recompute=True) + max(kv, weights) * 0.5 + relayout
             transient = tp_sp_saved / 1.0 + 2 * w_layer / p           # one layer's recompute
         else:
             raise KeyError(strategy)

@@ -70,7 +70,7 @@ class RingLayout:
         """Whether ``rank`` exchanges tokens with its partner (not the middle rank, not L < 2)."""
         return self.balanced and self.partner(rank) != rank and self.local_len - self.first_half > 0
 
-    @functools.lru_cache(maxsize=None)
+    @functools.lru_cache(maxsize=4096)
     def segments(self, rank: int) -> tuple:
         """This rank's tokens as position-ordered :class:`Segment` s (adjacent ones merged)."""
         L, a = self.local_len, self.first_half
@@ -89,7 +89,7 @@ class RingLayout:
         """``(start, stop)`` position ranges of this rank's tokens, in local order (for RoPE)."""
         return [(g.start, g.stop) for g in self.segments(rank)]
 
-    @functools.lru_cache(maxsize=None)
+    @functools.lru_cache(maxsize=4096)
     def visible(self, rank: int, src: int) -> tuple:
         """The blocks of ``src``'s keys that ``rank``'s queries see under the causal mask.
 
@@ -106,7 +106,7 @@ class RingLayout:
                 out.append((row, seg))
         return tuple(out)
 
-    @functools.lru_cache(maxsize=None)
+    @functools.lru_cache(maxsize=4096)
     def full_blocks(self, rank: int, src: int) -> tuple:
         """``(rows, keys)`` local slices of the non-causal blocks for ``src != rank``: adjacent
         key segments seen by the same rows are merged into one block (one kernel call)."""
