@@ -246,6 +246,28 @@ def test_paradyse_checkpoint_resumes_stock():
                   "stock resumed from a --paradyse checkpoint vs the stock run")
 
 
+def test_planner_in_megatron_lm_pretrain():
+    """--paradyse without --paradyse-plan in Megatron-LM's own pretrain(): the planner chooses
+    each micro-batch's plan (a budget of 2.75 MiB per rank, which the analytic model of this
+    shape puts between tp_sp's peak at 64 tokens and at 96, forces lean mixes on the longer
+    documents), and the losses still equal stock Megatron-LM's."""
+    stock = run("stock").check()
+    got = launch(model_flags(2) + ["--mock-data", "--paradyse-document-data", "--paradyse",
+                                   "--paradyse-memory-budget", str(2.75 / 1024)]).check()
+    _assert_close(got.losses, stock.losses, range(1, ITERS + 1), "planner vs stock Megatron-LM")
+    assert "> planner: optimal planner" in got.out, got.out[-3000:]
+    plans = {p for _, line in got.plans.values() for p in line.split(",")}
+    assert "tp_sp*4" in plans and any(p != "tp_sp*4" for p in plans), plans
+    assert re.search(r"\[paradyse\] iteration .*\| pred: [0-9.]+ s, peak [0-9.]+ MiB", got.out)
+
+
+def test_planner_flags_with_a_plan_are_a_clear_error():
+    out = launch(model_flags(2) + ["--mock-data", "--paradyse", "--paradyse-plan", "tp_sp",
+                                   "--paradyse-gamma", "0.1"])
+    assert out.rc != 0
+    assert out.out.count("--paradyse-gamma is for the planner") >= 2, out.out[-4000:]
+
+
 @full
 def test_indexed_dataset():
     """An IndexedDataset (--data-path): Megatron-LM's own GPTDataset (packed, fixed length) and

@@ -362,8 +362,12 @@ def validate_args(args, world_size: int | None = None) -> argparse.Namespace:
     return args
 
 
-def _validate_planner_args(args, tp: int) -> None:
-    """The planner's flags (local checks); sets ``args.paradyse_planner`` when the planner runs."""
+def _validate_planner_args(args, tp: int, config=None) -> None:
+    """The planner's flags (local checks); sets ``args.paradyse_planner`` when the planner runs.
+
+    ``config``: the model's ``TransformerConfig`` (default: built from this parser's flags;
+    Megatron-LM's entry point passes its own).
+    """
     planner_flags = ("paradyse_planner", "paradyse_memory_margin", "paradyse_gamma")
     given = [f for f in planner_flags if getattr(args, f, None) is not None]
     if not hasattr(args, "paradyse_planner"):  # a parser without add_planner_args
@@ -393,7 +397,8 @@ def _validate_planner_args(args, tp: int) -> None:
                  f"{args.paradyse_memory_budget} GiB")
     if args.paradyse_gamma is not None and args.paradyse_gamma < 0:
         _err("--paradyse-gamma must be >= 0")
-    config = transformer_config_from_args(args)
+    if config is None:
+        config = transformer_config_from_args(args)
     import megatron_paradyse as mp
 
     why = {n: mp.supports(n, config, tp) for n in mp.STRATEGIES}

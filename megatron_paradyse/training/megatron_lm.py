@@ -33,8 +33,9 @@ import os
 import sys
 
 from .. import data as pdata
+from .planning import planner_from_args
 from ..parallel.plans import describe_plans, parse_plan, rule_plan_fn
-from .arguments import add_paradyse_args
+from .arguments import add_paradyse_args, add_planner_args
 from .forward_step import forward_step
 from .iterator import PlannedIterator
 
@@ -56,6 +57,7 @@ def add_megatron_lm_args(parser):
     if "--paradyse" in getattr(parser, "_option_string_actions", {}):
         return parser  # a script that already adds them (e.g. through paradyse_args_provider)
     add_paradyse_args(parser)
+    add_planner_args(parser)
     g = parser.add_argument_group("ParaDySe data (Megatron-LM entry point)")
     g.add_argument("--paradyse-document-data", action="store_true",
                    help="Replace the script's datasets with one document per sample, padded to "
@@ -91,11 +93,6 @@ def check_paradyse_args(args) -> None:
             raise ValueError("--paradyse-document-data takes one --data-path prefix (no blends)")
     if not getattr(args, "paradyse", False):
         return
-    for flag in ("paradyse_cost_model", "paradyse_memory_budget"):
-        if getattr(args, flag, None) is not None:
-            raise ValueError(f"--{flag.replace('_', '-')} needs the planner, which runs in "
-                             "pretrain_gpt_paradyse.py's trainer but is not yet wired into Megatron-LM's "
-                             "pretrain(); give the plan with --paradyse-plan")
     tp = args.tensor_model_parallel_size
     if tp > 1 and not args.sequence_parallel:
         raise ValueError("--paradyse needs --sequence-parallel: every strategy keeps the "
@@ -113,15 +110,21 @@ def check_paradyse_args(args) -> None:
             args.paradyse_pad_multiple < 1 or args.paradyse_pad_multiple % tp):
         raise ValueError(f"--paradyse-pad-multiple {args.paradyse_pad_multiple} must be a positive "
                          f"multiple of --tensor-model-parallel-size {tp}")
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    from .arguments import _validate_planner_args
+
+    config = core_transformer_config_from_args(args)
+    _validate_planner_args(args, tp, config)  # the planner's flags; an error if given with a plan
+    if args.paradyse_plan is None:
+        return  # the planner chooses each micro-batch's plan (paradyse_planner_strategies: usable)
     try:
         rule = parse_plan(args.paradyse_plan, args.num_layers)
     except ValueError as e:
         raise ValueError(f"--paradyse-plan {args.paradyse_plan!r}: {e}") from None
-    from megatron.training.arguments import core_transformer_config_from_args
 
     import megatron_paradyse as mp
 
-    config = core_transformer_config_from_args(args)
     for name in rule.strategies():
         ok, why = mp.supports(name, config, tp)
         if not ok:
@@ -172,7 +175,11 @@ def _megatron_planned_iterator(data_iterator, model):
         nmb = get_num_microbatches
     else:
         nmb = 1  # evaluation: plan and check each micro-batch on its own
-    plan_fn = rule_plan_fn(parse_plan(args.paradyse_plan, args.num_layers)) if args.paradyse else None
+    plan_fn = None
+    if args.paradyse and args.paradyse_plan is not None:
+        plan_fn = rule_plan_fn(parse_plan(args.paradyse_plan, args.num_layers))
+    elif args.paradyse:
+        plan_fn = _megatron_planner(args)
     it = _LoggedPlannedIterator(source(), plan_fn, nmb,
                                 group_index=parallel_state.get_data_parallel_rank(),
                                 num_groups=parallel_state.get_data_parallel_world_size(),
@@ -182,9 +189,23 @@ def _megatron_planned_iterator(data_iterator, model):
     return it
 
 
+def _megatron_planner(args):
+    """The planner's ``plan_fn`` (built once: training and evaluation share it and its cache)."""
+    if "planner" not in _MEGATRON_PLANNER:
+        import torch
+
+        log = print if torch.distributed.get_rank() == 0 else (lambda *a, **k: None)
+        _MEGATRON_PLANNER["planner"] = planner_from_args(args, lambda msg: log(msg, flush=True))
+    return _MEGATRON_PLANNER["planner"][1]
+
+
+_MEGATRON_PLANNER: dict = {}
+
+
 class _LoggedPlannedIterator(PlannedIterator):
     """Prints each training step's micro-batch lengths and plans on global rank 0, one line per
-    step, next to Megatron-LM's own iteration lines (rank 0's micro-batches)."""
+    step, next to Megatron-LM's own iteration lines (rank 0's micro-batches); with the planner,
+    also the step's predicted time (sum over micro-batches) and peak (largest)."""
 
     log = False
 
@@ -193,8 +214,16 @@ class _LoggedPlannedIterator(PlannedIterator):
         items = super().prefetch()
         if fresh and self.log:
             lens = ",".join(str(mb.seq_length) for mb in items)
-            print(f" [paradyse] iteration {self.step:8d} | seq len: {lens} | plan: "
-                  f"{describe_plans([mb.plan for mb in items])}", flush=True)
+            line = (f" [paradyse] iteration {self.step:8d} | seq len: {lens} | plan: "
+                    f"{describe_plans([mb.plan for mb in items])}")
+            choices = getattr(self.plan_fn, "choices", None)
+            if choices:
+                got = [choices.get(i) for i in range(len(items))]
+                got = [c for c in got if c is not None]
+                if got:
+                    line += (f" | pred: {sum(c.seconds for c in got):.3f} s, peak "
+                             f"{max(c.peak_bytes for c in got) / 2 ** 20:.1f} MiB")
+            print(line, flush=True)
         return items
 
 

@@ -233,25 +233,10 @@ class Trainer:
     # ------------------------------------------------------------------ planner (megatron_paradyse.planner)
     def _build_planner(self):
         """The planner for ``--paradyse`` without ``--paradyse-plan``; its ``plan_fn``."""
-        from ..costmodel import ModelShape, build_cost_model
-        from ..planner import GiB, build_planner, make_plan_fn
-        from .arguments import default_memory_budget_gib
+        from .planning import planner_from_args
 
-        args = self.args
-        cm = build_cost_model(ModelShape.from_args(args), path=args.paradyse_cost_model)
-        budget = args.paradyse_memory_budget
-        if budget is None:
-            budget = args.paradyse_memory_budget = default_memory_budget_gib()
-        margin = None if args.paradyse_memory_margin is None else args.paradyse_memory_margin * GiB
-        refine = {"on": True, "off": False}.get(args.paradyse_refine, torch.cuda.is_available())
-        self.planner = build_planner(args.paradyse_planner, cm, budget * GiB, gamma=args.paradyse_gamma,
-                                     margin_bytes=margin, strategies=args.paradyse_planner_strategies,
-                                     refinement=True if refine else None)
-        self.log(f"> planner: {self.planner.describe()}; cost model {type(cm).__name__}"
-                 + (f" ({args.paradyse_cost_model})" if args.paradyse_cost_model else "")
-                 + f"; on no fit: {args.paradyse_on_no_fit}; refinement {'on' if refine else 'off'}")
-        return make_plan_fn(self.planner, args.paradyse_on_no_fit, multiple=args.paradyse_pad_multiple,
-                            warn=self.log)
+        self.planner, plan_fn = planner_from_args(self.args, self.log)
+        return plan_fn
 
     def _planned_step(self):
         """One step with the planner's predictions, the measured peak (all ranks' max is not

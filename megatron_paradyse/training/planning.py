@@ -1,0 +1,35 @@
+"""The planner built from the parsed ``--paradyse*`` flags, shared by both trainers
+(``trainer.py`` and Megatron-LM's ``pretrain()`` through ``megatron_lm.py``).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def planner_from_args(args, log=print):
+    """``(planner, plan_fn)`` for ``--paradyse`` without ``--paradyse-plan``.
+
+    The cost model is ``--paradyse-cost-model`` or the one shipped for the model's shape (else
+    the analytic model); the budget ``--paradyse-memory-budget`` GiB (default: the device's
+    memory, see ``arguments.default_memory_budget_gib``). ``plan_fn`` is the iterator's
+    ``plan_fn(mb, step, index)`` and keeps the last choices in ``plan_fn.choices``.
+    """
+    from ..costmodel import ModelShape, build_cost_model
+    from ..planner import GiB, build_planner, make_plan_fn
+    from .arguments import default_memory_budget_gib
+
+    cm = build_cost_model(ModelShape.from_args(args), path=args.paradyse_cost_model)
+    budget = args.paradyse_memory_budget
+    if budget is None:
+        budget = args.paradyse_memory_budget = default_memory_budget_gib()
+    margin = None if args.paradyse_memory_margin is None else args.paradyse_memory_margin * GiB
+    refine = {"on": True, "off": False}.get(args.paradyse_refine, torch.cuda.is_available())
+    planner = build_planner(args.paradyse_planner, cm, budget * GiB, gamma=args.paradyse_gamma,
+                            margin_bytes=margin, strategies=args.paradyse_planner_strategies,
+                            refinement=True if refine else None)
+    log(f"> planner: {planner.describe()}; cost model {type(cm).__name__}"
+        + (f" ({args.paradyse_cost_model})" if args.paradyse_cost_model else "")
+        + f"; on no fit: {args.paradyse_on_no_fit}; refinement {'on' if refine else 'off'}")
+    multiple = args.paradyse_pad_multiple or args.tensor_model_parallel_size
+    plan_fn = make_plan_fn(planner, args.paradyse_on_no_fit, multiple=multiple, warn=log)
+    return planner, plan_fn
