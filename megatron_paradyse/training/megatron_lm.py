@@ -4,6 +4,9 @@
         /path/to/Megatron-LM/pretrain_gpt.py <Megatron-LM flags> \\
         --transformer-impl local --sequence-parallel --paradyse --paradyse-plan "rule:4096=tp_sp,ulysses"
 
+(``--paradyse`` without ``--paradyse-plan``: the planner chooses each micro-batch's plan,
+``--paradyse-memory-budget`` and the other planner flags as in ``pretrain_gpt_paradyse.py``.)
+
 The entry point installs hooks into ``megatron.training`` and then runs the user's script
 as ``__main__`` (its directory first on ``sys.path``, as ``python
 script.py`` would). The hooks (:func:`install_hooks`, idempotent):
