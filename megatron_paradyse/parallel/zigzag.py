@@ -161,33 +161,26 @@ def _from_balanced(y, layout: RingLayout, rank: int, group):
     return torch.cat([own, exchange(theirs, q, group)])
 
 
-class _ToBalanced(torch.autograd.Function):
+class _Relayout(torch.autograd.Function):
+    """Contiguous -> balanced (``to_balanced=True``) or back; the backward is the other way."""
+
     @staticmethod
-    def forward(ctx, x, layout, group):
-        ctx.layout, ctx.group = layout, group
-        return _to_balanced(x, layout, dist.get_rank(group), group)
+    def forward(ctx, x, layout, group, to_balanced: bool):
+        ctx.layout, ctx.group, ctx.to_balanced = layout, group, to_balanced
+        move = _to_balanced if to_balanced else _from_balanced
+        return move(x, layout, dist.get_rank(group), group)
 
     @staticmethod
     def backward(ctx, dy):
-        return _from_balanced(dy, ctx.layout, dist.get_rank(ctx.group), ctx.group), None, None
-
-
-class _FromBalanced(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, layout, group):
-        ctx.layout, ctx.group = layout, group
-        return _from_balanced(y, layout, dist.get_rank(group), group)
-
-    @staticmethod
-    def backward(ctx, dx):
-        return _to_balanced(dx, ctx.layout, dist.get_rank(ctx.group), ctx.group), None, None
+        move = _from_balanced if ctx.to_balanced else _to_balanced
+        return move(dy, ctx.layout, dist.get_rank(ctx.group), ctx.group), None, None, None
 
 
 def to_balanced(x: torch.Tensor, layout: RingLayout, group) -> torch.Tensor:
     """``[s/p, ...]`` contiguous tokens to this rank's balanced tokens (backward: the inverse)."""
-    return _ToBalanced.apply(x, layout, group) if layout.moves(dist.get_rank(group)) else x
+    return _Relayout.apply(x, layout, group, True) if layout.moves(dist.get_rank(group)) else x
 
 
 def from_balanced(y: torch.Tensor, layout: RingLayout, group) -> torch.Tensor:
     """This rank's balanced tokens back to its contiguous ``[s/p, ...]`` chunk (the inverse)."""
-    return _FromBalanced.apply(y, layout, group) if layout.moves(dist.get_rank(group)) else y
+    return _Relayout.apply(y, layout, group, False) if layout.moves(dist.get_rank(group)) else y
