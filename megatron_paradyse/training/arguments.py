@@ -343,7 +343,7 @@ def validate_args(args, world_size: int | None = None) -> argparse.Namespace:
             warnings.warn(f"{flag} is accepted for compatibility with Megatron-LM scripts and has "
                           "no effect in this trainer", stacklevel=2)
     # the plan: parsed and checked for this model here, before any collective
-    _validate_planner_args(args, tp)
+    validate_planner_args(args, tp)
     if args.paradyse and args.paradyse_plan is not None:
         from ..parallel.plans import parse_plan
 
@@ -362,7 +362,7 @@ def validate_args(args, world_size: int | None = None) -> argparse.Namespace:
     return args
 
 
-def _validate_planner_args(args, tp: int, config=None) -> None:
+def validate_planner_args(args, tp: int, config=None) -> None:
     """The planner's flags (local checks); sets ``args.paradyse_planner`` when the planner runs.
 
     ``config``: the model's ``TransformerConfig`` (default: built from this parser's flags;

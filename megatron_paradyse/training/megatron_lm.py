@@ -115,11 +115,15 @@ def check_paradyse_args(args) -> None:
                          f"multiple of --tensor-model-parallel-size {tp}")
     from megatron.training.arguments import core_transformer_config_from_args
 
-    from .arguments import _validate_planner_args
+    from .arguments import validate_planner_args
 
     config = core_transformer_config_from_args(args)
-    _validate_planner_args(args, tp, config)  # the planner's flags; an error if given with a plan
+    validate_planner_args(args, tp, config)  # the planner's flags; an error if given with a plan
     if args.paradyse_plan is None:
+        if args.paradyse_refine == "on":
+            raise ValueError("--paradyse-refine on is not available through Megatron-LM's pretrain(): "
+                             "its step loop feeds no measured step back to the planner (use "
+                             "pretrain_gpt_paradyse.py, or leave --paradyse-refine at auto/off)")
         return  # the planner chooses each micro-batch's plan (paradyse_planner_strategies: usable)
     try:
         rule = parse_plan(args.paradyse_plan, args.num_layers)
@@ -198,7 +202,8 @@ def _megatron_planner(args):
         import torch
 
         log = print if torch.distributed.get_rank() == 0 else (lambda *a, **k: None)
-        _MEGATRON_PLANNER["planner"] = planner_from_args(args, lambda msg: log(msg, flush=True))
+        _MEGATRON_PLANNER["planner"] = planner_from_args(args, lambda msg: log(msg, flush=True),
+                                                         can_refine=False)
     return _MEGATRON_PLANNER["planner"][1]
 
 

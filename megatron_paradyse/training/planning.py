@@ -6,13 +6,15 @@ from __future__ import annotations
 import torch
 
 
-def planner_from_args(args, log=print):
+def planner_from_args(args, log=print, can_refine: bool = True):
     """``(planner, plan_fn)`` for ``--paradyse`` without ``--paradyse-plan``.
 
     The cost model is ``--paradyse-cost-model`` or the one shipped for the model's shape (else
     the analytic model); the budget ``--paradyse-memory-budget`` GiB (default: the device's
     memory, see ``arguments.default_memory_budget_gib``). ``plan_fn`` is the iterator's
     ``plan_fn(mb, step, index)`` and keeps the last choices in ``plan_fn.choices``.
+    ``can_refine=False``: a step loop that feeds no measurements back (Megatron-LM's) gets no
+    online refinement, whatever ``--paradyse-refine`` says.
     """
     from ..costmodel import ModelShape, build_cost_model
     from ..planner import GiB, build_planner, make_plan_fn
@@ -23,7 +25,7 @@ def planner_from_args(args, log=print):
     if budget is None:
         budget = args.paradyse_memory_budget = default_memory_budget_gib()
     margin = None if args.paradyse_memory_margin is None else args.paradyse_memory_margin * GiB
-    refine = {"on": True, "off": False}.get(args.paradyse_refine, torch.cuda.is_available())
+    refine = can_refine and {"on": True, "off": False}.get(args.paradyse_refine, torch.cuda.is_available())
     planner = build_planner(args.paradyse_planner, cm, budget * GiB, gamma=args.paradyse_gamma,
                             margin_bytes=margin, strategies=args.paradyse_planner_strategies,
                             refinement=True if refine else None)
