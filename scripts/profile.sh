@@ -9,8 +9,10 @@
 #       --hidden-size 4096 --num-attention-heads 32 --num-query-groups 8 --ffn-hidden-size 14336 \
 #       --swiglu --bf16 --seqs 1024,2048,4096,8192,16384,32768 -o prof.jsonl
 # Single-device mode (one GPU plays one rank of p): --fake-world 8 --fake-rank 0 --interconnect nvlink4
-# The demo's shape on this CPU (what the package ships), p = 4:
-#   bash scripts/profile.sh runs/costmodel --p 4
+# The demo's shape on this CPU (what the package ships, held-out lengths measured in the same
+# session and left out of the fit), p = 4:
+#   FIT_FLAGS="--holdout-seqs 384,768,1536,3072,6144 --holdout-largest" bash scripts/profile.sh runs/costmodel \
+#       --p 4 --seqs 128,256,384,512,768,1024,1536,2048,3072,4096,6144,8192,16384 --memory-limit 4G
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: bash scripts/profile.sh OUTDIR [profile flags...]}
@@ -21,5 +23,6 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 start=$(date +%s)
 $PY -m megatron_paradyse.costmodel profile --num-layers 4 --hidden-size 128 --num-attention-heads 8 \
     --ffn-hidden-size 512 --vocab-size 258 "$@" -o "$OUT/profile.jsonl"
-$PY -m megatron_paradyse.costmodel fit "$OUT/profile.jsonl" -o "$OUT/model.json"
+# shellcheck disable=SC2086
+$PY -m megatron_paradyse.costmodel fit "$OUT/profile.jsonl" -o "$OUT/model.json" ${FIT_FLAGS:-}
 echo "profile + fit took $(( $(date +%s) - start )) s; model: $OUT/model.json"

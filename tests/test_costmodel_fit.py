@@ -74,6 +74,22 @@ def test_fit_interpolates_and_extrapolates_the_law(model_path):
         assert m.layer(st, 16384, 1).seconds > m.layer(st, 8192, 1).seconds
 
 
+def test_held_out_lengths_are_left_out_of_the_fit_and_reported(tmp_path, capsys):
+    from megatron_paradyse.costmodel import report
+
+    write_profile(tmp_path / "prof.jsonl", [128, 256, 384, 512, 1024, 1536, 2048, 4096, 8192])
+    path = str(tmp_path / "model.json")
+    meta = fit_profile(str(tmp_path / "prof.jsonl"), path, holdout_seqs=[384, 1536], holdout_largest=True)
+    for st in LAW:
+        assert meta["held_out"][st] == [384, 1536, 8192]
+        assert [s for s, _ in meta["fitted"][st]] == [128, 256, 512, 1024, 2048, 4096]
+        assert meta["s_max"][st] == 4096
+    report.main([path, "--profile", str(tmp_path / "prof.jsonl")])
+    out = capsys.readouterr().out
+    # 2 interpolated (384, 1536) and 1 extrapolated (8192) point per strategy: fitted ones skipped
+    assert "| tp_sp | interpolated | 2 |" in out and "| tp_sp | extrapolated | 1 |" in out, out
+
+
 def test_step_composes_layers(model_path):
     m = build_cost_model(SHAPE, model_path)
     plan = ("tp_sp", "metp", "metp", "ring")

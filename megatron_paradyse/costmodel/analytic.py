@@ -139,111 +139,12 @@ SAVED_NOTES = {
     "metp": "only the attention and MLP inputs (recomputed in backward), the residuals and output",
 }
 
-# Transient: the layer's peak above its saved bytes is the larger of its attention phase (plus
-# the residual gradient held meanwhile, t*h) and its MLP phase. Each phase is a non-negative
-# least-squares fit (weighted by the 4-layer peak) to the tracker's measurement of that phase (attention alone,
-# MLP alone) over 5 shapes, p = 2 and 4, s = 256 and 512, b = 1 and 2: the phases mix gathered
-# weights, communication slots and recomputed activations, and which dominates changes with
-# the shape, so these coefficients are fitted, not derived (score rows, quadratic in s, only
-# for colossal: the fit's tiny rows32 terms elsewhere were dropped) (their error is in
-# docs/costmodel.md; a layer stack's peak is within 5% in tests/test_costmodel_analytic.py).
-TRANSIENT = {
-    "tp_sp": {
-        "attn": {
-            "T*h": 0.987,
-            "t*h": 2.906,
-            "t*kv": 2.15,
-            "W_qkv": 0.016,
-            "W_attn/p": 0.696,
-            "W_mlp/p": 0.001,
-            "t*qw/p": 0.001,
-            "t*f1/p": 0.001
-        },
-        "mlp": {
-            "T*h": 1.122,
-            "t*f1": 1.123,
-            "t*f*swiglu": 0.225,
-            "W_fc2": 0.232,
-            "W_attn/p": 0.199,
-            "t*f1/p": 1.011
-        }
-    },
-    "ulysses": {
-        "attn": {
-            "t*h": 3.196,
-            "t*kv": 1.083,
-            "t*f*swiglu": 0.03,
-            "W_qkv": 1.214,
-            "rope/p": 0.422,
-            "t*qw/p": 0.724,
-            "t*f1/p": 0.091
-        },
-        "mlp": {
-            "t*h": 1.298,
-            "t*f1": 1.098,
-            "t*f*swiglu": 0.916,
-            "W_fc1": 0.02,
-            "W_fc2": 1.107,
-            "W_attn/p": 0.507,
-            "t*f1/p": 0.313
-        }
-    },
-    "ring": {
-        "attn": {
-            "t*h": 15.013,
-            "t*f1": 0.008,
-            "W_mlp/p": 0.004
-        },
-        "mlp": {
-            "T*h": 0.031,
-            "t*h": 0.886,
-            "t*f1": 1.164,
-            "t*f*swiglu": 0.866,
-            "W_fc2": 1.011,
-            "W_attn/p": 0.775,
-            "W_mlp/p": 0.131,
-            "t*f1/p": 0.258
-        }
-    },
-    "colossal": {
-        "attn": {
-            "t*h": 1.041,
-            "rows32": 1.326,
-            "rope/p": 0.149,
-            "t*qw/p": 2.866,
-            "t*f1/p": 1.052
-        },
-        "mlp": {
-            "t*h": 1.234,
-            "t*f1": 1.132,
-            "t*f*swiglu": 0.859,
-            "rows32": 0.005,
-            "W_fc1": 0.069,
-            "W_fc2": 1.054,
-            "W_attn/p": 0.478,
-            "t*qw/p": 0.055,
-            "t*f1/p": 0.26
-        }
-    },
-    "metp": {
-        "attn": {
-            "t*h": 4.165,
-            "W_attn/p": 1.741,
-            "rope/p": 0.403,
-            "t*qw/p": 6.39,
-            "t*f1/p": 0.302
-        },
-        "mlp": {
-            "T*h": 0.004,
-            "t*kv": 0.031,
-            "t*f1": 0.22,
-            "W_fc2": 0.926,
-            "W_mlp/p": 2.168,
-            "t*qw/p": 0.003,
-            "t*f1/p": 5.343
-        }
-    }
-}
+# Transient: the layer's peak above its saved bytes, the larger of (at most) two phases, each a
+# non-negative sum of the basis whose coefficients are fitted to the tracker (configs/transient.json, written by ``python -m
+# megatron_paradyse.costmodel.calibrate``, which says how and prints the error): it mixes
+# gathered weights, communication slots, recomputed activations and the gradients made while
+# the saved tensors are freed, so these coefficients are fitted, not derived.
+TRANSIENT = load_config("transient.json")["transient"]
 
 
 def layer_memory(strategy: str, shape: ModelShape, s: int, b: int) -> tuple[float, float]:
@@ -252,10 +153,7 @@ def layer_memory(strategy: str, shape: ModelShape, s: int, b: int) -> tuple[floa
         raise KeyError(f"no analytic memory model for strategy {strategy!r} (known: {sorted(SAVED)})")
     B = basis(shape, s, b)
     saved = sum(c * B[k] for k, c in SAVED[strategy].items())
-    phases = TRANSIENT[strategy]
-    attn = sum(c * B[k] for k, c in phases["attn"].items()) + B["t*h"]
-    mlp = sum(c * B[k] for k, c in phases["mlp"].items())
-    trans = max(attn, mlp)
+    trans = max(sum(c * B[k] for k, c in phase.items()) for phase in TRANSIENT[strategy])
     return float(saved), float(trans)
 
 

@@ -15,12 +15,14 @@ how a prediction is made:
   effects). No monotone constraint is set on the trees: on a residual ratio it has no
   meaning (the physics curve, non-negative in every coefficient, carries the rise in s).
   Default: off,
-  the physics curve alone (chosen on held-out data: on this noisy 2-core CPU the trees fit
-  the timing noise of six lengths, made the curve non-monotone in s and raised the
-  interpolated held-out error, see docs/costmodel.md);
-* memory: the residual ratio interpolated piecewise-linearly in log s between the profiled
-  lengths (memory is deterministic; trees turned it into steps: 18% worst held-out error on
-  ``ulysses``'s transient at p = 4, against 5% for the interpolation).
+  the interpolated residual below instead (chosen on held-out data: on this noisy 2-core CPU
+  the trees fit the timing noise of the profiled lengths, made the curve non-monotone in s
+  and raised the interpolated held-out error, see docs/costmodel.md);
+* time (default) and memory: the residual ratio interpolated piecewise-linearly in log s
+  between the profiled lengths, so a prediction passes through the measured medians (trees
+  turned memory into steps: 18% worst held-out error on ``ulysses``'s transient at p = 4,
+  against 5% for the interpolation); beyond the largest length the physics curve continues
+  from the measured value there.
 """
 from __future__ import annotations
 
@@ -74,9 +76,7 @@ def memory_degree(strategy, shape) -> int:
     """The order in s of the analytic memory formula: 2 where it has score rows (colossal)."""
     from . import analytic
 
-    terms = set(analytic.SAVED.get(strategy, {}))
-    for phase in analytic.TRANSIENT.get(strategy, {}).values():
-        terms |= {k for k, v in phase.items() if v}
+    terms = set(analytic.SAVED.get(strategy, {})) | {k for ph in analytic.TRANSIENT.get(strategy, []) for k, v in ph.items() if v}
     return 2 if terms & {"rows", "rows32"} else 1
 
 
@@ -105,8 +105,19 @@ def fit_xgb_residual(s, b, ratio, seed=0):
     return xgb.train(params, d, num_boost_round=40)
 
 
-def layer_table(rows, strategy, time_stat="median"):
-    sel = [r for r in rows if r.get("type") == "layer" and r["strategy"] == strategy]
+def held_out(rows, strategy, holdout_seqs=(), holdout_largest=False) -> set:
+    """The lengths of ``strategy`` left out of the fit: ``holdout_seqs``, and with
+    ``holdout_largest`` the strategy's largest measured length (to test extrapolation)."""
+    out = set(holdout_seqs)
+    if holdout_largest:
+        lens = [r["s"] for r in rows if r.get("type") == "layer" and r["strategy"] == strategy]
+        if lens:
+            out.add(max(lens))
+    return out
+
+
+def layer_table(rows, strategy, time_stat="median", exclude=()):
+    sel = [r for r in rows if r.get("type") == "layer" and r["strategy"] == strategy and r["s"] not in exclude]
     sel.sort(key=lambda r: (r["b"], r["s"]))
     s = np.array([r["s"] for r in sel], float)
     b = np.array([r["b"] for r in sel], float)
@@ -116,7 +127,11 @@ def layer_table(rows, strategy, time_stat="median"):
     return s, b, ys
 
 
-def fit_profile(profile_path: str, out_path: str, use_xgb: bool = False, time_stat: str = "median") -> dict:
+def fit_profile(profile_path: str, out_path: str, use_xgb: bool = False, time_stat: str = "median",
+                holdout_seqs=(), holdout_largest: bool = False) -> dict:
+    """Fit and save; lengths in ``holdout_seqs`` (and each strategy's largest, with
+    ``holdout_largest``) are left out, so that ``report`` can test the model on them: measured
+    in the same session as the fitted lengths, they share its machine conditions."""
     header, rows = read_profile(profile_path)
     shape = ModelShape.from_dict(header["shape"])
     stem = os.path.splitext(os.path.basename(out_path))[0]
@@ -130,9 +145,15 @@ def fit_profile(profile_path: str, out_path: str, use_xgb: bool = False, time_st
             "profile": {"path": os.path.basename(profile_path), "sha256": sha256(profile_path),
                         "hardware": header.get("hardware"), "versions": header.get("versions"),
                         "mode": header.get("mode"), "interconnect": header.get("interconnect")},
-            "time_stat": time_stat, "targets": {}, "files": {}, "s_max": {}, "s_min": {}, "limits": {}, "fit_residuals": {}}
+            "time_stat": time_stat, "targets": {}, "files": {}, "s_max": {}, "s_min": {}, "limits": {},
+            "fit_residuals": {}, "fitted": {}, "held_out": {}}
     for st in strategies:
-        s, b, ys = layer_table(rows, st, time_stat)
+        skip = held_out(rows, st, holdout_seqs, holdout_largest)
+        s, b, ys = layer_table(rows, st, time_stat, exclude=skip)
+        if not len(s):
+            raise ValueError(f"profile {profile_path!r}: nothing left to fit for {st!r} after holding out {sorted(skip)}")
+        meta["fitted"][st] = sorted([int(x), int(y)] for x, y in zip(s, b))
+        meta["held_out"][st] = sorted(skip)
         meta["s_max"][st] = int(s.max())
         meta["s_min"][st] = int(s.min())
         lim = [r["s"] for r in rows if r.get("type") == "limit" and r["strategy"] == st]
@@ -153,17 +174,18 @@ def fit_profile(profile_path: str, out_path: str, use_xgb: bool = False, time_st
                 phi = time_features(s, b, deg) @ np.asarray(coef)
             spec = {"physics": phys, "xgb": None, "ratio_clip": [-0.5, 0.5]}
             ratio = np.where(phi > 0, y / np.maximum(phi, 1e-30) - 1.0, 0.0)
-            if tg != "seconds":
-                # memory is deterministic and smooth between profiled lengths: the residual
-                # ratio is interpolated piecewise-linearly in log s (trees would make steps)
-                spec["residual_points"] = [[float(a), float(c), float(r)] for a, c, r in zip(s, b, ratio)]
-            elif use_xgb and len(y) >= 3 and np.max(np.abs(ratio)) > 1e-6:
+            if tg == "seconds" and use_xgb and len(y) >= 3 and np.max(np.abs(ratio)) > 1e-6:
                 bst = fit_xgb_residual(s, b, np.clip(ratio, -0.5, 0.5))
                 name = f"{stem}.{st}.{tg}.xgb.json"
                 fpath = os.path.join(base, name)
                 bst.save_model(fpath)
                 meta["files"][name] = sha256(fpath)
                 spec["xgb"] = name
+            else:
+                # the residual ratio interpolated piecewise-linearly in log s between the profiled
+                # lengths: the prediction passes through the measured medians and follows the
+                # physics curve's shape between them (trees would make steps)
+                spec["residual_points"] = [[float(a), float(c), float(r)] for a, c, r in zip(s, b, ratio)]
             meta["targets"][st][tg] = spec
             meta["fit_residuals"][st][tg] = float(np.max(np.abs(ratio))) if len(ratio) else 0.0
     # non-layer: linear in tokens; the optimizer step is a constant added to its time
@@ -203,8 +225,18 @@ def main(argv=None):
                          "interpolated held-out error; see docs/costmodel.md)")
     ap.add_argument("--time-stat", choices=("median", "min"), default="median",
                     help="per-length statistic of the repeats that the time model fits (default median)")
+    ap.add_argument("--holdout-seqs", default="",
+                    help="comma-separated lengths measured in the profile but left out of the fit "
+                         "(for `report` to test interpolation on)")
+    ap.add_argument("--holdout-largest", action="store_true",
+                    help="also leave out each strategy's largest measured length (to test extrapolation)")
     args = ap.parse_args(argv)
-    meta = fit_profile(args.profile, args.output, use_xgb=args.xgb, time_stat=args.time_stat)
+    try:
+        hold = [int(x) for x in args.holdout_seqs.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"error: --holdout-seqs must be comma-separated integers, got {args.holdout_seqs!r}") from None
+    meta = fit_profile(args.profile, args.output, use_xgb=args.xgb, time_stat=args.time_stat,
+                       holdout_seqs=hold, holdout_largest=args.holdout_largest)
     shape = ModelShape.from_dict(meta["shape"])
     print(f"wrote {args.output} for {shape.describe()}: strategies {', '.join(meta['strategies'])}")
     for st in meta["strategies"]:

@@ -11,8 +11,8 @@ Prediction of a target ``y`` (layer seconds, saved bytes, transient bytes) at ``
   1 or 2, chosen by AIC); memory, the analytic formula's form (linear in s, quadratic for
   colossal's score rows) with its coefficients fitted to the profile's largest lengths;
 * inside the profiled range, times ``1 + r(s, b)``, ``r`` the residual ratio
-  ``measured / phi - 1``: for time an XGBoost regressor, for memory interpolated
-  piecewise-linearly in log s between the profiled lengths;
+  ``measured / phi - 1`` interpolated piecewise-linearly in log s between the profiled
+  lengths (for time, an XGBoost regressor instead when fitted with ``--xgb``);
 * beyond the largest profiled length ``s_max``: ``phi(s, b) * (1 + r(s_max, b))``, which
   continues the physics curve and meets the in-range prediction at ``s_max``.
 """

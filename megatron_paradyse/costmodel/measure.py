@@ -228,7 +228,7 @@ class LayerRunner:
         (gloo does), which now and then adds a temporary to one pass's count on one rank;
         the layer's own memory is the same every pass, so the least is the layer's.
         """
-        from megatron_paradyse.parallel.memory import PeakMemory
+        from megatron_paradyse.parallel.memory import pass_memory
 
         fwd, bwd = self.pass_fn(part, s, b)
         bwd(fwd())  # warm-up: persistent buffers and parameter gradients exist from here on
@@ -236,14 +236,9 @@ class LayerRunner:
         for _ in range(passes):
             gc.collect()
             _sync()
-            with PeakMemory() as mf:
-                out = fwd()
-                gc.collect()  # garbage in reference cycles would count as saved
-            with PeakMemory() as mb:
-                bwd(out)
-            del out
-            saved = mf.end_bytes
-            peak = max(mf.peak_bytes, mf.end_bytes + mb.peak_bytes)
+            # garbage in reference cycles would count as saved: collect before reading it
+            mem = pass_memory(fwd, bwd, between=gc.collect)
+            saved, peak = mem["activations"], mem["peak"]
             saved_min = saved if saved_min is None else min(saved_min, saved)
             peak_min = peak if peak_min is None else min(peak_min, peak)
         return saved_min, peak_min - saved_min
@@ -291,23 +286,17 @@ class NonLayerRunner:
         return dec, saved
 
     def measure(self, s, b, warmup=1, repeats=3):
-        from megatron_paradyse.parallel.memory import PeakMemory
+        from megatron_paradyse.parallel.memory import pass_memory
 
         dec, layers = self._without_layers()
         try:
             fwd, bwd = self._pass(s, b)
             times = _timed(fwd, bwd, warmup, repeats)
             gc.collect()
-            with PeakMemory() as mf:
-                out = fwd()
-            with PeakMemory() as mb:
-                bwd(out)
-            del out
+            mem = pass_memory(fwd, bwd)
         finally:
             dec.layers = layers
-        saved = mf.end_bytes
-        peak = max(mf.peak_bytes, mf.end_bytes + mb.peak_bytes)
-        return times, saved, peak - saved
+        return times, mem["activations"], mem["peak"] - mem["activations"]
 
     def optimizer_times(self, warmup=1, repeats=3):
         params = [p for p in self.model.parameters()]

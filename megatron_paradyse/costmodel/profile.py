@@ -16,6 +16,10 @@ whole layer, the attention and the MLP, saved and transient bytes (max over rank
 limit`` where a strategy's sweep stopped (memory limit reached, or out of memory on GPU);
 ``type: nonlayer`` per (s, b) (embedding, output layer and loss; optimizer step); a footer
 with the duration. Progress and the estimated time left go to stderr.
+
+Per strategy, every length first gets its memory passes and a warm-up; then the timed repeats
+run in rounds over the lengths (alternating direction), so that a slow spell on a shared
+machine spreads over all lengths' repeats instead of shifting one length's median.
 """
 from __future__ import annotations
 
@@ -127,61 +131,88 @@ def rank_sweep(rank, world, shape_d, cfg):
     fake = M.is_fake()
     net = analytic.load_config("interconnects.json", cfg.get("interconnect_path"))[cfg["interconnect"]] if fake else None
     rows = []
-    jobs = [(st, s, b) for st in cfg["strategies"] for b in cfg["batches"] for s in cfg["seqs"]]
-    weights = [s * b * (1 + s / 2048) for _, s, b in jobs]
+    groups = [(st, b) for st in cfg["strategies"] for b in cfg["batches"]]
+    weights = {(st, s, b): s * b * (1 + s / 2048) for st, b in groups for s in cfg["seqs"]}
     done_w, t0 = 0.0, time.time()
-    stopped = set()
     limit = cfg.get("memory_limit")
 
     def progress(msg):
         if log:
             el = time.time() - t0
-            eta = el / done_w * (sum(weights) - done_w) if done_w else float("nan")
+            eta = el / done_w * (sum(weights.values()) - done_w) if done_w else float("nan")
             print(f"[profile {el:6.0f}s, ETA {eta:5.0f}s] {msg}", file=sys.stderr, flush=True)
 
-    for (st, s, b), wgt in zip(jobs, weights):
-        if (st, b) in stopped or s % shape.p:
-            done_w += wgt
-            continue
+    def agree(over: bool) -> bool:
+        """True on every rank if it is true on any (every rank must stop at the same length)."""
+        flag = torch.tensor([1.0 if over else 0.0])
+        if dist.is_initialized() and not fake:
+            dist.all_reduce(flag)
+        return flag.item() > 0
+
+    def stop(st, s, b, reason):
+        rows.append({"type": "limit", "strategy": st, "s": s, "b": b, "rank": rank, "reason": reason})
+        progress(f"{st} s={s} b={b}: {reason.split(':')[0]}, sweep stops")
+
+    for st, b in groups:
         M.set_strategy(model, st)
-        row = {"type": "layer", "strategy": st, "s": s, "b": b, "rank": rank}
-        try:
-            saved, trans = runner.memory("layer", s, b)
-            row.update(saved_bytes=saved, transient_bytes=trans, buffer_bytes=M.buffer_bytes())
-            over = limit is not None and saved * shape.num_layers + trans > limit
-            # every rank must agree before the next collective
-            flag = torch.tensor([1.0 if over else 0.0])
-            if dist.is_initialized() and not fake:
-                dist.all_reduce(flag)
-            if flag.item() > 0:
-                rows.append({"type": "limit", "strategy": st, "s": s, "b": b, "rank": rank,
-                             "reason": f"memory limit {limit} bytes: {shape.num_layers} layers' saved "
-                                       f"+ transient = {saved * shape.num_layers + trans:.0f} bytes"})
-                stopped.add((st, b))
-                progress(f"{st} s={s} b={b}: over the memory limit, sweep stops")
-                done_w += wgt
+        # 1) memory and warm-up at every length, up to the memory limit
+        todo, prev = [], None
+        for s in cfg["seqs"]:
+            if s % shape.p:
                 continue
-            reps = repeats_for(cfg["repeats"], s * b)
+            if limit is not None and prev is not None:
+                # the analytic form scaled to the last measured length: do not even run a length
+                # that would not fit (on a CPU host, running it could exhaust the machine)
+                ps, psaved, ptrans = prev
+                a_prev, a_now = analytic.layer_memory(st, shape, ps, b), analytic.layer_memory(st, shape, s, b)
+                guess = (psaved * a_now[0] / max(a_prev[0], 1.0)) * shape.num_layers \
+                    + ptrans * a_now[1] / max(a_prev[1], 1.0)
+                if agree(guess > limit):
+                    stop(st, s, b, f"memory limit {limit} bytes: {shape.num_layers} layers' saved + "
+                                   f"transient predicted {guess:.0f} bytes from s={ps}")
+                    break
+            row = {"type": "layer", "strategy": st, "s": s, "b": b, "rank": rank}
+            try:
+                saved, trans = runner.memory("layer", s, b)
+                row.update(saved_bytes=saved, transient_bytes=trans, buffer_bytes=M.buffer_bytes())
+                if agree(limit is not None and saved * shape.num_layers + trans > limit):
+                    stop(st, s, b, f"memory limit {limit} bytes: {shape.num_layers} layers' saved "
+                                   f"+ transient = {saved * shape.num_layers + trans:.0f} bytes")
+                    break
+                for part in cfg["parts"]:
+                    runner.time(part, s, b, cfg["warmup"], 0)
+            except Exception as exc:  # noqa: BLE001
+                if not _is_oom(exc):
+                    raise
+                torch.cuda.empty_cache()
+                stop(st, s, b, f"out of memory: {str(exc).splitlines()[0][:200]}")
+                break
             for part in cfg["parts"]:
-                times = runner.time(part, s, b, cfg["warmup"], reps)
-                row[f"{part}_times"] = times
+                row[f"{part}_times"] = []
             if fake:
                 row["comm_seconds"] = analytic.comm_seconds(st, shape, s, b, net)
-        except Exception as exc:  # noqa: BLE001
-            if not _is_oom(exc):
-                raise
-            torch.cuda.empty_cache()
-            rows.append({"type": "limit", "strategy": st, "s": s, "b": b, "rank": rank,
-                         "reason": f"out of memory: {str(exc).splitlines()[0][:200]}"})
-            stopped.add((st, b))
-            progress(f"{st} s={s} b={b}: out of memory, sweep stops")
-            done_w += wgt
-            continue
-        rows.append(row)
-        done_w += wgt
-        med = sorted(row["layer_times"])[len(row["layer_times"]) // 2]
-        progress(f"{st:8s} s={s:5d} b={b}: {med * 1e3:8.1f} ms, saved {saved / 2**20:7.2f} MiB, "
-                 f"transient {trans / 2**20:7.2f} MiB")
+            todo.append(row)
+            prev = (s, saved, trans)
+        # 2) timed passes in rounds over the lengths (alternating direction), so that a slow
+        # spell of a shared machine lands on every length's repeats rather than on one length
+        reps = {row["s"]: repeats_for(cfg["repeats"], row["s"] * b) for row in todo}
+        n_rounds = max(reps.values(), default=0)
+        for rnd in range(n_rounds):
+            for row in (todo if rnd % 2 == 0 else todo[::-1]):
+                s = row["s"]
+                if rnd >= reps[s]:
+                    continue
+                for part in cfg["parts"]:
+                    row[f"{part}_times"] += runner.time(part, s, b, 0, 1)
+                done_w += weights[(st, s, b)] / reps[s]
+            if rnd == 0 or rnd == n_rounds - 1:
+                progress(f"{st} b={b}: round {rnd + 1}/{n_rounds} of timed passes")
+        for row in todo:
+            rows.append(row)
+            times = sorted(row["layer_times"])
+            progress(f"{st:8s} s={row['s']:5d} b={b}: {times[len(times) // 2] * 1e3:8.1f} ms, saved "
+                     f"{row['saved_bytes'] / 2**20:7.2f} MiB, transient {row['transient_bytes'] / 2**20:7.2f} MiB")
+        done_w += sum(weights[(st, s, b)] for s in cfg["seqs"] if s not in reps)
     if cfg.get("nonlayer", True):
         del runner
         spec, full = M.build(shape, num_layers=shape.num_layers, max_seq=max_seq)

@@ -25,12 +25,18 @@ def ape(pred, meas):
     return abs(pred - meas) / abs(meas) * 100.0 if meas else float("nan")
 
 
-def layer_errors(model, rows) -> dict:
-    """``{strategy: {"interp"|"extrap": {target: [errors %]}, "points": [...]}}``."""
+def layer_errors(model, rows, profiled=frozenset()) -> dict:
+    """``{strategy: {"interp"|"extrap": {target: [errors %]}, "points": [...]}}``.
+
+    Rows at a ``(strategy, s, b)`` in ``profiled`` (what the model was fitted on) are skipped:
+    a held-out error is measured where the model has seen nothing.
+    """
     out = {}
     s_max = getattr(model, "meta", {}).get("s_max", {})
     for r in rows:
         if r.get("type") != "layer" or r["strategy"] not in model.strategies:
+            continue
+        if (r["strategy"], r["s"], r["b"]) in profiled:
             continue
         st = r["strategy"]
         pred = model.layer(st, r["s"], r["b"])
@@ -76,7 +82,9 @@ def plot(model, errs, train_rows, png):
     for j, st in enumerate(sts):
         c = colors.get(st)
         pts = errs[st]["points"]
-        tr = [r for r in train_rows if r.get("type") == "layer" and r["strategy"] == st and r["b"] == 1]
+        fitted = {tuple(x) for x in (getattr(model, "meta", {}).get("fitted") or {}).get(st, [])}
+        tr = [r for r in train_rows if r.get("type") == "layer" and r["strategy"] == st and r["b"] == 1
+              and (not fitted or (r["s"], r["b"]) in fitted)]
         pred = [model.layer(st, int(s), 1) for s in grid]
         ax = axes[0][j]
         ax.plot(grid, [p.seconds * 1e3 for p in pred], "-", color=c, label="model")
@@ -236,22 +244,36 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m megatron_paradyse.costmodel report",
                                  description="Accuracy of a cost model on held-out measurements.")
     ap.add_argument("model", help="fitted model metadata JSON, or 'analytic'")
-    ap.add_argument("--profile", required=True, help="held-out profile (JSON lines)")
-    ap.add_argument("--train-profile", default=None, help="the profile the model was fitted on (plot only)")
+    ap.add_argument("--profile", required=True, action="append",
+                    help="held-out profile (JSON lines); repeat to pool several (same shape)")
+    ap.add_argument("--train-profile", default=None,
+                    help="the profile the model was fitted on: drawn in the plot, and its lengths are "
+                         "left out of the held-out errors")
     ap.add_argument("--png", default=None, help="write the per-strategy plot here")
     ap.add_argument("--png-all", default=None, help="write the all-strategies plot here")
     ap.add_argument("--steps", default=None, help="comma-separated lengths: measure whole steps end to end")
     ap.add_argument("--step-repeats", type=int, default=3)
     ap.add_argument("--json", default=None, help="write all numbers here")
     args = ap.parse_args(argv)
-    header, rows = read_profile(args.profile)
-    shape = ModelShape.from_dict(header["shape"])
+    rows, shape = [], None
+    for path in args.profile:
+        header, more = read_profile(path)
+        this = ModelShape.from_dict(header["shape"])
+        if shape is not None and this != shape:
+            raise SystemExit(f"error: held-out profile {path!r} is for {this.describe()}, "
+                             f"{args.profile[0]!r} for {shape.describe()}")
+        shape = this
+        rows += more
     model = build_cost_model(shape) if args.model == "analytic" else FittedCostModel.load(args.model, shape)
-    errs = layer_errors(model, rows)
-    print(f"model {args.model} ({getattr(model, 'kind', '?')}), held-out profile {args.profile}: {shape.describe()}\n")
+    train = read_profile(args.train_profile)[1] if args.train_profile else []
+    profiled = {(r["strategy"], r["s"], r["b"]) for r in train if r.get("type") == "layer"}
+    # what the model was fitted on is never a held-out point (models that record it)
+    profiled |= {(st, s, b) for st, pts in (getattr(model, "meta", {}).get("fitted") or {}).items() for s, b in pts}
+    errs = layer_errors(model, rows, profiled)
+    print(f"model {args.model} ({getattr(model, 'kind', '?')}), held-out {', '.join(args.profile)}: "
+          f"{shape.describe()}\n")
     print(table(errs))
     result = {"layers": errs}
-    train = read_profile(args.train_profile)[1] if args.train_profile else []
     if args.png:
         plot(model, errs, train, args.png)
         print(f"\nwrote {args.png}")

@@ -72,6 +72,13 @@ class PeakMemory:
             self._mode.__enter__()
         return self
 
+    def current_bytes(self) -> int:
+        """Bytes allocated inside the region and still live now (read inside the region)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.memory_allocated(self.device) - self._start
+        return self._mode.current
+
     def __exit__(self, *exc):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -91,17 +98,22 @@ def measure_peak(fn, *args, **kwargs):
     return out, m.peak_bytes
 
 
-def pass_memory(forward, backward) -> dict:
+def pass_memory(forward, backward, between=None) -> dict:
     """Memory of one forward and backward pass, in bytes.
 
     ``activations``: what the forward leaves alive for the backward (its output included);
-    ``peak``: the most live at once during the whole pass beyond the start. Call after a
-    warm-up pass so that persistent buffers (the communication pool, RoPE caches) are not
-    counted; report them separately.
+    ``peak``: the most live at once during the whole pass beyond the start. One tracker spans
+    both halves, so the saved tensors the backward frees as it goes are credited (two trackers,
+    one per half, would add the backward's allocations to all the saved bytes and overstate
+    the peak). ``between`` runs after the forward (e.g. ``gc.collect``). Call after a warm-up
+    pass so that persistent buffers (the communication pool, RoPE caches) are not counted;
+    report them separately.
     """
-    with PeakMemory() as fwd:
+    with PeakMemory() as m:
         out = forward()
-    with PeakMemory() as bwd:
+        if between is not None:
+            between()
+        saved = m.current_bytes()
         backward(out)
-    del out
-    return {"activations": fwd.end_bytes, "peak": max(fwd.peak_bytes, fwd.end_bytes + bwd.peak_bytes)}
+        del out
+    return {"activations": saved, "peak": m.peak_bytes}
