@@ -84,7 +84,8 @@ def test_held_out_lengths_are_left_out_of_the_fit_and_reported(tmp_path, capsys)
         assert meta["held_out"][st] == [384, 1536, 8192]
         assert [s for s, _ in meta["fitted"][st]] == [128, 256, 512, 1024, 2048, 4096]
         assert meta["s_max"][st] == 4096
-    report.main([path, "--profile", str(tmp_path / "prof.jsonl")])
+    prof = str(tmp_path / "prof.jsonl")
+    report.main([path, "--profile", prof, "--train-profile", prof])  # one file: fitted + held out
     out = capsys.readouterr().out
     # 2 interpolated (384, 1536) and 1 extrapolated (8192) point per strategy: fitted ones skipped
     assert "| tp_sp | interpolated | 2 |" in out and "| tp_sp | extrapolated | 1 |" in out, out

@@ -266,9 +266,13 @@ def main(argv=None):
         rows += more
     model = build_cost_model(shape) if args.model == "analytic" else FittedCostModel.load(args.model, shape)
     train = read_profile(args.train_profile)[1] if args.train_profile else []
-    profiled = {(r["strategy"], r["s"], r["b"]) for r in train if r.get("type") == "layer"}
-    # what the model was fitted on is never a held-out point (models that record it)
-    profiled |= {(st, s, b) for st, pts in (getattr(model, "meta", {}).get("fitted") or {}).items() for s, b in pts}
+    # what the model was fitted on is never a held-out point: the model records it (older
+    # models do not: then every length of the training profile counts as fitted)
+    fitted = getattr(model, "meta", {}).get("fitted")
+    if fitted:
+        profiled = {(st, s, b) for st, pts in fitted.items() for s, b in pts}
+    else:
+        profiled = {(r["strategy"], r["s"], r["b"]) for r in train if r.get("type") == "layer"}
     errs = layer_errors(model, rows, profiled)
     print(f"model {args.model} ({getattr(model, 'kind', '?')}), held-out {', '.join(args.profile)}: "
           f"{shape.describe()}\n")
