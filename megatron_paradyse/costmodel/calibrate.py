@@ -8,13 +8,14 @@ strategy it is the larger of (at most) two phases, each a non-negative sum of th
 (``analytic.basis``): which part of the layer peaks (score rows, the MLP, gathered weights)
 changes with the shape and length. The coefficients are fitted here by alternating
 non-negative least squares to the live-bytes tracker's measurement of one
-layer, over several shapes (MHA / GQA, GELU / SwiGLU, bias or not), p = 2 and 4, two lengths
-and b = 1, 2. Each sample is weighted by the 4-layer stack's peak (4 x saved + transient),
+layer, over six shapes (MHA / GQA, GELU / SwiGLU, bias or not; the last is the small GQA
+shape of ``tests/test_costmodel_analytic.py``, which measures it at s = 96, not sampled here),
+p = 2 and 4, s = 128, 256, 512 and b = 1, 2. Each sample is weighted by the 4-layer stack's peak (4 x saved + transient),
 the quantity a memory budget sees. Score-row terms (quadratic in s) are offered to
 ``colossal`` only.
 
 One spawned world of 4 gloo ranks measures p = 4, then p = 2 as two TP groups; the largest
-rank's bytes are fitted. Cost: about three minutes on two CPU cores. ``--measurements F``
+rank's bytes are fitted. Cost: about six minutes on two CPU cores. ``--measurements F``
 keeps the measurements (and ``--refit`` fits them again without measuring).
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ import os
 import numpy as np
 
 STRATS = ("tp_sp", "ulysses", "ring", "colossal", "metp")
-SEQS = (256, 512)
+SEQS = (128, 256, 512)
 BATCHES = (1, 2)
 ROW_TERMS = ("rows", "rows32")
 SKIP_TERMS = ("t*h*nobias",)
@@ -40,6 +41,7 @@ def shapes(p):
         dict(base, hidden=256, heads=8, query_groups=8, ffn=1024, swiglu=False, bias=True),
         dict(base, hidden=64, heads=4, query_groups=p, ffn=256, swiglu=True, bias=True),
         dict(base, hidden=192, heads=12, query_groups=4, ffn=512, swiglu=False, bias=False),
+        dict(base, hidden=64, heads=4, query_groups=p, ffn=160, swiglu=True, bias=False),
     ]
 
 
