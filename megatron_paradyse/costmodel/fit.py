@@ -19,7 +19,10 @@ how a prediction is made:
   the trees fit the timing noise of the profiled lengths, made the curve non-monotone in s
   and raised the interpolated held-out error, see docs/costmodel.md);
 * time (default) and memory: the residual ratio interpolated piecewise-linearly in log s
-  between the profiled lengths, so a prediction passes through the measured medians (trees
+  between the profiled lengths, so a prediction passes through the measured medians (for
+  time, each inner length's residual is first replaced by the median of it and its two
+  neighbours: one noisy length, e.g. tp_sp's 1024 at p = 4, 197 ms against 160 from its
+  neighbours, made a planner pick a 63% slower plan there; trees
   turned memory into steps: 18% worst held-out error on ``ulysses``'s transient at p = 4,
   against 5% for the interpolation); beyond the largest length the physics curve continues
   from the measured value there.
@@ -94,6 +97,17 @@ def fit_memory_physics(strategy, shape, s, b, y, target, top: int = 0):
     X = time_features(s[idx], b[idx], deg)
     c = _nnls(X, y[idx], 1.0 / np.maximum(y[idx], 1.0))
     return deg, [float(v) for v in c]
+
+
+def running_median3(r, b):
+    """Median of each point and its two neighbours along s (same b); the ends keep their own
+    value, so the extrapolation still starts from the largest length's measurement."""
+    out = np.array(r, float)
+    for bv in np.unique(b):
+        idx = np.flatnonzero(b == bv)  # rows are sorted by (b, s)
+        for j in range(1, len(idx) - 1):
+            out[idx[j]] = float(np.median(r[idx[j - 1:j + 2]]))
+    return out
 
 
 def fit_xgb_residual(s, b, ratio, seed=0):
@@ -183,9 +197,11 @@ def fit_profile(profile_path: str, out_path: str, use_xgb: bool = False, time_st
                 spec["xgb"] = name
             else:
                 # the residual ratio interpolated piecewise-linearly in log s between the profiled
-                # lengths: the prediction passes through the measured medians and follows the
-                # physics curve's shape between them (trees would make steps)
-                spec["residual_points"] = [[float(a), float(c), float(r)] for a, c, r in zip(s, b, ratio)]
+                # lengths (trees would make steps); for time, each inner point's residual is the
+                # median of it and its two neighbours, so one noisy length does not bend the curve
+                # (memory is deterministic: its residuals are kept as measured)
+                r_pts = running_median3(ratio, b) if tg == "seconds" else ratio
+                spec["residual_points"] = [[float(a), float(c), float(r)] for a, c, r in zip(s, b, r_pts)]
             meta["targets"][st][tg] = spec
             meta["fit_residuals"][st][tg] = float(np.max(np.abs(ratio))) if len(ratio) else 0.0
     # non-layer: linear in tokens; the optimizer step is a constant added to its time
