@@ -221,3 +221,20 @@ def test_shipped_demo_models():
         # the promised memory order at the demo's length
         saved = {st: m.layer(st, 4096, 1).saved_bytes for st in m.strategies}
         assert min(saved, key=saved.get) == "metp" and max(saved, key=saved.get) == "colossal"
+
+
+def test_calibrate_fits_the_larger_of_two_phases():
+    """calibrate.fit_phases recovers a transient that is the larger of two non-negative forms
+    (which phase peaks changes with the shape), where one form cannot."""
+    from megatron_paradyse.costmodel.calibrate import fit_phases
+
+    rng = np.random.default_rng(0)
+    X = rng.uniform(0.1, 1.0, size=(60, 4))
+    c1, c2 = np.array([3.0, 0.0, 1.0, 0.0]), np.array([0.0, 2.5, 0.0, 1.5])
+    y = np.maximum(X @ c1, X @ c2)
+    phases, rss = fit_phases(X, y, 1.0 / y, inits=[X[:, 0] > X[:, 1]])
+    pred = np.max([X @ c for c in phases], axis=0)
+    assert len(phases) == 2
+    assert np.max(np.abs(pred / y - 1)) < 0.01, np.max(np.abs(pred / y - 1))
+    one, _ = fit_phases(X, y, 1.0 / y, iters=0)  # no alternation: the single best form
+    assert np.max(np.abs(X @ one[0] / y - 1)) > 0.05

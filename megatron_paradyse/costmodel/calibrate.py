@@ -26,6 +26,8 @@ import os
 
 import numpy as np
 
+from .fit import _nnls
+
 STRATS = ("tp_sp", "ulysses", "ring", "colossal", "metp")
 SEQS = (128, 256, 512)
 BATCHES = (1, 2)
@@ -74,15 +76,6 @@ def measure(timeout=900):
         m["layer"] = [max(r[i]["layer"][k] for r in per_rank) for k in (0, 1)]
         rows.append(m)
     return rows
-
-
-def _nnls(X, y, w):
-    from scipy.optimize import nnls
-
-    scale = np.abs(X * w[:, None]).max(axis=0)
-    scale[scale == 0] = 1.0
-    c, _ = nnls(X * w[:, None] / scale, y * w)
-    return c / scale
 
 
 def fit_phases(X, y, w, inits=(), iters=30):
