@@ -25,6 +25,11 @@ def ape(pred, meas):
     return abs(pred - meas) / abs(meas) * 100.0 if meas else float("nan")
 
 
+def fitted_points(model) -> set:
+    """``{(strategy, s, b)}`` the model was fitted on, where it records them (empty if not)."""
+    return {(st, s, b) for st, pts in (getattr(model, "meta", {}).get("fitted") or {}).items() for s, b in pts}
+
+
 def layer_errors(model, rows, profiled=frozenset()) -> dict:
     """``{strategy: {"interp"|"extrap": {target: [errors %]}, "points": [...]}}``.
 
@@ -73,6 +78,7 @@ def plot(model, errs, train_rows, png):
     import matplotlib.pyplot as plt
 
     sts = list(errs)
+    fitted = fitted_points(model)
     fig, axes = plt.subplots(2, len(sts), figsize=(3.2 * len(sts), 6), squeeze=False)
     colors = dict(zip(("tp_sp", "ulysses", "ring", "colossal", "metp"), plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     smax = max(p["s"] for d in errs.values() for p in d["points"])
@@ -82,9 +88,8 @@ def plot(model, errs, train_rows, png):
     for j, st in enumerate(sts):
         c = colors.get(st)
         pts = errs[st]["points"]
-        fitted = {tuple(x) for x in (getattr(model, "meta", {}).get("fitted") or {}).get(st, [])}
         tr = [r for r in train_rows if r.get("type") == "layer" and r["strategy"] == st and r["b"] == 1
-              and (not fitted or (r["s"], r["b"]) in fitted)]
+              and (not fitted or (st, r["s"], r["b"]) in fitted)]
         pred = [model.layer(st, int(s), 1) for s in grid]
         ax = axes[0][j]
         ax.plot(grid, [p.seconds * 1e3 for p in pred], "-", color=c, label="model")
@@ -247,8 +252,8 @@ def main(argv=None):
     ap.add_argument("--profile", required=True, action="append",
                     help="held-out profile (JSON lines); repeat to pool several (same shape)")
     ap.add_argument("--train-profile", default=None,
-                    help="the profile the model was fitted on: drawn in the plot, and its lengths are "
-                         "left out of the held-out errors")
+                    help="the profile the model was fitted on, drawn in the plot; for a model that does "
+                         "not record its fitted lengths, these are left out of the held-out errors")
     ap.add_argument("--png", default=None, help="write the per-strategy plot here")
     ap.add_argument("--png-all", default=None, help="write the all-strategies plot here")
     ap.add_argument("--steps", default=None, help="comma-separated lengths: measure whole steps end to end")
@@ -268,10 +273,8 @@ def main(argv=None):
     train = read_profile(args.train_profile)[1] if args.train_profile else []
     # what the model was fitted on is never a held-out point: the model records it (older
     # models do not: then every length of the training profile counts as fitted)
-    fitted = getattr(model, "meta", {}).get("fitted")
-    if fitted:
-        profiled = {(st, s, b) for st, pts in fitted.items() for s, b in pts}
-    else:
+    profiled = fitted_points(model)
+    if not profiled:
         profiled = {(r["strategy"], r["s"], r["b"]) for r in train if r.get("type") == "layer"}
     errs = layer_errors(model, rows, profiled)
     print(f"model {args.model} ({getattr(model, 'kind', '?')}), held-out {', '.join(args.profile)}: "
