@@ -14,7 +14,9 @@ static memory (weights, gradients, optimizer state) plus the largest of: the non
 activations + every layer's saved bytes + the head's transient (output layer and loss), and,
 for each layer i in order, the embedding's output + the saved bytes of layers 0..i + layer
 i's transient (layer i peaks in its forward, when later layers have saved nothing yet, or in
-its backward, when they have freed theirs and the head's activations are gone). For a plan
+its backward, when they have freed theirs and the head's activations are gone), plus the
+communication pool of the micro-batch (each buffer name once, at its largest size over the
+strategies used and the non-layer part; released between micro-batches). For a plan
 given as counts ``{strategy: n}`` the order is unknown and each transient is bounded by the
 whole stack's saved bytes (the peak of the worst order; exact for a stack of one strategy).
 """
@@ -55,6 +57,16 @@ class CostModel:
         """Embedding, output layer and loss, gradient reduction and optimizer step, as one term."""
         return LayerCost(0.0, 0.0, 0.0)
 
+    def pool(self, strategy: str, s: int, b: int) -> dict:
+        """``{buffer name: bytes}`` of the communication pool ``strategy`` (or ``"nonlayer"``)
+        allocates in a micro-batch at (s, b); default: none known."""
+        return {}
+
+    def pool_bytes(self, strategies, s: int, b: int) -> float:
+        """The pool of a micro-batch whose layers use ``strategies`` (and the non-layer part):
+        buffers of one name are shared, so each name counts once, at its largest size."""
+        return union_bytes([self.pool(n, s, b) for n in list(strategies) + ["nonlayer"]])
+
     def step(self, plan, s: int, b: int) -> StepCost:
         """Predicted (seconds, peak bytes) of one micro-batch's forward+backward under ``plan``.
 
@@ -83,7 +95,9 @@ class CostModel:
             for name in plan:
                 below += costs[name].saved_bytes
                 peak = max(peak, below + costs[name].transient_bytes)
-        return StepCost(seconds, self.static_bytes() + peak)
+        # the pool is released before each micro-batch and allocated by its first use; it is
+        # all there in the backward, where the layers peak (a bound for the forward)
+        return StepCost(seconds, self.static_bytes() + self.pool_bytes(counts, s, b) + peak)
 
     def resident_bytes(self, s: int, b: int) -> float:
         """Non-layer activations alive while the decoder layers run (the embedding's output,
@@ -92,6 +106,15 @@ class CostModel:
         if shape is not None:
             return s * b / shape.p * shape.hidden * shape.elt
         return self.nonlayer(s, b).saved_bytes
+
+
+def union_bytes(pools) -> float:
+    """Bytes of a pool holding every buffer of ``pools`` (dicts name -> bytes), one per name."""
+    out: dict = {}
+    for d in pools:
+        for k, v in d.items():
+            out[k] = max(out.get(k, 0.0), float(v))
+    return float(sum(out.values()))
 
 
 def plan_counts(plan) -> dict:

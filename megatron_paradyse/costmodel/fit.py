@@ -141,12 +141,66 @@ def layer_table(rows, strategy, time_stat="median", exclude=()):
     return s, b, ys
 
 
-def fit_profile(profile_path: str, out_path: str, use_xgb: bool = False, time_stat: str = "median",
+def read_profiles(paths) -> tuple[dict, list]:
+    """The first profile's header and every profile's rows; all must be of one shape, p and
+    dtype, and no (kind, strategy, s, b) may be measured twice."""
+    header, rows = read_profile(paths[0])
+    seen = {}
+    for path in paths:
+        h, rs = (header, rows) if path == paths[0] else read_profile(path)
+        if path != paths[0]:
+            for key in ("shape", "p", "dtype"):
+                if h.get(key) != header.get(key):
+                    raise ValueError(f"profile {path!r} differs from {paths[0]!r} in {key}: "
+                                     f"{h.get(key)!r} vs {header.get(key)!r}")
+            rows = rows + rs
+        for r in rs:
+            if r.get("type") in ("layer", "pool", "nonlayer"):
+                k = (r["type"], r.get("strategy"), r["s"], r["b"])
+                if k in seen and seen[k] != path:
+                    raise ValueError(f"profiles {seen[k]!r} and {path!r} both measure {k[0]} "
+                                     f"{k[1] or ''} s={k[2]} b={k[3]}: give each measurement once")
+                seen[k] = path
+    return header, rows
+
+
+def fit_pool(rows, names, profile_path) -> dict | None:
+    """``{strategy or "nonlayer": {buffer: [c0, c1]}}``, each buffer's bytes ``c0 + c1 * b * s``
+    (exact: least squares on the pool rows, refused if any row is off by more than 1%)."""
+    pool = [r for r in rows if r.get("type") == "pool"]
+    if not pool:
+        return None
+    out = {}
+    for st in list(names) + ["nonlayer"]:
+        sel = [r for r in pool if r["strategy"] == st]
+        if not sel:
+            raise ValueError(f"profile {profile_path!r} has pool rows but none for {st!r}")
+        bufs = sorted({n for r in sel for n in r["buffers"]})
+        T = np.array([r["b"] * r["s"] for r in sel], float)
+        A = np.stack([np.ones_like(T), T], axis=1)
+        out[st] = {}
+        for n in bufs:
+            y = np.array([float(r["buffers"].get(n, 0)) for r in sel])
+            c = np.linalg.lstsq(A, y, rcond=None)[0] if len(set(T)) > 1 else np.array([y.mean(), 0.0])
+            worst = float(np.max(np.abs(A @ c - y) / np.maximum(y, 1.0)))
+            if worst > 0.01:
+                raise ValueError(f"profile {profile_path!r}: pool buffer {n!r} of {st!r} is not c0 + c1 * b * s "
+                                 f"(off by {worst:.1%} at one of {[(r['s'], r['b']) for r in sel]})")
+            out[st][n] = [round(float(c[0]), 6), round(float(c[1]), 6)]
+    return out
+
+
+def fit_profile(profile_path, out_path: str, use_xgb: bool = False, time_stat: str = "median",
                 holdout_seqs=(), holdout_largest: bool = False) -> dict:
     """Fit and save; lengths in ``holdout_seqs`` (and each strategy's largest, with
     ``holdout_largest``) are left out, so that ``report`` can test the model on them: measured
-    in the same session as the fitted lengths, they share its machine conditions."""
-    header, rows = read_profile(profile_path)
+    in the same session as the fitted lengths, they share its machine conditions.
+
+    ``profile_path``: one profile, or a list of profiles of one shape (e.g. an older profile
+    and the pool rows of ``profile --pool-only``)."""
+    paths = [profile_path] if isinstance(profile_path, str) else list(profile_path)
+    header, rows = read_profiles(paths)
+    profile_path = paths[0]
     shape = ModelShape.from_dict(header["shape"])
     stem = os.path.splitext(os.path.basename(out_path))[0]
     base = os.path.dirname(os.path.abspath(out_path))
@@ -160,7 +214,9 @@ def fit_profile(profile_path: str, out_path: str, use_xgb: bool = False, time_st
                         "hardware": header.get("hardware"), "versions": header.get("versions"),
                         "mode": header.get("mode"), "interconnect": header.get("interconnect")},
             "time_stat": time_stat, "targets": {}, "files": {}, "s_max": {}, "s_min": {}, "limits": {},
-            "fit_residuals": {}, "fitted": {}, "held_out": {}}
+            "fit_residuals": {}, "fitted": {}, "held_out": {},
+            "extra_profiles": [{"path": os.path.basename(p), "sha256": sha256(p)} for p in paths[1:]],
+            "pool": fit_pool(rows, strategies, profile_path)}
     for st in strategies:
         skip = held_out(rows, st, holdout_seqs, holdout_largest)
         s, b, ys = layer_table(rows, st, time_stat, exclude=skip)
@@ -233,7 +289,8 @@ def fit_profile(profile_path: str, out_path: str, use_xgb: bool = False, time_st
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m megatron_paradyse.costmodel fit",
                                  description="Fit the cost model to a profile (JSON lines).")
-    ap.add_argument("profile")
+    ap.add_argument("profile", nargs="+",
+                    help="profile(s) of one shape: e.g. a profile and the pool rows of `profile --pool-only`")
     ap.add_argument("-o", "--output", required=True, help="the model's metadata JSON; XGBoost files go beside it")
     ap.add_argument("--xgb", action="store_true",
                     help="add the XGBoost residual to the time model (off by default: on the shipped CPU "
@@ -255,6 +312,9 @@ def main(argv=None):
                        holdout_seqs=hold, holdout_largest=args.holdout_largest)
     shape = ModelShape.from_dict(meta["shape"])
     print(f"wrote {args.output} for {shape.describe()}: strategies {', '.join(meta['strategies'])}")
+    if meta["pool"] is None:
+        print("  warning: no pool rows in the profile: the communication pool is not modelled (run "
+              "`profile --pool-only` with the same shape and give its file as a second PROFILE)")
     for st in meta["strategies"]:
         t = meta["targets"][st]["seconds"]["physics"]
         print(f"  {st:9s} time: degree {t['degree']} in s (AIC {t['aic']}); s profiled "

@@ -185,6 +185,11 @@ class FittedCostModel(CostModel):
         x = np.array([1.0, b * s])
         return LayerCost(*(max(0.0, float(x @ np.asarray(nl[tg]))) for tg in TARGETS))
 
+    def pool(self, strategy: str, s: int, b: int) -> dict:
+        """The pool's buffers from the profile's pool rows (empty for a model fitted without them)."""
+        got = (self.meta.get("pool") or {}).get(strategy, {})
+        return {n: max(0.0, c0 + c1 * b * s) for n, (c0, c1) in got.items()}
+
     def strategy_limit(self, strategy):
         """The smallest length at which the profile hit its memory limit (None: none hit)."""
         return (self.meta.get("limits") or {}).get(strategy)

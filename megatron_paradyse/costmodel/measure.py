@@ -221,6 +221,10 @@ class LayerRunner:
     def time(self, part, s, b, warmup=1, repeats=3):
         return _timed(*self.pass_fn(part, s, b), warmup, repeats)
 
+    def pool(self, s, b) -> dict:
+        """The communication pool the layer's fwd+bwd allocates (:func:`pool_after`)."""
+        return pool_after(*self.pass_fn("layer", s, b))
+
     def memory(self, part, s, b, passes: int = 2):
         """(saved, transient) bytes of one fwd+bwd: the least over ``passes`` measured passes.
 
@@ -242,6 +246,18 @@ class LayerRunner:
             saved_min = saved if saved_min is None else min(saved_min, saved)
             peak_min = peak if peak_min is None else min(peak_min, peak)
         return saved_min, peak_min - saved_min
+
+
+def pool_after(forward, backward) -> dict:
+    """``{"name/dtype": bytes}`` of the communication pool one fwd+bwd leaves, from an empty pool:
+    what a micro-batch holds in the pool (released before each micro-batch in training)."""
+    from megatron_paradyse.parallel.buffers import pool_sizes, release_pool
+
+    release_pool()
+    backward(forward())
+    got = pool_sizes()
+    release_pool()
+    return got
 
 
 def set_strategy(model, name):
@@ -297,6 +313,15 @@ class NonLayerRunner:
         finally:
             dec.layers = layers
         return times, mem["activations"], mem["peak"] - mem["activations"]
+
+    def pool(self, s, b) -> dict:
+        """The communication pool of the non-layer part (megatron's ``mpu`` gather of the output
+        layer's input under sequence parallelism)."""
+        dec, layers = self._without_layers()
+        try:
+            return pool_after(*self._pass(s, b))
+        finally:
+            dec.layers = layers
 
     def optimizer_times(self, warmup=1, repeats=3):
         params = [p for p in self.model.parameters()]

@@ -14,7 +14,9 @@ Lines: a header (``type: header``: shape, p, dtype, hardware, versions, mode, sw
 ``type: layer`` line per (strategy, s, b) with the median and spread of fwd+bwd time of the
 whole layer, the attention and the MLP, saved and transient bytes (max over ranks); ``type:
 limit`` where a strategy's sweep stopped (memory limit reached, or out of memory on GPU);
-``type: nonlayer`` per (s, b) (embedding, output layer and loss; optimizer step); a footer
+``type: nonlayer`` per (s, b) (embedding, output layer and loss; optimizer step); ``type:
+pool`` per strategy (and ``nonlayer``) at three (s, b): the communication pool's buffers one
+micro-batch allocates (``{"name/dtype": bytes}``; ``--pool-only`` measures just these); a footer
 with the duration. Progress and the estimated time left go to stderr.
 
 Per strategy, every length first gets its memory passes and a warm-up; then the timed repeats
@@ -111,6 +113,16 @@ def repeats_for(repeats: int, tokens: int) -> int:
     return repeats * max(1, min(4, 1024 // max(tokens, 1)))
 
 
+def pool_lengths(seqs, p: int) -> list:
+    """The (s, b) at which the pool is measured: the two shortest profiled lengths at b = 1, the
+    shortest at b = 2 (pool buffers are deterministic: constant or proportional to b * s)."""
+    ok = [s for s in sorted(seqs) if s % p == 0]
+    if not ok:
+        return []
+    two = ok[:2] if len(ok) > 1 else [ok[0], 2 * ok[0]]
+    return [(two[0], 1), (two[1], 1), (two[0], 2)]
+
+
 def rank_sweep(rank, world, shape_d, cfg):
     """Runs on every rank: the whole sweep; returns the per-rank rows (rank 0 prints progress)."""
     import torch
@@ -152,6 +164,19 @@ def rank_sweep(rank, world, shape_d, cfg):
     def stop(st, s, b, reason):
         rows.append({"type": "limit", "strategy": st, "s": s, "b": b, "rank": rank, "reason": reason})
         progress(f"{st} s={s} b={b}: {reason.split(':')[0]}, sweep stops")
+
+    # the communication pool (released before every micro-batch in training): per strategy and
+    # for the non-layer part, its buffers at three (s, b), enough to fit each buffer as
+    # c0 + c1 * b * s and to check that form on a third point
+    pool_points = pool_lengths(cfg["seqs"], shape.p)
+    for st in cfg["strategies"]:
+        M.set_strategy(model, st)
+        for s, b in pool_points:
+            rows.append({"type": "pool", "strategy": st, "s": s, "b": b, "rank": rank,
+                         "buffers": runner.pool(s, b)})
+    progress(f"communication pool measured at (s, b) = {pool_points}")
+    if cfg.get("pool_only"):
+        groups = []
 
     for st, b in groups:
         M.set_strategy(model, st)
@@ -217,6 +242,11 @@ def rank_sweep(rank, world, shape_d, cfg):
         del runner
         spec, full = M.build(shape, num_layers=shape.num_layers, max_seq=max_seq)
         nl = M.NonLayerRunner(full, spec, shape)
+        for s, b in pool_points:
+            rows.append({"type": "pool", "strategy": "nonlayer", "s": s, "b": b, "rank": rank,
+                         "buffers": nl.pool(s, b)})
+        if cfg.get("pool_only"):
+            return rows
         for b in cfg["batches"]:
             for s in cfg["seqs"]:
                 if s % shape.p:
@@ -250,6 +280,9 @@ def merge_ranks(per_rank: list) -> list:
                 m[f"{part}_min_seconds"] = min(all_t)
             elif key in ("saved_bytes", "transient_bytes", "buffer_bytes", "param_bytes"):
                 m[key] = max(r[key] for r in rows)
+            elif key == "buffers":
+                names = sorted({n for r in rows for n in r[key]})
+                m[key] = {n: max(r[key].get(n, 0) for r in rows) for n in names}
         if row.get("type") == "layer":
             m["seconds"] = m["layer_seconds"] + m.get("comm_seconds", 0.0)
             m["saved_by_rank"] = [r["saved_bytes"] for r in rows]
@@ -348,6 +381,9 @@ def main(argv=None):
                     help="bytes per rank (suffix G/M allowed); a strategy's sweep stops where num_layers "
                          "layers' saved + one transient would exceed it")
     ap.add_argument("--no-nonlayer", action="store_true")
+    ap.add_argument("--pool-only", action="store_true",
+                    help="measure only the communication pool (seconds): its rows can be added to an "
+                         "older profile with a second PROFILE argument to `fit`")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("-o", "--output", required=True)
     args = ap.parse_args(argv)
@@ -382,6 +418,7 @@ def main(argv=None):
     cfg = dict(seqs=parse_ints(args.seqs, "--seqs"), batches=parse_ints(args.batches, "--batches"),
                strategies=strategies, parts=parts, warmup=args.warmup, repeats=args.repeats,
                memory_limit=_bytes(args.memory_limit), nonlayer=not args.no_nonlayer,
+               pool_only=args.pool_only,
                fake_world=args.fake_world, fake_rank=args.fake_rank, interconnect=args.interconnect,
                interconnect_path=args.interconnect_config, command=" ".join(sys.argv))
     bad_s = [s for s in cfg["seqs"] if s % p]
@@ -392,7 +429,9 @@ def main(argv=None):
                        out=args.output, timeout=args.timeout)
     if rows:
         n = sum(1 for r in rows if r.get("type") == "layer")
-        print(f"wrote {args.output}: {n} layer measurements of {shape.describe()} in {time.time() - t0:.0f} s")
+        k = sum(1 for r in rows if r.get("type") == "pool")
+        print(f"wrote {args.output}: {n} layer and {k} pool measurements of {shape.describe()} in "
+              f"{time.time() - t0:.0f} s")
 
 
 def _bytes(v):

@@ -153,6 +153,7 @@ def _step_rank(rank, world, shape_d, plans, seqs, repeats):
     import megatron_paradyse as mp
     from megatron_paradyse.costmodel import measure as M
     from megatron_paradyse.costmodel.shape import ModelShape
+    from megatron_paradyse.parallel.buffers import release_pool
     from megatron_paradyse.parallel.memory import PeakMemory
     from megatron_paradyse.testing import models as T
 
@@ -168,6 +169,7 @@ def _step_rank(rank, world, shape_d, plans, seqs, repeats):
             M.reset_buffers()
 
             def step():
+                release_pool()  # as in training: each micro-batch allocates its own pool
                 loss = model(tok, pos, None, labels=lab).float().mean()
                 loss.backward()
                 T.allreduce_sequence_parallel_grads(model)
@@ -182,6 +184,7 @@ def _step_rank(rank, world, shape_d, plans, seqs, repeats):
                 step()
                 times.append(time.perf_counter() - t0)
             gc.collect()
+            release_pool()
             with PeakMemory() as m:
                 loss = model(tok, pos, None, labels=lab).float().mean()
                 loss.backward()

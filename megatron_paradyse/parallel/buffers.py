@@ -2,7 +2,9 @@
 
 Receive buffers come from one pool, megatron-core's global memory buffer under names
 prefixed ``paradyse:``, so communication memory is the maximum over strategies rather than
-the sum, and does not grow with the layer count. A pooled buffer is only ever a receive
+the sum, and does not grow with the layer count. With ParaDySe the pool is released before
+each micro-batch (:func:`release_pool`), so it holds the buffers of one micro-batch's plan and
+length, never those of the longest micro-batch seen so far. A pooled buffer is only ever a receive
 target: it never aliases parameter storage, and a tensor that outlives the current
 collective (a gradient, a saved activation) is never left in the pool.
 """
@@ -36,3 +38,33 @@ def pool_buffer(name: str, shape, dtype, device=None) -> torch.Tensor:
     if device is not None and buf.device != torch.device(device) and torch.device(device).type != "cpu":
         raise RuntimeError(f"pool buffer {name} is on {buf.device}, expected {device}")
     return buf
+
+
+def _global_buffer():
+    from megatron.core import parallel_state
+
+    return getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None)
+
+
+def pool_sizes() -> dict:
+    """Bytes held by each entry of megatron's global memory buffer, ``{"name/dtype": bytes}``:
+    the ``paradyse:`` pool and megatron's own entries (``mpu``: the sequence-parallel all-gather)."""
+    buf = _global_buffer()
+    if buf is None:
+        return {}
+    return {f"{name}/{str(dtype).replace('torch.', '')}": int(t.numel() * t.element_size())
+            for (name, dtype), t in buf.buffer.items()}
+
+
+def release_pool() -> None:
+    """Drop every entry of megatron's global memory buffer (ours and megatron's ``mpu``).
+
+    Called before each micro-batch runs its plan: otherwise the longest micro-batch seen so far
+    pins its buffers for the rest of training, and a micro-batch's memory would depend on its
+    predecessors. After the release a micro-batch holds exactly the buffers of its own plan
+    and length, which is what the cost model predicts (``CostModel.pool_bytes``). Entries are
+    only ever used within one collective, so none is in use between micro-batches.
+    """
+    buf = _global_buffer()
+    if buf is not None:
+        buf.buffer.clear()

@@ -7,8 +7,11 @@ size ``b`` peaks at
 
     static + sum_i k_i * saved_i + max(nonlayer.saved + nonlayer.transient,
                                        resident + max_{i: k_i > 0} transient_i)
+           + pool({i: k_i > 0})
 
-(``resident``: the non-layer bytes alive under the layers, the embedding output). This bounds
+(``resident``: the non-layer bytes alive under the layers, the embedding output; ``pool``: the
+communication pool of the strategies used and the non-layer part, each buffer name once at its
+largest size, released between micro-batches). This bounds
 every order of the layers; the per-layer plans returned put the layers with the largest
 transient first, the order whose ordered peak (``CostModel.step`` on a tuple) is lowest, so the
 plan run never peaks above the number reported.
@@ -67,6 +70,14 @@ class Costs(NamedTuple):
     t0: float       # non-layer seconds
     base: float     # static + non-layer saved bytes
     x0: float       # non-layer transient bytes
+    pool: tuple = ()    # per strategy: {buffer: bytes} of the communication pool
+    pool0: dict = {}    # the non-layer part's pool buffers
+
+    def pool_bytes(self, used) -> float:
+        """The pool of a plan using the strategies at indices ``used``: each buffer name once."""
+        from ..costmodel.base import union_bytes
+
+        return union_bytes([self.pool0] + [self.pool[i] for i in used]) if self.pool else 0.0
 
 
 def counts_of(layers) -> dict:
@@ -169,26 +180,31 @@ class Planner:
         # layers (the embedding output). Both are "saved sum + a max": fold them into (x0, x_i).
         res = getattr(self.cm, "resident_bytes", None)
         resident = float(res(s, b)) * fm if res is not None else float(nl.saved_bytes) * fm
+        pool = getattr(self.cm, "pool", None)
+        pools = tuple(dict(pool(n, s, b)) for n in self.strategies) if pool else ()
         return Costs(self.strategies, tuple(t), tuple(m), tuple(resident + xi for xi in x),
                      float(nl.seconds) * ft, float(self.cm.static_bytes()),
-                     float(nl.saved_bytes + nl.transient_bytes) * fm)
+                     float(nl.saved_bytes + nl.transient_bytes) * fm,
+                     pools, dict(pool("nonlayer", s, b)) if pool else {})
 
     @staticmethod
     def evaluate(costs: Costs, counts: dict) -> tuple:
         """(seconds, peak bytes) of a plan given as ``{strategy: count}``."""
-        sec, saved, trans = costs.t0, costs.base, costs.x0
+        sec, saved, trans, used = costs.t0, costs.base, costs.x0, []
         for i, n in enumerate(costs.names):
             k = counts.get(n, 0)
             if k:
                 sec += k * costs.t[i]
                 saved += k * costs.m[i]
                 trans = max(trans, costs.x[i])
-        return sec, saved + trans
+                used.append(i)
+        return sec, saved + trans + costs.pool_bytes(used)
 
     def uniform(self, costs: Costs) -> list:
         """[(name, seconds, peak)] of every uniform plan."""
         L = self.num_layers
-        return [(n, costs.t0 + L * costs.t[i], costs.base + L * costs.m[i] + max(costs.x0, costs.x[i]))
+        return [(n, costs.t0 + L * costs.t[i],
+                 costs.base + L * costs.m[i] + max(costs.x0, costs.x[i]) + costs.pool_bytes([i]))
                 for i, n in enumerate(costs.names)]
 
     # ------------------------------------------------------------------ planning

@@ -38,8 +38,9 @@ class HeuristicPlanner(Planner):
                 if uni[k][2] > lim:
                     continue
                 # e layers of S_i (fast), L - e of S_k (lean): peak grows with e (saved_i > saved_k on
-                # the frontier, transient max(x_i, x_k) for 1 <= e <= L-1): take the largest e that fits.
-                trans = max(costs.x0, costs.x[i], costs.x[k])
+                # the frontier, transient max(x_i, x_k) for 1 <= e <= L-1): take the largest e that fits
+                # (the pool of both strategies counted with the transient).
+                trans = max(costs.x0, costs.x[i], costs.x[k]) + costs.pool_bytes([i, k])
                 room = lim - costs.base - trans - L * costs.m[k]
                 dm = costs.m[i] - costs.m[k]
                 e = min(L - 1, int(room // dm)) if dm > 0 else L - 1

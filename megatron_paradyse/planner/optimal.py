@@ -1,12 +1,13 @@
 """The exact fastest plan under the memory budget.
 
 Layers of one model are alike, so a plan is a count ``k_i`` of layers per strategy: its time
-``t0 + sum k_i t_i`` and its peak ``base + sum k_i m_i + max(x0, max_{k_i > 0} x_i)`` do not
-depend on the order of the layers. The max-transient term is handled exactly by iterating over
-the value ``X`` it takes: for each ``X`` in ``{max(x0, x_i)}``, only strategies with
-``x_i <= X`` are allowed and the saved bytes must fit in ``limit - base - X``; every such plan
-is feasible (its true transient is at most ``X``) and the optimum is feasible in the subproblem
-of its own ``X``, so the best over all ``X`` is the optimum.
+``t0 + sum k_i t_i`` and its peak ``base + sum k_i m_i + max(x0, max_{k_i > 0} x_i) +
+pool({i: k_i > 0})`` do not depend on the order of the layers. The last two terms depend only
+on the set ``S`` of strategies used, so each set is a subproblem: only strategies in ``S`` are
+allowed and the saved bytes must fit in ``limit - base - X(S) - pool(S)``. Every plan found in
+the subproblem of ``S`` is feasible (it uses a subset of ``S``: its transient and pool are at
+most those of ``S``), and the optimum is feasible in the subproblem of its own set, so the best
+over all sets is the optimum (2^n - 1 sets, n <= 5 strategies).
 
 Each subproblem (``min sum k_i t_i`` s.t. ``sum k_i = L``, ``sum k_i m_i <= C``, integers) is
 solved by depth-first branch and bound over the strategies sorted fastest first (dominated ones
@@ -169,11 +170,11 @@ class OptimalPlanner(Planner):
 
     def _search(self, costs: Costs, s: int, b: int) -> PlanChoice:
         L, n = self.num_layers, len(costs.names)
-        xs = sorted({max(costs.x0, x) for x in costs.x})
         best = None
-        for X in xs:
-            allowed = [i for i in range(n) if max(costs.x0, costs.x[i]) <= X]
-            C = self.limit - costs.base - X
+        for mask in range(1, 1 << n):
+            allowed = [i for i in range(n) if mask >> i & 1]
+            X = max([costs.x0] + [costs.x[i] for i in allowed])
+            C = self.limit - costs.base - X - costs.pool_bytes(allowed)
             upper = math.inf if best is None else (best[0] - costs.t0) * (1 + 1e-9)
             tsum, counts = solve_counts([costs.t[i] for i in allowed], [costs.m[i] for i in allowed], L, C,
                                         upper=upper)

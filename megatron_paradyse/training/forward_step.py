@@ -17,11 +17,17 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 
 def forward_step(data_iterator, model, paradyse: bool = True):
-    """megatron ``forward_step_func``: install this micro-batch's plan, then the stock forward."""
+    """megatron ``forward_step_func``: install this micro-batch's plan, then the stock forward.
+
+    With ParaDySe the communication pool is released first (``parallel.buffers.release_pool``):
+    the previous micro-batch's backward is done, and this one then holds only its own buffers.
+    """
     mb = next(data_iterator)
     if paradyse:
         import megatron_paradyse as mp
+        from megatron_paradyse.parallel.buffers import release_pool
 
+        release_pool()
         mp.set_plan(model, mb.plan)
     dev = next(model.parameters()).device
     mb = mb.to(dev)

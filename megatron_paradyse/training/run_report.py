@@ -2,7 +2,9 @@
 
 With the flag, the trainer measures each step's peak memory (on CPU the live-tensor tracker
 of :mod:`megatron_paradyse.parallel.memory`, on GPU ``max_memory_allocated``; max over ranks)
-plus the static bytes (parameters, gradient buffers, optimizer state), asks the planner (if
+plus the static bytes (parameters, gradient buffers, optimizer state) and the communication
+pool held at the step's start (stock Megatron's persistent ``mpu`` buffer; ParaDySe releases
+its pool between micro-batches, so its steps count the pool they allocate), asks the planner (if
 there is one) for its prediction of each micro-batch, and appends to each iteration line
 ``pred/meas`` time and peak against the budget. At the end it prints a summary (steps,
 tokens, plans used and how often, time, peak against budget) and writes ``DIR/run_report.json``
@@ -40,6 +42,15 @@ def static_bytes(model, optimizer) -> int:
             for v in state.values():
                 add(v)
     return total
+
+
+def pool_bytes() -> int:
+    """Bytes megatron's global memory buffer holds now (the communication pool): counted in a
+    step's peak, since the step's tracker sees only what the step allocates. Zero between
+    ParaDySe steps (the pool is released); stock Megatron keeps its ``mpu`` gather buffer."""
+    from ..parallel.buffers import pool_sizes
+
+    return sum(pool_sizes().values())
 
 
 class RunReport:

@@ -242,9 +242,9 @@ class Trainer:
         """One step with the planner's predictions, the measured peak (all ranks' max is not
         taken: this rank's), and the refinement's all-reduce; returns (stats, log text)."""
         from ..parallel.memory import PeakMemory
-        from .run_report import static_bytes
+        from .run_report import pool_bytes, static_bytes
 
-        static = static_bytes(self.model, self.optimizer)
+        static = static_bytes(self.model, self.optimizer) + pool_bytes()
         with PeakMemory() as m:
             stats = self.train_step()
         measured = m.peak_bytes + static
@@ -285,6 +285,10 @@ class Trainer:
             num_microbatches=len(micro), seq_length=max(mb.seq_length for mb in micro),
             micro_batch_size=args.micro_batch_size, forward_only=False,
         )
+        if args.paradyse:
+            from ..parallel.buffers import release_pool
+
+            release_pool()  # nothing of the pool outlives the step (see forward_step)
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=args.global_batch_size)
@@ -355,12 +359,12 @@ class Trainer:
 
     def _reported_step(self, report):
         from ..parallel.memory import PeakMemory
-        from .run_report import max_over_ranks, static_bytes
+        from .run_report import max_over_ranks, pool_bytes, static_bytes
 
-        static = static_bytes(self.model, self.optimizer)
+        static, held = static_bytes(self.model, self.optimizer), pool_bytes()
         with PeakMemory() as m:
             stats = self.train_step()
-        peak = max_over_ranks(m.peak_bytes + static) - static
+        peak = max_over_ranks(m.peak_bytes + held + static) - static
         static = max_over_ranks(static)
         return stats, report.record(stats, peak, static, self.data_iterator.current)
 
