@@ -7,7 +7,9 @@ group (torch's fake backend) for the same shapes. Checks:
 
 * analytic saved bytes within 5% of the largest rank's, for every strategy, shape and p;
 * a 4-layer stack's peak (4 x saved + transient) within 5%;
-* the fake group's per-rank memory (saved, and saved + transient) within 5% of the real rank 1's.
+* the fake group's per-rank memory (saved, and saved + transient) within 5% of the real rank 1's;
+* the communication pool's buffers (largest rank's, per name) equal to the analytic ones, and the
+  pool of a mixed plan (each name once) equal to what the ranks hold after running it.
 """
 from __future__ import annotations
 
@@ -31,15 +33,39 @@ def shapes(p):
 def _measure_all(p):
     from megatron_paradyse.costmodel import measure as M
 
-    out = {}
+    out, pool = {}, {}
     for i, sd in enumerate(shapes(p)):
         shape = ModelShape(**sd, p=p)
-        _, model = M.build(shape, num_layers=1, max_seq=S)
+        spec, model = M.build(shape, num_layers=1, max_seq=S)
         runner = M.LayerRunner(model, shape)
         for st in STRATS:
             M.set_strategy(model, st)
             out[(p, i, st)] = runner.memory("layer", S, B)
-    return out
+            pool[(p, i, st)] = runner.pool(S, B)
+        pool[(p, i, "nonlayer")] = M.NonLayerRunner(model, spec, shape).pool(S, B)
+    return out, pool
+
+
+MIXED = ("metp", "ulysses", "tp_sp", "ring")
+
+
+def _mixed_plan_pool(p):
+    """The pool a whole 4-layer model holds after one fwd+bwd of MIXED from an empty pool."""
+    import torch
+
+    import megatron_paradyse as mp
+    from megatron_paradyse.costmodel import measure as M
+    from megatron_paradyse.parallel.buffers import pool_sizes, release_pool
+    from megatron_paradyse.testing import models as T
+
+    shape = ModelShape(**dict(shapes(p)[0], num_layers=4), p=p)
+    spec, model = M.build(shape, max_seq=S)
+    mp.set_plan(model, list(MIXED))
+    tok, lab = T.make_batch(spec, B, S, seed=1)
+    pos = torch.arange(S).unsqueeze(0).expand_as(tok)
+    release_pool()
+    model(tok, pos, None, labels=lab).float().mean().backward()
+    return pool_sizes()
 
 
 def _world(rank, world):
@@ -48,17 +74,21 @@ def _world(rank, world):
     from megatron_paradyse.costmodel import measure as M
     from megatron_paradyse.testing import models as T
 
-    real = {}
+    real, pool = {}, {}
     for p in (4, 2):
-        real.update(_measure_all(p))
+        got = _measure_all(p)
+        real.update(got[0])
+        pool.update(got[1])
+    mixed = _mixed_plan_pool(2)  # megatron is set up for p = 2 now
     dist.barrier()
     T.init_megatron(1)  # leave megatron's groups before the world goes
     fake = {}
     if rank == 0:
         for p in (2, 4):
             M.init_fake(1, p)
-            fake.update(_measure_all(p))
-    return {"rank": rank, "tp_rank": {4: rank, 2: rank % 2}, "real": real, "fake": fake}
+            fake.update(_measure_all(p)[0])
+    return {"rank": rank, "tp_rank": {4: rank, 2: rank % 2}, "real": real, "fake": fake, "pool": pool,
+            "mixed": mixed}
 
 
 @pytest.fixture(scope="module")
@@ -101,3 +131,30 @@ def test_fake_group_memory_equals_real_rank(measured):
                 fails.append(f"p={p} shape {key[1]} {key[2]}: {what} fake {f} vs real {r} ({e:.1%})")
     print(f"\nfake group vs real rank 1: worst {worst:.2%}")
     assert not fails, "\n".join(fails)
+
+
+def test_analytic_pool_equals_measured(measured):
+    from megatron_paradyse.costmodel import analytic
+
+    fails = []
+    for key in measured[0]["pool"]:
+        p, i, st = key
+        shape = ModelShape(**shapes(p)[i], p=p)
+        names = set().union(*[r["pool"][key] for r in measured])
+        got = {n: max(r["pool"][key].get(n, 0) for r in measured) for n in names}
+        want = analytic.pool_buffers(st, shape, S, B)
+        if got != {n: int(v) for n, v in want.items()}:
+            fails.append(f"p={p} {shape.describe()} {st}: measured {got}, analytic {want}")
+    assert not fails, "\n".join(fails)
+
+
+def test_mixed_plan_pool_counts_each_buffer_once(measured):
+    from megatron_paradyse.costmodel.analytic import AnalyticCostModel
+
+    shape = ModelShape(**dict(shapes(2)[0], num_layers=4), p=2)
+    names = set().union(*[r["mixed"] for r in measured])
+    got = sum(max(r["mixed"].get(n, 0) for r in measured) for n in names)
+    cm = AnalyticCostModel(shape)
+    want = cm.pool_bytes(MIXED, S, B)
+    summed = sum(sum(cm.pool(n, S, B).values()) for n in list(MIXED) + ["nonlayer"])
+    assert got == want < summed, (got, want, summed)

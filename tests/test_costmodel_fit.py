@@ -29,10 +29,18 @@ def law_time(st, s, b):
     return a + c * b * s + q * b * s * s
 
 
-def write_profile(path, seqs, noise=0.02, seed=0, shape=SHAPE):
+def pool_rows(shape=SHAPE):
+    """Pool rows as the profiler writes them, from the analytic pool (exact, see test_costmodel_analytic)."""
+    return [{"type": "pool", "strategy": st, "s": s, "b": b,
+             "buffers": {n: int(v) for n, v in analytic.pool_buffers(st, shape, s, b).items()}}
+            for st in list(LAW) + ["nonlayer"] for s, b in ((128, 1), (256, 1), (128, 2))]
+
+
+def write_profile(path, seqs, noise=0.02, seed=0, shape=SHAPE, pool=True):
     rng = np.random.default_rng(seed)
     rows = [{"type": "header", "format": FORMAT, "shape": shape.key(), "p": shape.p, "dtype": shape.dtype,
              "strategies": list(LAW), "mode": "synthetic"}]
+    rows += pool_rows(shape) if pool else []
     for st in LAW:
         for s in seqs:
             sv, tr = analytic.layer_memory(st, shape, s, 1)
@@ -102,16 +110,68 @@ def test_step_composes_layers(model_path):
     prefix = emb + np.cumsum([c.saved_bytes for c in layers])
     expect = max([nl.saved_bytes + prefix[-1] - emb + nl.transient_bytes]
                  + [prefix[i] + layers[i].transient_bytes for i in range(4)])
-    assert step.peak_bytes == pytest.approx(m.static_bytes() + expect)
+    pool = m.pool_bytes(plan, 1024, 1)
+    assert pool == pytest.approx(analytic.AnalyticCostModel(SHAPE).pool_bytes(plan, 1024, 1)) and pool > 0
+    assert step.peak_bytes == pytest.approx(m.static_bytes() + pool + expect)
     # counts: the worst order (every transient on the whole stack's saved bytes)
     bound = m.step({"tp_sp": 1, "metp": 2, "ring": 1}, 1024, 1)
     assert bound.seconds == pytest.approx(step.seconds)
     worst = max(nl.saved_bytes + prefix[-1] - emb + nl.transient_bytes,
                 prefix[-1] + max(c.transient_bytes for c in layers))
-    assert bound.peak_bytes == pytest.approx(m.static_bytes() + worst)
+    assert bound.peak_bytes == pytest.approx(m.static_bytes() + pool + worst)
     assert bound.peak_bytes >= step.peak_bytes
     with pytest.raises(ValueError, match="plan has 3 layers"):
         m.step(("tp_sp",) * 3, 1024, 1)
+
+
+def test_pool_is_fitted_per_buffer_and_counted_once(model_path):
+    m = build_cost_model(SHAPE, model_path)
+    for st in list(LAW) + ["nonlayer"]:
+        for s, b in ((1000, 3), (8192, 1)):  # beyond the pool rows' (s, b): c0 + c1 * b * s is exact
+            got, want = m.pool(st, s, b), analytic.pool_buffers(st, SHAPE, s, b)
+            assert set(got) == set(want) and all(got[n] == pytest.approx(want[n]) for n in want), st
+    # ring and colossal share the ZeRO weight buffers and the zigzag swap: counted once
+    both = m.pool_bytes(("ring", "colossal"), 1024, 1)
+    assert both < m.pool_bytes(("ring",), 1024, 1) + m.pool_bytes(("colossal",), 1024, 1)
+    assert both == pytest.approx(sum(max(m.pool(x, 1024, 1).get(n, 0) for x in ("ring", "colossal", "nonlayer"))
+                                     for n in set(m.pool("ring", 1024, 1)) | set(m.pool("colossal", 1024, 1))
+                                     | set(m.pool("nonlayer", 1024, 1))))
+
+
+def test_pool_rows_from_a_second_profile(tmp_path):
+    write_profile(tmp_path / "old.jsonl", [128, 256, 512, 1024], pool=False)
+    meta = fit_profile(str(tmp_path / "old.jsonl"), str(tmp_path / "a.json"))
+    assert meta["pool"] is None
+    assert build_cost_model(SHAPE, str(tmp_path / "a.json")).pool_bytes(("tp_sp",), 1024, 1) == 0
+    header = {"type": "header", "format": FORMAT, "shape": SHAPE.key(), "p": SHAPE.p, "dtype": SHAPE.dtype,
+              "strategies": list(LAW)}
+    with open(tmp_path / "pool.jsonl", "w") as f:
+        for r in [header] + pool_rows():
+            f.write(json.dumps(r) + "\n")
+    meta = fit_profile([str(tmp_path / "old.jsonl"), str(tmp_path / "pool.jsonl")], str(tmp_path / "b.json"))
+    assert meta["pool"]["tp_sp"] and meta["extra_profiles"][0]["path"] == "pool.jsonl"
+    # the same measurement twice, or another shape, is refused naming both files
+    (tmp_path / "pool2.jsonl").write_text((tmp_path / "pool.jsonl").read_text())
+    with pytest.raises(ValueError, match="both measure pool"):
+        fit_profile([str(tmp_path / "old.jsonl"), str(tmp_path / "pool.jsonl"), str(tmp_path / "pool2.jsonl")],
+                    str(tmp_path / "c.json"))
+    other = dict(header, shape=dict(SHAPE.key(), hidden=128))
+    with open(tmp_path / "other.jsonl", "w") as f:
+        f.write(json.dumps(other) + "\n")
+    with pytest.raises(ValueError, match="differs .* in shape"):
+        fit_profile([str(tmp_path / "old.jsonl"), str(tmp_path / "other.jsonl")], str(tmp_path / "d.json"))
+
+
+def test_pool_buffer_not_affine_is_refused(tmp_path):
+    write_profile(tmp_path / "p.jsonl", [128, 256, 512])
+    rows = [json.loads(x) for x in open(tmp_path / "p.jsonl")]
+    for r in rows:
+        if r["type"] == "pool" and r["strategy"] == "ulysses" and r["b"] == 2:
+            r["buffers"]["paradyse:weight0_0/float32"] *= 2  # grows with b although constant in s
+    with open(tmp_path / "p.jsonl", "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match="pool buffer 'paradyse:weight0_0/float32' of 'ulysses' is not c0"):
+        fit_profile(str(tmp_path / "p.jsonl"), str(tmp_path / "m.json"))
 
 
 def _copy_model(src_meta, dst_dir):

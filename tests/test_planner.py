@@ -20,12 +20,17 @@ NAMES = ("tp_sp", "ulysses", "ring", "colossal", "metp")
 class TableModel(CostModel):
     """Per-strategy (seconds, saved, transient) per layer, scaled linearly in s*b (and s^2 terms)."""
 
-    def __init__(self, table, num_layers, static=0.0, nonlayer=(0.0, 0.0, 0.0)):
+    def __init__(self, table, num_layers, static=0.0, nonlayer=(0.0, 0.0, 0.0), pools=None):
         self.table = dict(table)
         self.strategies = tuple(self.table)
         self.num_layers = num_layers
         self._static = static
         self._nl = nonlayer
+        self._pools = pools or {}  # {strategy or "nonlayer": {buffer: bytes per 1024 tokens}}
+
+    def pool(self, strategy, s, b):
+        u = s * b / 1024.0
+        return {n: v * u for n, v in self._pools.get(strategy, {}).items()}
 
     def layer(self, strategy, s, b):
         t, m, x, q = self.table[strategy]
@@ -45,8 +50,11 @@ def random_model(rng, k=None, layers=None):
     names = NAMES[:k]
     table = {n: (rng.uniform(0.5, 3.0), rng.uniform(1.0, 10.0), rng.uniform(0.0, 20.0), rng.uniform(0.0, 0.5))
              for n in names}
+    # communication pools: buffers shared by name between strategies (and the non-layer part)
+    pools = {n: {f"buf{j}": rng.uniform(0.0, 4.0) for j in range(4) if rng.random() < 0.5}
+             for n in list(names) + ["nonlayer"]} if rng.random() < 0.7 else None
     return TableModel(table, layers or rng.randint(1, 8), static=rng.uniform(0, 50),
-                      nonlayer=(rng.uniform(0, 1), rng.uniform(0, 5), rng.uniform(0, 5)))
+                      nonlayer=(rng.uniform(0, 1), rng.uniform(0, 5), rng.uniform(0, 5)), pools=pools)
 
 
 def brute(planner, s, b):

@@ -285,6 +285,52 @@ def comm_seconds(strategy: str, shape: ModelShape, s: int, b: int, net: dict) ->
     return sum(c * collective_seconds(k, nb, shape.p, net) for k, nb, c in comm_ops(strategy, shape, s, b))
 
 
+_DTYPE_NAME = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def pool_buffers(strategy: str, shape: ModelShape, s: int, b: int) -> dict:
+    """The communication pool a micro-batch allocates for ``strategy`` (or ``"nonlayer"``):
+    ``{"name/dtype": bytes}``, the largest rank's, read off the strategies' code and equal to
+    the profiler's pool rows (tests/test_costmodel_analytic.py, fp32, p = 2 and 4).
+
+    ``mpu``: megatron's sequence-parallel all-gather of a layer input (TP+SP's linears, and the
+    output layer for every plan); ``weight0_0`` / ``_in``: the ZeRO gather of the largest weight
+    (and the copy of a row-parallel shard); ``kv_*``: ring blocks (slot 1 from p = 3 on);
+    ``zigzag_*``: the balanced layout's partner swap; METP's ``weight{j}_{slot}``: the travelling
+    shards (QKV/fc1, projection/fc2, their biases), attention in slot 1 and MLP in slot 0 at
+    p = 2, both in both slots from p = 3 on.
+    """
+    p, e, h = shape.p, shape.elt, shape.hidden
+    T = s * b
+    t = T / p
+    qw, kv = shape.qkv_width, shape.query_groups * shape.head_dim
+    f, f1 = shape.ffn, (2 * shape.ffn if shape.swiglu else shape.ffn)
+    w = {"qkv": h * qw, "proj": h * shape.heads * shape.head_dim, "fc1": h * f1, "fc2": f * h}
+    out: dict = {}
+    if strategy in ("nonlayer", "tp_sp"):
+        out["mpu"] = T * h * e
+    slots = (0, 1) if p >= 3 else (0,)
+    if strategy in ("ulysses", "ring", "colossal"):
+        out["paradyse:weight0_0"] = max(w.values()) * e
+        out["paradyse:weight0_0_in"] = max(w["proj"], w["fc2"]) / p * e
+    if strategy in ("ring", "colossal", "metp"):
+        out["paradyse:zigzag_send"] = out["paradyse:zigzag_recv"] = T / (2 * p) * h * e
+        for k in slots:
+            names = ("k",) if strategy == "colossal" else ("k", "v")
+            for n in names:
+                out[f"paradyse:kv_{n}{k}"] = t * kv * e / (p if strategy == "metp" else 1)
+    if strategy == "metp":
+        attn = (w["qkv"], w["proj"], qw if shape.bias else 0)
+        mlp = (w["fc1"], w["fc2"], f1 if shape.bias else 0)
+        for j in range(3):
+            for slot in (0, 1):
+                v = max(attn[j], mlp[j]) if p >= 3 else (attn[j] if slot == 1 else mlp[j])
+                if v:
+                    out[f"paradyse:weight{j}_{slot}"] = v / p * e
+    dt = _DTYPE_NAME[shape.dtype]
+    return {f"{k}/{dt}": float(v) for k, v in out.items()}
+
+
 class AnalyticCostModel(CostModel):
     """Memory from the formulas above; time from a roofline + alpha-beta collectives."""
 
@@ -324,6 +370,9 @@ class AnalyticCostModel(CostModel):
 
     def static_bytes(self) -> float:
         return static_bytes(self.shape, self.optimizer)
+
+    def pool(self, strategy: str, s: int, b: int) -> dict:
+        return pool_buffers(strategy, self.shape, s, b)
 
     def nonlayer(self, s: int, b: int) -> LayerCost:
         sh = self.shape
