@@ -9,7 +9,8 @@ group (torch's fake backend) for the same shapes. Checks:
 * a 4-layer stack's peak (4 x saved + transient) within 5%;
 * the fake group's per-rank memory (saved, and saved + transient) within 5% of the real rank 1's;
 * the communication pool's buffers (largest rank's, per name) equal to the analytic ones, and the
-  pool of a mixed plan (each name once) equal to what the ranks hold after running it.
+  pool of a mixed plan (each name once) equal to what the ranks hold after running it through
+  the training ``forward_step`` right after a longer micro-batch (the pool is released).
 """
 from __future__ import annotations
 
@@ -50,21 +51,32 @@ MIXED = ("metp", "ulysses", "tp_sp", "ring")
 
 
 def _mixed_plan_pool(p):
-    """The pool a whole 4-layer model holds after one fwd+bwd of MIXED from an empty pool."""
+    """The pool a whole 4-layer model holds after a micro-batch of MIXED at s = S run through
+    the training ``forward_step``, right after one at 2S (which grew the pool)."""
     import torch
 
     import megatron_paradyse as mp
     from megatron_paradyse.costmodel import measure as M
-    from megatron_paradyse.parallel.buffers import pool_sizes, release_pool
+    from megatron_paradyse.parallel.buffers import pool_sizes
     from megatron_paradyse.testing import models as T
+    from megatron_paradyse.training.forward_step import forward_step
 
     shape = ModelShape(**dict(shapes(p)[0], num_layers=4), p=p)
-    spec, model = M.build(shape, max_seq=S)
-    mp.set_plan(model, list(MIXED))
-    tok, lab = T.make_batch(spec, B, S, seed=1)
-    pos = torch.arange(S).unsqueeze(0).expand_as(tok)
-    release_pool()
-    model(tok, pos, None, labels=lab).float().mean().backward()
+    spec, model = M.build(shape, max_seq=2 * S)
+
+    class MB:
+        def __init__(self, s):
+            self.plan = list(MIXED)
+            self.tokens, self.labels = T.make_batch(spec, B, s, seed=s)
+            self.position_ids = torch.arange(s).unsqueeze(0).expand_as(self.tokens)
+            self.loss_mask = torch.ones_like(self.tokens, dtype=torch.float)
+
+        def to(self, device):
+            return self
+
+    for s in (2 * S, S):
+        out, loss_fn = forward_step(iter([MB(s)]), model)
+        loss_fn(out)[0].backward()
     return pool_sizes()
 
 

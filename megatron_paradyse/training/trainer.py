@@ -244,10 +244,10 @@ class Trainer:
         from ..parallel.memory import PeakMemory
         from .run_report import pool_bytes, static_bytes
 
-        static = static_bytes(self.model, self.optimizer) + pool_bytes()
+        outside = static_bytes(self.model, self.optimizer) + pool_bytes()  # live before the tracker
         with PeakMemory() as m:
             stats = self.train_step()
-        measured = m.peak_bytes + static
+        measured = m.peak_bytes + outside
         choices = [self._planner_fn.choices.get(i) for i in range(len(self.data_iterator.current))]
         pred_s = sum(c.seconds for c in choices if c is not None)
         pred_m = max((c.peak_bytes for c in choices if c is not None), default=0.0)
