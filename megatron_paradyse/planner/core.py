@@ -75,9 +75,14 @@ class Costs(NamedTuple):
 
     def pool_bytes(self, used) -> float:
         """The pool of a plan using the strategies at indices ``used``: each buffer name once."""
-        from ..costmodel.base import union_bytes
-
-        return union_bytes([self.pool0] + [self.pool[i] for i in used]) if self.pool else 0.0
+        if not self.pool:
+            return 0.0
+        out = dict(self.pool0)
+        for i in used:
+            for k, v in self.pool[i].items():
+                if v > out.get(k, 0.0):
+                    out[k] = v
+        return float(sum(out.values()))
 
 
 def counts_of(layers) -> dict:

@@ -165,16 +165,49 @@ def solve_counts(t, m, L, C, upper=math.inf):
     return best[0], counts
 
 
+def _sets(costs: Costs) -> list:
+    """``(mask, X, pool)`` for the sets of strategies worth a subproblem (bit i: strategy i):
+    the set's largest transient (at least the non-layer one) and its pool bytes (each buffer
+    name once, with the non-layer part's). A set that could take one more strategy at no cost
+    (same transient, same pool) is left out: the larger set has the same capacity and more
+    choice (without pools this leaves one subproblem per transient value). Ordered by the
+    set's fastest layer time (ties: larger sets first), so the search can stop at the first
+    set that cannot beat the best plan."""
+    n, full = len(costs.names), 1 << len(costs.names)
+    names = sorted({k for d in (costs.pool0,) + tuple(costs.pool) for k in d})
+    vec = [tuple(float(costs.pool[i].get(k, 0.0)) for k in names) if costs.pool else () for i in range(n)]
+    maxes = [tuple(float(costs.pool0.get(k, 0.0)) for k in names)] + [None] * (full - 1)
+    X, P, T = [costs.x0] + [0.0] * (full - 1), [sum(maxes[0])] + [0.0] * (full - 1), [0.0] * full
+    for mask in range(1, full):
+        low = (mask & -mask).bit_length() - 1
+        rest = mask & (mask - 1)
+        maxes[mask] = tuple(map(max, maxes[rest], vec[low])) if names else ()
+        X[mask] = max(X[rest], costs.x[low])
+        P[mask] = sum(maxes[mask])
+        T[mask] = costs.t[low] if not rest else min(T[rest], costs.t[low])
+    out = []
+    for mask in range(1, full):
+        x, pool = X[mask], P[mask]
+        if any(not mask >> j & 1 and X[mask | 1 << j] == x and P[mask | 1 << j] == pool for j in range(n)):
+            continue
+        out.append((T[mask], -bin(mask).count("1"), mask, x, pool))
+    out.sort()
+    return [(mask, x, pool) for _, _, mask, x, pool in out]
+
+
 class OptimalPlanner(Planner):
     kind = "optimal"
 
     def _search(self, costs: Costs, s: int, b: int) -> PlanChoice:
         L, n = self.num_layers, len(costs.names)
         best = None
-        for mask in range(1, 1 << n):
+        for mask, X, pool in _sets(costs):
             allowed = [i for i in range(n) if mask >> i & 1]
-            X = max([costs.x0] + [costs.x[i] for i in allowed])
-            C = self.limit - costs.base - X - costs.pool_bytes(allowed)
+            if best is not None and costs.t0 + L * min(costs.t[i] for i in allowed) >= best[0]:
+                break  # sets come fastest-first: no later set can beat the best plan
+            C = self.limit - costs.base - X - pool
+            if L * min(costs.m[i] for i in allowed) > C:
+                continue
             upper = math.inf if best is None else (best[0] - costs.t0) * (1 + 1e-9)
             tsum, counts = solve_counts([costs.t[i] for i in allowed], [costs.m[i] for i in allowed], L, C,
                                         upper=upper)
