@@ -50,7 +50,7 @@ def write_profile(path, seqs, noise=0.02, seed=0, shape=SHAPE, pool=True):
     for s in seqs:
         rows.append({"type": "nonlayer", "s": s, "b": 1, "seconds": 1e-3 + 1e-7 * s,
                      "saved_bytes": 100.0 * s, "transient_bytes": 50.0 * s})
-    rows.append({"type": "optimizer", "optimizer_seconds": 2e-3, "param_bytes": 12345})
+    rows.append({"type": "optimizer", "grad_sync_seconds": 5e-4, "optimizer_seconds": 2e-3, "param_bytes": 12345})
     with open(path, "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
@@ -97,6 +97,30 @@ def test_held_out_lengths_are_left_out_of_the_fit_and_reported(tmp_path, capsys)
     out = capsys.readouterr().out
     # 2 interpolated (384, 1536) and 1 extrapolated (8192) point per strategy: fitted ones skipped
     assert "| tp_sp | interpolated | 2 |" in out and "| tp_sp | extrapolated | 1 |" in out, out
+
+
+def test_update_is_kept_apart_from_the_micro_batch(model_path, tmp_path):
+    """A micro-batch's non-layer time is the embedding, head and loss (linear in tokens); the
+    update after a step's last backward (gradient reduction, optimizer step) is its own term,
+    counted once per step."""
+    m = build_cost_model(SHAPE, model_path)
+    for s in (256, 2048):
+        assert m.nonlayer(s, 1).seconds == pytest.approx(1e-3 + 1e-7 * s, rel=1e-6)
+    assert m.update_seconds() == pytest.approx(5e-4 + 2e-3)
+    plan = ("tp_sp",) * 4
+    assert m.step(plan, 1024, 1).seconds == pytest.approx(
+        m.nonlayer(1024, 1).seconds + 4 * m.layer("tp_sp", 1024, 1).seconds)
+    # a profile from before the gradient reduction was measured: the optimizer step alone
+    write_profile(tmp_path / "old.jsonl", [128, 256, 512, 1024])
+    rows = [json.loads(x) for x in open(tmp_path / "old.jsonl")]
+    for r in rows:
+        r.pop("grad_sync_seconds", None)
+    with open(tmp_path / "old.jsonl", "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    fit_profile(str(tmp_path / "old.jsonl"), str(tmp_path / "old.json"))
+    old = build_cost_model(SHAPE, str(tmp_path / "old.json"))
+    assert old.update_seconds() == pytest.approx(2e-3)
+    assert old.nonlayer(256, 1).seconds == pytest.approx(1e-3 + 1e-7 * 256, rel=1e-6)
 
 
 def test_step_composes_layers(model_path):

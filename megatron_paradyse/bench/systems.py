@@ -55,7 +55,7 @@ class SystemSpec:
             c = self.cost_model.step(plan, int(s), int(b))
         except Exception:  # noqa: BLE001 - a model without this strategy predicts nothing
             return None
-        return float(c.seconds), float(c.peak_bytes)
+        return float(c.seconds + self.cost_model.update_seconds()), float(c.peak_bytes)  # a step of one micro-batch
 
     def predicted_max(self, cap: int, res: int):
         """The longest multiple of ``res`` up to ``cap`` the cost model (or planner) says fits; None if unknown."""

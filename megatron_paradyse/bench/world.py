@@ -21,11 +21,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-
-def _static_bytes(model, optimizer) -> int:
-    from ..training.run_report import static_bytes
-
-    return static_bytes(model, optimizer)
+from ..parallel.memory import static_bytes
 
 
 class System:
@@ -131,7 +127,7 @@ def bench_world(rank, world, cfg):
     for spec, sysm in systems:  # warm-up: creates optimizer state, communication pools
         warm.plan = spec.plan_for(warm.seq_length, 1)
         sysm.step(warm)
-        sysm.static = _static_bytes(sysm.model, sysm.optimizer)
+        sysm.static = static_bytes(sysm.model, sysm.optimizer)
     records = {spec.name: [] for spec, _ in systems}
     t_start = time.perf_counter()
     for k, mb in enumerate(batches):

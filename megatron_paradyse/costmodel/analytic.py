@@ -171,7 +171,7 @@ def param_counts(shape: ModelShape) -> dict:
     embed = shape.vocab * h / p
     output = shape.vocab * h / p
     return {"layers": shape.num_layers * per_layer, "embedding": embed, "output": output,
-            "final_norm": 2 * h, "per_layer": per_layer}
+            "final_norm": 2 * h, "per_layer": per_layer, "replicated_per_layer": replicated}
 
 
 def static_bytes(shape: ModelShape, optimizer: str = "adam") -> float:
@@ -274,6 +274,8 @@ def collective_seconds(kind: str, nbytes: float, p: int, net: dict) -> float:
         return 0.0
     if kind in ("allgather", "reducescatter", "alltoall"):
         return (p - 1) * a + (p - 1) / p * nbytes / bw
+    if kind == "allreduce":  # reduce-scatter + all-gather
+        return 2 * ((p - 1) * a + (p - 1) / p * nbytes / bw)
     if kind == "p2p":
         return a + nbytes / bw
     if kind in ("broadcast", "reduce"):
@@ -283,6 +285,14 @@ def collective_seconds(kind: str, nbytes: float, p: int, net: dict) -> float:
 
 def comm_seconds(strategy: str, shape: ModelShape, s: int, b: int, net: dict) -> float:
     return sum(c * collective_seconds(k, nb, shape.p, net) for k, nb, c in comm_ops(strategy, shape, s, b))
+
+
+def update_comm_seconds(shape: ModelShape, net: dict) -> float:
+    """The collectives of a step's update (``measure.TrainingUpdate``): the all-reduce of the
+    replicated (sequence-parallel) parameters' gradients, coalesced, and the gradient norm's."""
+    pc = param_counts(shape)
+    nbytes = (shape.num_layers * pc["replicated_per_layer"] + pc["final_norm"]) * 4  # fp32 (bf16: main grads)
+    return collective_seconds("allreduce", nbytes, shape.p, net) + collective_seconds("allreduce", 4, shape.p, net)
 
 
 _DTYPE_NAME = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -379,6 +389,11 @@ class AnalyticCostModel(CostModel):
         saved, trans = nonlayer_memory(sh, s, b)
         T = s * b
         flops = 3 * 2 * 2 * T * sh.hidden * sh.vocab / sh.p  # output layer; embedding is a gather
-        opt = 16 * (param_counts(sh)["layers"] + 2 * sh.vocab * sh.hidden / sh.p) / self.hw["mem_bw"]
-        secs = flops / self.hw["flops"][sh.dtype] + 3 * (saved + trans) / self.hw["mem_bw"] + opt
+        secs = flops / self.hw["flops"][sh.dtype] + 3 * (saved + trans) / self.hw["mem_bw"]
         return LayerCost(secs, saved, trans)
+
+    def update_seconds(self) -> float:
+        """Adam reads and writes 16 bytes per parameter (memory bound), plus the collectives."""
+        sh = self.shape
+        opt = 16 * (param_counts(sh)["layers"] + 2 * sh.vocab * sh.hidden / sh.p) / self.hw["mem_bw"]
+        return opt + update_comm_seconds(sh, self.net)

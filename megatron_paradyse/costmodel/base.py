@@ -8,8 +8,10 @@ sequence length ``s`` and micro-batch size ``b`` (per rank of the switching grou
 * ``transient_bytes``: the layer's peak above its saved bytes while it runs (gathered
   weights, communication buffers, score rows, recompute).
 
-A step is composed from layers: its time is the non-layer time (embedding, output layer and
-loss, gradient reduction, optimizer step) plus the sum of the layers' times; its peak is the
+A micro-batch is composed from layers: its time is the non-layer time (embedding, output
+layer and loss) plus the sum of the layers' times; a training step adds, once after its last
+micro-batch, the update (:meth:`CostModel.update_seconds`: gradient reduction and optimizer
+step). Its peak is the
 static memory (weights, gradients, optimizer state) plus the largest of: the non-layer
 activations + every layer's saved bytes + the head's transient (output layer and loss), and,
 for each layer i in order, the embedding's output + the saved bytes of layers 0..i + layer
@@ -54,8 +56,13 @@ class CostModel:
         raise NotImplementedError
 
     def nonlayer(self, s: int, b: int) -> LayerCost:
-        """Embedding, output layer and loss, gradient reduction and optimizer step, as one term."""
+        """Embedding, output layer and loss of one micro-batch, as one term."""
         return LayerCost(0.0, 0.0, 0.0)
+
+    def update_seconds(self) -> float:
+        """Seconds of a training step's update after its last backward (gradient reduction,
+        optimizer step): once per step, whatever its micro-batches; default: unknown, 0."""
+        return 0.0
 
     def pool(self, strategy: str, s: int, b: int) -> dict:
         """``{buffer name: bytes}`` of the communication pool ``strategy`` (or ``"nonlayer"``)

@@ -251,16 +251,21 @@ def fit_profile(profile_path, out_path: str, use_xgb: bool = False, time_stat: s
                 bst.save_model(fpath)
                 meta["files"][name] = sha256(fpath)
                 spec["xgb"] = name
-            else:
+            elif tg == "seconds":
                 # the residual ratio interpolated piecewise-linearly in log s between the profiled
-                # lengths (trees would make steps); for time, each inner point's residual is the
-                # median of it and its two neighbours, so one noisy length does not bend the curve
-                # (memory is deterministic: its residuals are kept as measured)
-                r_pts = running_median3(ratio, b) if tg == "seconds" else ratio
+                # lengths (trees would make steps), each inner point's the median of it and its two
+                # neighbours, so one noisy length does not bend the curve
+                r_pts = running_median3(ratio, b)
                 spec["residual_points"] = [[float(a), float(c), float(r)] for a, c, r in zip(s, b, r_pts)]
+            else:
+                # memory is deterministic and piecewise linear in s (the larger of a few phases,
+                # each linear; colossal's quadratic), so the difference to the physics curve is
+                # interpolated linearly in s: exact between two lengths where one phase holds
+                spec["residual"] = "difference"
+                spec["residual_points"] = [[float(a), float(c), float(r)] for a, c, r in zip(s, b, y - phi)]
             meta["targets"][st][tg] = spec
             meta["fit_residuals"][st][tg] = float(np.max(np.abs(ratio))) if len(ratio) else 0.0
-    # non-layer: linear in tokens; the optimizer step is a constant added to its time
+    # non-layer (embedding, output layer, loss): linear in tokens
     nl = [r for r in rows if r.get("type") == "nonlayer"]
     opt = [r for r in rows if r.get("type") == "optimizer"]
     if nl:
@@ -275,9 +280,12 @@ def fit_profile(profile_path, out_path: str, use_xgb: bool = False, time_stat: s
                 c = np.array([float(y[0]), 0.0])
             out[tg] = [float(v) for v in c]
         if opt:
-            out["seconds"][0] += float(opt[0]["optimizer_seconds"])
-            out["optimizer_seconds"] = float(opt[0]["optimizer_seconds"])
-            out["param_bytes"] = int(opt[0]["param_bytes"])
+            # the update after a step's last backward, once per step: gradient reduction
+            # (profiles from before it was measured have the optimizer step only) and, in
+            # single-device mode, its modelled collectives
+            o = opt[0]
+            parts = {k: float(o.get(k, 0.0)) for k in ("grad_sync_seconds", "optimizer_seconds", "comm_seconds")}
+            out.update(parts, update_seconds=sum(parts.values()), param_bytes=int(o["param_bytes"]))
         meta["nonlayer"] = out
     tmp = out_path + ".tmp"
     with open(tmp, "w") as f:

@@ -10,11 +10,13 @@ Prediction of a target ``y`` (layer seconds, saved bytes, transient bytes) at ``
 * a physics model ``phi(s, b)``: time, least squares on ``[1, b*s, b*s^2]`` (the degree in s,
   1 or 2, chosen by AIC); memory, the analytic formula's form (linear in s, quadratic for
   colossal's score rows) with its coefficients fitted to the profile's largest lengths;
-* inside the profiled range, times ``1 + r(s, b)``, ``r`` the residual ratio
+* inside the profiled range, for time, times ``1 + r(s, b)``, ``r`` the residual ratio
   ``measured / phi - 1`` interpolated piecewise-linearly in log s between the profiled
-  lengths (for time, an XGBoost regressor instead when fitted with ``--xgb``);
-* beyond the largest profiled length ``s_max``: ``phi(s, b) * (1 + r(s_max, b))``, which
-  continues the physics curve and meets the in-range prediction at ``s_max``.
+  lengths (an XGBoost regressor instead when fitted with ``--xgb``); for memory, plus the
+  difference ``measured - phi`` interpolated linearly in s (memory is piecewise linear in s);
+* beyond the largest profiled length ``s_max``: ``phi(s, b)`` times the measured ratio at
+  ``s_max``, which continues the physics curve (for memory: the analytic form scaled to the
+  profile) and meets the in-range prediction at ``s_max``.
 """
 from __future__ import annotations
 
@@ -140,12 +142,18 @@ class FittedCostModel(CostModel):
         return float(a * x + c)
 
     def _ratio(self, st, tg, s, b):
+        """The factor on ``phi(s, b)``: measured over physics, interpolated at s over the profiled
+        lengths of the profiled micro-batch size nearest to b."""
         spec = self.meta["targets"][st][tg]
         pts = spec.get("residual_points")
         if pts:
-            bs = sorted({p[1] for p in pts}, key=lambda v: abs(v - b))
-            sel = sorted((p[0], p[2]) for p in pts if p[1] == bs[0])
-            return 1.0 + float(np.interp(np.log(s), np.log([p[0] for p in sel]), [p[1] for p in sel]))
+            near = min({p[1] for p in pts}, key=lambda v: abs(v - b))
+            sel = sorted((p[0], p[2]) for p in pts if p[1] == near)
+            xs, rs = [p[0] for p in sel], [p[1] for p in sel]
+            if spec.get("residual") == "difference":
+                base = self._phi(st, tg, s, near)
+                return (base + float(np.interp(s, xs, rs))) / base if base > 0 else 1.0
+            return 1.0 + float(np.interp(np.log(s), np.log(xs), rs))
         name = spec.get("xgb")
         if not name:
             return 1.0
@@ -184,6 +192,10 @@ class FittedCostModel(CostModel):
             return LayerCost(0.0, 0.0, 0.0)
         x = np.array([1.0, b * s])
         return LayerCost(*(max(0.0, float(x @ np.asarray(nl[tg]))) for tg in TARGETS))
+
+    def update_seconds(self) -> float:
+        # a model fitted before the update was kept apart counted its optimizer step in nonlayer
+        return float((self.meta.get("nonlayer") or {}).get("update_seconds", 0.0))
 
     def pool(self, strategy: str, s: int, b: int) -> dict:
         """The pool's buffers from the profile's pool rows (empty for a model fitted without them)."""

@@ -323,22 +323,58 @@ class NonLayerRunner:
         finally:
             dec.layers = layers
 
-    def optimizer_times(self, warmup=1, repeats=3):
-        params = [p for p in self.model.parameters()]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        opt = torch.optim.Adam(params, lr=1e-9)
-        times = []
+    def update_times(self, warmup=1, repeats=3) -> dict:
+        """``{"grad_sync": [...], "optimizer": [...]}``: seconds of what a training step runs
+        after its backward (:class:`TrainingUpdate`), independent of the batch."""
+        upd = TrainingUpdate(self.model, self.shape)
+        out = {"grad_sync": [], "optimizer": []}
         for i in range(warmup + repeats):
-            _sync()
-            t0 = time.perf_counter()
-            opt.step()
-            _sync()
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-        del opt
-        return times
+            for key, fn in (("grad_sync", upd.grad_sync), ("optimizer", upd.optimizer_step)):
+                _barrier()
+                _sync()
+                t0 = time.perf_counter()
+                fn()
+                _sync()
+                if i >= warmup:
+                    out[key].append(time.perf_counter() - t0)
+        return out
+
+
+class TrainingUpdate:
+    """``model`` set up as megatron-core training runs it after the backward: wrapped in
+    megatron's ``DistributedDataParallel`` (gradients accumulate into its buffers), gradients
+    finished by ``finalize_model_grads`` (one coalesced TP all-reduce of the
+    sequence-parallel parameters' gradients; the DP reduction, a no-op in a TP-only world),
+    and megatron's optimizer (Adam, gradients clipped at norm 1.0: one norm all-reduce; fp32
+    master weights under bf16). What the plugin's trainer and the benchmark run
+    (``training/trainer.py``); the profiler times it once per shape, the report's whole
+    steps run it.
+    """
+
+    def __init__(self, model, shape: ModelShape):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        bf16 = shape.dtype == "bf16"
+        self.module = model
+        self.ddp = DistributedDataParallel(config=model.config, module=model,
+                                           ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=bf16))
+        kw = {"use_gloo_process_groups": False} if is_fake() else {}  # the fake world has no gloo groups
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=1e-9, clip_grad=1.0, bf16=bf16,
+                            params_dtype=_TORCH_DTYPE[shape.dtype]), [self.ddp], **kw)
+
+    def zero_grad(self):
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def grad_sync(self):
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.ddp])
+
+    def optimizer_step(self):
+        self.optimizer.step()
 
 
 def param_bytes(model) -> int:

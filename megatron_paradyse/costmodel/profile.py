@@ -14,14 +14,16 @@ Lines: a header (``type: header``: shape, p, dtype, hardware, versions, mode, sw
 ``type: layer`` line per (strategy, s, b) with the median and spread of fwd+bwd time of the
 whole layer, the attention and the MLP, saved and transient bytes (max over ranks); ``type:
 limit`` where a strategy's sweep stopped (memory limit reached, or out of memory on GPU);
-``type: nonlayer`` per (s, b) (embedding, output layer and loss; optimizer step); ``type:
+``type: nonlayer`` per (s, b) (embedding, output layer and loss); ``type: optimizer`` once
+(what a training step runs after its backward: gradient reduction and optimizer step, as
+megatron-core training runs them, ``measure.TrainingUpdate``); ``type:
 pool`` per strategy (and ``nonlayer``) at three (s, b): the communication pool's buffers one
 micro-batch allocates (``{"name/dtype": bytes}``; ``--pool-only`` measures just these); a footer
 with the duration. Progress and the estimated time left go to stderr.
 
-Per strategy, every length first gets its memory passes and a warm-up; then the timed repeats
-run in rounds over the lengths (alternating direction), so that a slow spell on a shared
-machine spreads over all lengths' repeats instead of shifting one length's median.
+Every (strategy, length) first gets its memory passes and a warm-up; then the timed repeats
+run in rounds over all of them (alternating direction), so that a slow spell on a shared
+machine spreads over every cell's repeats instead of shifting one strategy's medians.
 """
 from __future__ import annotations
 
@@ -128,6 +130,8 @@ def rank_sweep(rank, world, shape_d, cfg):
     import torch
     import torch.distributed as dist
 
+    import megatron_paradyse as mp
+
     from . import analytic
     from . import measure as M
 
@@ -144,14 +148,15 @@ def rank_sweep(rank, world, shape_d, cfg):
     net = analytic.load_config("interconnects.json", cfg.get("interconnect_path"))[cfg["interconnect"]] if fake else None
     rows = []
     groups = [(st, b) for st in cfg["strategies"] for b in cfg["batches"]]
+    # rough cost of a cell, once for its memory passes and warm-up and once for its timed passes
     weights = {(st, s, b): s * b * (1 + s / 2048) for st, b in groups for s in cfg["seqs"]}
-    done_w, t0 = 0.0, time.time()
+    total_w, done_w, t0 = 2 * sum(weights.values()), 0.0, time.time()
     limit = cfg.get("memory_limit")
 
     def progress(msg):
         if log:
             el = time.time() - t0
-            eta = el / done_w * (sum(weights.values()) - done_w) if done_w else float("nan")
+            eta = el / done_w * (total_w - done_w) if done_w else float("nan")
             print(f"[profile {el:6.0f}s, ETA {eta:5.0f}s] {msg}", file=sys.stderr, flush=True)
 
     def agree(over: bool) -> bool:
@@ -162,6 +167,8 @@ def rank_sweep(rank, world, shape_d, cfg):
         return flag.item() > 0
 
     def stop(st, s, b, reason):
+        nonlocal done_w
+        done_w += 2 * sum(w for (st_, s_, b_), w in weights.items() if st_ == st and b_ == b and s_ >= s)
         rows.append({"type": "limit", "strategy": st, "s": s, "b": b, "rank": rank, "reason": reason})
         progress(f"{st} s={s} b={b}: {reason.split(':')[0]}, sweep stops")
 
@@ -178,6 +185,7 @@ def rank_sweep(rank, world, shape_d, cfg):
     if cfg.get("pool_only"):
         groups = []
 
+    cells = []  # the rows to time, every strategy's
     for st, b in groups:
         M.set_strategy(model, st)
         # 1) memory and warm-up at every length, up to the memory limit
@@ -218,26 +226,33 @@ def rank_sweep(rank, world, shape_d, cfg):
                 row["comm_seconds"] = analytic.comm_seconds(st, shape, s, b, net)
             todo.append(row)
             prev = (s, saved, trans)
-        # 2) timed passes in rounds over the lengths (alternating direction), so that a slow
-        # spell of a shared machine lands on every length's repeats rather than on one length
-        reps = {row["s"]: repeats_for(cfg["repeats"], row["s"] * b) for row in todo}
-        n_rounds = max(reps.values(), default=0)
-        for rnd in range(n_rounds):
-            for row in (todo if rnd % 2 == 0 else todo[::-1]):
-                s = row["s"]
-                if rnd >= reps[s]:
-                    continue
-                for part in cfg["parts"]:
-                    row[f"{part}_times"] += runner.time(part, s, b, 0, 1)
-                done_w += weights[(st, s, b)] / reps[s]
-            if rnd == 0 or rnd == n_rounds - 1:
-                progress(f"{st} b={b}: round {rnd + 1}/{n_rounds} of timed passes")
-        for row in todo:
-            rows.append(row)
-            times = sorted(row["layer_times"])
-            progress(f"{st:8s} s={row['s']:5d} b={b}: {times[len(times) // 2] * 1e3:8.1f} ms, saved "
-                     f"{row['saved_bytes'] / 2**20:7.2f} MiB, transient {row['transient_bytes'] / 2**20:7.2f} MiB")
-        done_w += sum(weights[(st, s, b)] for s in cfg["seqs"] if s not in reps)
+            done_w += weights[(st, s, b)]
+        cells += todo
+        progress(f"{st} b={b}: memory measured at {len(todo)} lengths")
+    # 2) timed passes in rounds over every (strategy, s, b), alternating direction: on a shared
+    # machine whose speed drifts over minutes, each cell's repeats spread over the whole sweep
+    # instead of one strategy's stretch of it (the pool is kept: buffers of one name are
+    # shared by the strategies and grow once)
+    reps = [repeats_for(cfg["repeats"], row["s"] * row["b"]) for row in cells]
+    n_rounds = max(reps, default=0)
+    current = None
+    for rnd in range(n_rounds):
+        for i in (range(len(cells)) if rnd % 2 == 0 else reversed(range(len(cells)))):
+            row = cells[i]
+            if rnd >= reps[i]:
+                continue
+            if row["strategy"] != current:
+                current = row["strategy"]
+                mp.set_plan(model, [current] * len(model.decoder.layers))
+            for part in cfg["parts"]:
+                row[f"{part}_times"] += runner.time(part, row["s"], row["b"], 0, 1)
+            done_w += weights[(row["strategy"], row["s"], row["b"])] / reps[i]
+        progress(f"round {rnd + 1}/{n_rounds} of timed passes")
+    for row in cells:
+        rows.append(row)
+        times = sorted(row["layer_times"])
+        progress(f"{row['strategy']:8s} s={row['s']:5d} b={row['b']}: {times[len(times) // 2] * 1e3:8.1f} ms, saved "
+                 f"{row['saved_bytes'] / 2**20:7.2f} MiB, transient {row['transient_bytes'] / 2**20:7.2f} MiB")
     if cfg.get("nonlayer", True):
         del runner
         spec, full = M.build(shape, num_layers=shape.num_layers, max_seq=max_seq)
@@ -254,9 +269,12 @@ def rank_sweep(rank, world, shape_d, cfg):
                 times, saved, trans = nl.measure(s, b, cfg["warmup"], cfg["repeats"])
                 rows.append({"type": "nonlayer", "s": s, "b": b, "rank": rank, "nonlayer_times": times,
                              "saved_bytes": saved, "transient_bytes": trans})
-        opt = nl.optimizer_times(cfg["warmup"], cfg["repeats"])
-        rows.append({"type": "optimizer", "rank": rank, "optimizer_times": opt,
-                     "param_bytes": M.param_bytes(full)})
+        upd = nl.update_times(cfg["warmup"], cfg["repeats"])
+        row = {"type": "optimizer", "rank": rank, "grad_sync_times": upd["grad_sync"],
+               "optimizer_times": upd["optimizer"], "param_bytes": M.param_bytes(full)}
+        if fake:
+            row["comm_seconds"] = analytic.update_comm_seconds(shape, net)
+        rows.append(row)
         progress("non-layer costs done")
     return rows
 

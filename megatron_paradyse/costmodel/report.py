@@ -4,8 +4,9 @@ Per strategy: mean and worst absolute percentage error of layer time, saved byte
 transient bytes on the held-out profile's lengths, split into interpolated (inside the
 model's profiled range) and extrapolated (beyond it). ``--png`` draws predicted against
 measured curves per strategy (time and memory against s, log axes). ``--steps`` measures
-whole steps (forward + backward + Adam step of the full GPT, per-rank peak memory) for mixed
-plans end to end on spawned gloo ranks and compares them with ``CostModel.step``.
+whole training steps (forward, backward, ``finalize_model_grads`` and megatron's Adam step,
+as ``measure.TrainingUpdate`` sets them up; per-rank peak memory) for mixed plans end to end
+on spawned gloo ranks and compares them with ``CostModel.step``.
 """
 from __future__ import annotations
 
@@ -154,52 +155,53 @@ def _step_rank(rank, world, shape_d, plans, seqs, repeats):
     from megatron_paradyse.costmodel import measure as M
     from megatron_paradyse.costmodel.shape import ModelShape
     from megatron_paradyse.parallel.buffers import release_pool
-    from megatron_paradyse.parallel.memory import PeakMemory
+    from megatron_paradyse.parallel.memory import PeakMemory, static_bytes
     from megatron_paradyse.testing import models as T
 
     shape = ModelShape(**shape_d)
     spec, model = M.build(shape, max_seq=max(seqs))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-6)
-    out = []
+    upd = M.TrainingUpdate(model, shape)
+    batches = {}
     for s in seqs:
         tok, lab = T.make_batch(spec, 1, s, seed=s)
-        pos = torch.arange(s).unsqueeze(0).expand_as(tok)
-        for plan in plans:
-            mp.set_plan(model, list(plan))
-            M.reset_buffers()
+        batches[s] = (tok, torch.arange(s).unsqueeze(0).expand_as(tok), lab)
+    cells = [(s, tuple(plan)) for s in seqs for plan in plans]
 
-            def step():
-                release_pool()  # as in training: each micro-batch allocates its own pool
-                loss = model(tok, pos, None, labels=lab).float().mean()
-                loss.backward()
-                T.allreduce_sequence_parallel_grads(model)
-                opt.step()
-                opt.zero_grad(set_to_none=False)
+    def fwd_bwd(s, plan):
+        mp.set_plan(model, list(plan))
+        release_pool()  # as in training: each micro-batch allocates its own pool
+        upd.zero_grad()
+        tok, pos, lab = batches[s]
+        model(tok, pos, None, labels=lab).float().mean().backward()
 
-            step()  # warm-up: buffers, grads and Adam state exist from here on
-            times = []
-            for _ in range(repeats):
-                dist.barrier()
-                t0 = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - t0)
-            gc.collect()
-            release_pool()
-            with PeakMemory() as m:
-                loss = model(tok, pos, None, labels=lab).float().mean()
-                loss.backward()
-            del loss
-            static = sum(p.numel() * p.element_size() for p in model.parameters())
-            static += sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
-            static += sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
-                          if torch.is_tensor(v) and v.dim() > 0)
-            opt.zero_grad(set_to_none=False)
-            out.append({"s": s, "plan": list(plan), "seconds": statistics.median(times),
-                        "dynamic_peak": m.peak_bytes, "static": static})
+    def step(s, plan):
+        fwd_bwd(s, plan)
+        upd.grad_sync()
+        upd.optimizer_step()
+
+    for cell in cells:  # warm-up: Adam state exists from here on
+        step(*cell)
+    # timed steps in rounds over every (s, plan), alternating direction, so that a slow spell
+    # of a shared machine spreads over every cell's repeats
+    times = {cell: [] for cell in cells}
+    for rnd in range(repeats):
+        for cell in (cells if rnd % 2 == 0 else cells[::-1]):
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(*cell)
+            times[cell].append(time.perf_counter() - t0)
+    out = []
+    for cell in cells:
+        gc.collect()
+        with PeakMemory() as m:
+            fwd_bwd(*cell)
+        out.append({"s": cell[0], "plan": list(cell[1]), "seconds": statistics.median(times[cell]),
+                    "times": times[cell], "dynamic_peak": m.peak_bytes,
+                    "static": static_bytes(model, upd.optimizer)})
     return out
 
 
-def measure_steps(shape, plans, seqs, repeats=3, timeout=1800):
+def measure_steps(shape, plans, seqs, repeats=5, timeout=1800):
     from megatron_paradyse.testing.spawn import run_world
 
     per_rank = run_world(_step_rank, shape.p, shape.key(), plans, seqs, repeats, timeout=timeout)
@@ -222,11 +224,12 @@ def step_errors(model, measured) -> list:
     out = []
     for r in measured:
         pred = model.step(tuple(r["plan"]), r["s"], 1)
+        seconds = pred.seconds + model.update_seconds()  # one micro-batch and the step's update
         static_pred = model.static_bytes()
         dyn_pred = pred.peak_bytes - static_pred
-        out.append(dict(r, pred_seconds=pred.seconds, pred_peak=pred.peak_bytes,
+        out.append(dict(r, pred_seconds=seconds, pred_peak=pred.peak_bytes,
                         meas_peak=r["static"] + r["dynamic_peak"],
-                        err_time=ape(pred.seconds, r["seconds"]),
+                        err_time=ape(seconds, r["seconds"]),
                         err_peak=ape(pred.peak_bytes, r["static"] + r["dynamic_peak"]),
                         err_dynamic=ape(dyn_pred, r["dynamic_peak"])))
     return out
@@ -260,7 +263,7 @@ def main(argv=None):
     ap.add_argument("--png", default=None, help="write the per-strategy plot here")
     ap.add_argument("--png-all", default=None, help="write the all-strategies plot here")
     ap.add_argument("--steps", default=None, help="comma-separated lengths: measure whole steps end to end")
-    ap.add_argument("--step-repeats", type=int, default=3)
+    ap.add_argument("--step-repeats", type=int, default=5)
     ap.add_argument("--json", default=None, help="write all numbers here")
     args = ap.parse_args(argv)
     rows, shape = [], None
@@ -295,7 +298,8 @@ def main(argv=None):
         plans = [p for p in DEFAULT_PLANS if len(p) == shape.num_layers] or [("tp_sp",) * shape.num_layers]
         measured = measure_steps(shape, plans, seqs, args.step_repeats)
         se = step_errors(model, measured)
-        print("\nwhole steps (fwd + bwd + Adam step, measured end to end; peak per rank incl. weights, grads, Adam state):\n")
+        print("\nwhole steps (fwd + bwd + finalize_model_grads + megatron Adam step, measured end to end; "
+              "peak per rank incl. weights, grads, Adam state):\n")
         print(step_table(se))
         print(f"\nworst: time {max(e['err_time'] for e in se):.1f}%, peak {max(e['err_peak'] for e in se):.1f}%, "
               f"activation part of the peak {max(e['err_dynamic'] for e in se):.1f}%")

@@ -117,3 +117,30 @@ def pass_memory(forward, backward, between=None) -> dict:
         backward(out)
         del out
     return {"activations": saved, "peak": m.peak_bytes}
+
+
+def static_bytes(model, optimizer) -> int:
+    """Bytes of parameters, their gradient buffers and the optimizer's state on this rank
+    (with megatron's mixed-precision optimizer, its fp32 master copies too); each storage once."""
+    seen, total = set(), 0
+
+    def add(t):
+        nonlocal total
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            key = (st.data_ptr(), st.nbytes())
+            if key not in seen:
+                seen.add(key)
+                total += st.nbytes()
+    for p in model.parameters():
+        add(p)
+        add(getattr(p, "main_grad", None))
+    inner = getattr(optimizer, "optimizer", optimizer)
+    for opt in (inner if isinstance(inner, (list, tuple)) else [inner]):
+        for group in getattr(opt, "param_groups", []):
+            for p in group["params"]:
+                add(p)
+        for state in getattr(opt, "state", {}).values():
+            for v in state.values():
+                add(v)
+    return total

@@ -16,7 +16,8 @@ every order of the layers; the per-layer plans returned put the layers with the 
 transient first, the order whose ordered peak (``CostModel.step`` on a tuple) is lowest, so the
 plan run never peaks above the number reported.
 
-and takes ``nonlayer.seconds + sum_i k_i * seconds_i``. A plan *fits* when its peak is at most
+and takes ``nonlayer.seconds + sum_i k_i * seconds_i`` (a training step adds the update once,
+:meth:`Planner.update_seconds`). A plan *fits* when its peak is at most
 ``budget - margin``. The margin covers what the model does not see (the CUDA caching
 allocator's fragmentation, NCCL and cuBLAS workspaces, the model's own error): default 10% of
 the budget on GPU, 5% on CPU (where the measured peak is the live-tensor tracker's exact byte
@@ -150,6 +151,11 @@ class Planner:
         self.hits = self.misses = 0
 
     # ------------------------------------------------------------------ costs
+    def update_seconds(self) -> float:
+        """The cost model's seconds for a step's update (gradient reduction, optimizer step),
+        once per step; a plan's ``seconds`` covers one micro-batch's forward and backward."""
+        return float(self.cm.update_seconds())
+
     def costs(self, s: int, b: int) -> Costs:
         """Per-strategy costs at (s, b) with the refinement's factors (cached with the plans)."""
         self._check_version()

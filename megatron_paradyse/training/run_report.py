@@ -21,29 +21,6 @@ import torch.distributed as dist
 MiB = float(1 << 20)
 
 
-def static_bytes(model, optimizer) -> int:
-    """Bytes of parameters, their gradient buffers and the optimizer's state on this rank."""
-    seen, total = set(), 0
-
-    def add(t):
-        nonlocal total
-        if isinstance(t, torch.Tensor):
-            st = t.untyped_storage()
-            key = (st.data_ptr(), st.nbytes())
-            if key not in seen:
-                seen.add(key)
-                total += st.nbytes()
-    for p in model.parameters():
-        add(p)
-        add(getattr(p, "main_grad", None))
-    inner = getattr(optimizer, "optimizer", optimizer)
-    for group in (inner if isinstance(inner, (list, tuple)) else [inner]):
-        for state in getattr(group, "state", {}).values():
-            for v in state.values():
-                add(v)
-    return total
-
-
 def pool_bytes() -> int:
     """Bytes megatron's global memory buffer holds now (the communication pool): counted in a
     step's peak, since the step's tracker sees only what the step allocates. Zero between
@@ -83,7 +60,8 @@ class RunReport:
     def record(self, stats, peak_bytes: float, static: float, micro) -> str:
         """Store one step; returns the text appended to the iteration line."""
         preds = [self.predict(mb) for mb in micro]
-        pred_s = sum(p[0] for p in preds) if preds and all(preds) else None
+        update = self.planner.update_seconds() if hasattr(self.planner, "update_seconds") else 0.0
+        pred_s = sum(p[0] for p in preds) + update if preds and all(preds) else None
         pred_m = max(p[1] for p in preds) if preds and all(preds) else None
         peak = peak_bytes + static
         self.steps.append(dict(

@@ -241,15 +241,15 @@ class Trainer:
     def _planned_step(self):
         """One step with the planner's predictions, the measured peak (all ranks' max is not
         taken: this rank's), and the refinement's all-reduce; returns (stats, log text)."""
-        from ..parallel.memory import PeakMemory
-        from .run_report import pool_bytes, static_bytes
+        from ..parallel.memory import PeakMemory, static_bytes
+        from .run_report import pool_bytes
 
         outside = static_bytes(self.model, self.optimizer) + pool_bytes()  # live before the tracker
         with PeakMemory() as m:
             stats = self.train_step()
         measured = m.peak_bytes + outside
         choices = [self._planner_fn.choices.get(i) for i in range(len(self.data_iterator.current))]
-        pred_s = sum(c.seconds for c in choices if c is not None)
+        pred_s = sum(c.seconds for c in choices if c is not None) + self.planner.update_seconds()
         pred_m = max((c.peak_bytes for c in choices if c is not None), default=0.0)
         ref = self.planner.refinement
         if ref is not None:
@@ -359,7 +359,8 @@ class Trainer:
 
     def _reported_step(self, report):
         from ..parallel.memory import PeakMemory
-        from .run_report import max_over_ranks, pool_bytes, static_bytes
+        from ..parallel.memory import static_bytes
+        from .run_report import max_over_ranks, pool_bytes
 
         static, held = static_bytes(self.model, self.optimizer), pool_bytes()
         with PeakMemory() as m:
