@@ -26,8 +26,9 @@ def _rank(rank, world, cfg):
 
     from megatron_paradyse import data as pdata
     from megatron_paradyse.bench.__main__ import demo_argv
-    from megatron_paradyse.bench.world import System, _max_over_ranks, _measure, _static_bytes
+    from megatron_paradyse.bench.world import System, _max_over_ranks, _measure
     from megatron_paradyse.costmodel import ModelShape, build_cost_model
+    from megatron_paradyse.parallel.memory import static_bytes
     from megatron_paradyse.planner import build_planner
     from megatron_paradyse.training.arguments import parse_args
 
@@ -71,7 +72,7 @@ def _rank(rank, world, cfg):
             mb.plan = plan
             if not sysm.static:
                 sysm.step(mb)
-                sysm.static = _static_bytes(sysm.model, sysm.optimizer)
+                sysm.static = static_bytes(sysm.model, sysm.optimizer)
             best = None
             try:
                 _measure(sysm, mb)  # warm-up
@@ -90,7 +91,7 @@ def _rank(rank, world, cfg):
             seen.add(plan)
             pred = cm.step({n: plan.count(n) for n in set(plan)}, s, 1)
             rows.append(dict(s=s, label=label, plan=mp.describe(plan) if hasattr(mp, "describe") else str(plan),
-                             seconds=measured[plan][0], peak=measured[plan][1], pred_seconds=pred.seconds,
+                             seconds=measured[plan][0], peak=measured[plan][1], pred_seconds=pred.seconds + cm.update_seconds(),
                              pred_peak=pred.peak_bytes,
                              chosen_by=[k for k, c in chosen.items() if c.layers == plan and c.fits],
                              planner_fits={k: chosen[k].fits for k in chosen}))

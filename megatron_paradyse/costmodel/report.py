@@ -247,6 +247,29 @@ def step_table(errs) -> str:
     return "\n".join(lines)
 
 
+def fake_table(real_rows, fake_path) -> str:
+    """The single-device profile ``fake_path`` (one process as rank r of a fake p-rank group)
+    beside rank r of the real p-rank profile's rows: time and per-rank memory per (strategy, s)."""
+    header, fake_rows = read_profile(fake_path)
+    if header.get("mode") != "fake":
+        raise SystemExit(f"error: --fake {fake_path!r} is not a single-device profile (mode {header.get('mode')!r})")
+    r = header["fake_rank"]
+    real = {(x["strategy"], x["s"], x["b"]): x for x in real_rows if x.get("type") == "layer"}
+    lines = [f"| strategy | s | real p = {header['p']} (layer ms, slowest rank) | fake rank {r}: compute ms "
+             f"| + modelled comm ms ({header.get('interconnect')}) | saved MiB, real rank {r} / fake "
+             f"| transient MiB, real rank {r} / fake |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for f in fake_rows:
+        x = real.get((f.get("strategy"), f.get("s"), f.get("b"))) if f.get("type") == "layer" else None
+        if x is None or "saved_by_rank" not in x:
+            continue
+        lines.append(f"| {f['strategy']} | {f['s']} | {x['layer_seconds'] * 1e3:.0f} | {f['layer_seconds'] * 1e3:.0f} "
+                     f"| {f.get('comm_seconds', 0.0) * 1e3:.1f} | {x['saved_by_rank'][r] / MIB:.2f} / "
+                     f"{f['saved_bytes'] / MIB:.2f} | {x['transient_by_rank'][r] / MIB:.2f} / "
+                     f"{f['transient_bytes'] / MIB:.2f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     from megatron_paradyse.costmodel import build_cost_model
     from megatron_paradyse.costmodel.fitted import FittedCostModel
@@ -264,6 +287,9 @@ def main(argv=None):
     ap.add_argument("--png-all", default=None, help="write the all-strategies plot here")
     ap.add_argument("--steps", default=None, help="comma-separated lengths: measure whole steps end to end")
     ap.add_argument("--step-repeats", type=int, default=5)
+    ap.add_argument("--fake", default=None,
+                    help="a single-device profile (--fake-world p --fake-rank r) of the same shape: print it "
+                         "beside rank r of the --profile rows (time, per-rank memory)")
     ap.add_argument("--json", default=None, help="write all numbers here")
     args = ap.parse_args(argv)
     rows, shape = [], None
@@ -293,6 +319,9 @@ def main(argv=None):
     if args.png_all:
         plot_all(model, args.png_all)
         print(f"wrote {args.png_all}")
+    if args.fake:
+        print("\nsingle-device profile beside the real one:\n")
+        print(fake_table(rows, args.fake))
     if args.steps:
         seqs = [int(x) for x in args.steps.split(",")]
         plans = [p for p in DEFAULT_PLANS if len(p) == shape.num_layers] or [("tp_sp",) * shape.num_layers]
