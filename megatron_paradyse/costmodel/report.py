@@ -302,7 +302,9 @@ def main(argv=None):
         shape = this
         rows += more
     model = build_cost_model(shape) if args.model == "analytic" else FittedCostModel.load(args.model, shape)
-    train = read_profile(args.train_profile)[1] if args.train_profile else []
+    # the plot draws the fitted points: from --train-profile, else from --profile itself (a
+    # model that records its fitted lengths picks them out of it)
+    train = read_profile(args.train_profile)[1] if args.train_profile else (rows if fitted_points(model) else [])
     # what the model was fitted on is never a held-out point: the model records it (older
     # models do not: then every length of the training profile counts as fitted)
     profiled = fitted_points(model)
