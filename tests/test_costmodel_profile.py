@@ -1,0 +1,62 @@
+"""The profiler, the fit and the report's whole steps, end to end on 2 gloo ranks (short lengths).
+
+What the shipped models come from: `profile` writes every row the fit needs (layers, pool,
+non-layer part, the step's update as megatron-core training runs it), `fit` turns them into a
+model, and a mixed plan's whole training step, measured as training runs it, peaks where the
+model says (the CPU tracker is exact, so this is checked; times are printed by the report,
+never asserted).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_paradyse.costmodel import build_cost_model, demo_shape
+from megatron_paradyse.costmodel.fit import fit_profile
+from megatron_paradyse.costmodel.profile import run_profile
+from megatron_paradyse.costmodel.report import measure_steps, step_errors
+
+SHAPE = demo_shape(2)
+CFG = dict(seqs=[128, 256, 512], batches=[1], strategies=["tp_sp", "ring", "metp"], parts=["layer", "attn"],
+           warmup=1, repeats=1, memory_limit=None, nonlayer=True, pool_only=False, fake_world=None,
+           fake_rank=None, interconnect="nvlink4", interconnect_path=None, command="test")
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    d = tmp_path_factory.mktemp("profile")
+    rows = run_profile(SHAPE, CFG, nproc=2, out=str(d / "p.jsonl"), timeout=300)
+    fit_profile(str(d / "p.jsonl"), str(d / "m.json"))
+    return rows, build_cost_model(SHAPE, str(d / "m.json")), d
+
+
+def test_profile_writes_every_row_the_fit_needs(fitted):
+    rows, cm, d = fitted
+    kinds = [r["type"] for r in rows]
+    assert kinds[0] == "header" and kinds[-1] == "footer"
+    head = rows[0]
+    assert head["p"] == 2 and head["shape"] == SHAPE.key() and head["versions"]["torch"]
+    layers = {(r["strategy"], r["s"]) for r in rows if r["type"] == "layer"}
+    assert layers == {(st, s) for st in CFG["strategies"] for s in CFG["seqs"]}
+    for r in rows:
+        if r["type"] == "layer":
+            # the timed repeats ran in rounds over every cell: one per round, parts alike
+            assert len(r["layer_times"]) == len(r["attn_times"]) >= 1 and r["seconds"] > 0
+            assert len(r["saved_by_rank"]) == 2 and r["saved_bytes"] > 0
+    upd = [r for r in rows if r["type"] == "optimizer"]
+    assert len(upd) == 1 and upd[0]["grad_sync_seconds"] > 0 and upd[0]["optimizer_seconds"] > 0
+    assert cm.update_seconds() == pytest.approx(upd[0]["grad_sync_seconds"] + upd[0]["optimizer_seconds"])
+    assert {r["strategy"] for r in rows if r["type"] == "pool"} == set(CFG["strategies"]) | {"nonlayer"}
+    saved = json.loads((d / "m.json").read_text())
+    assert saved["nonlayer"]["update_seconds"] == pytest.approx(cm.update_seconds())
+
+
+def test_a_mixed_plans_training_step_peaks_where_the_model_says(fitted):
+    _, cm, _ = fitted
+    plans = [("metp", "tp_sp", "ring", "tp_sp")]
+    measured = measure_steps(SHAPE, plans, [256, 384], repeats=1, timeout=300)
+    for e in step_errors(cm, measured):
+        assert e["seconds"] > 0 and e["pred_seconds"] > cm.update_seconds()
+        # 384 was never profiled: layers interpolated, the pool from its fitted buffers
+        assert e["err_peak"] < 5.0, e
