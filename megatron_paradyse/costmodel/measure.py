@@ -356,7 +356,6 @@ class TrainingUpdate:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         bf16 = shape.dtype == "bf16"
-        self.module = model
         self.ddp = DistributedDataParallel(config=model.config, module=model,
                                            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=bf16))
         kw = {"use_gloo_process_groups": False} if is_fake() else {}  # the fake world has no gloo groups
