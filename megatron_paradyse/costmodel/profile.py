@@ -130,8 +130,6 @@ def rank_sweep(rank, world, shape_d, cfg):
     import torch
     import torch.distributed as dist
 
-    import megatron_paradyse as mp
-
     from . import analytic
     from . import measure as M
 
@@ -231,8 +229,8 @@ def rank_sweep(rank, world, shape_d, cfg):
         progress(f"{st} b={b}: memory measured at {len(todo)} lengths")
     # 2) timed passes in rounds over every (strategy, s, b), alternating direction: on a shared
     # machine whose speed drifts over minutes, each cell's repeats spread over the whole sweep
-    # instead of one strategy's stretch of it (the pool is kept: buffers of one name are
-    # shared by the strategies and grow once)
+    # instead of one strategy's stretch of it (the pool is reset at each switch, as in phase 1,
+    # so a GPU holds no other strategy's buffers beside the one being timed)
     reps = [repeats_for(cfg["repeats"], row["s"] * row["b"]) for row in cells]
     n_rounds = max(reps, default=0)
     current = None
@@ -243,7 +241,7 @@ def rank_sweep(rank, world, shape_d, cfg):
                 continue
             if row["strategy"] != current:
                 current = row["strategy"]
-                mp.set_plan(model, [current] * len(model.decoder.layers))
+                M.set_strategy(model, current)
             for part in cfg["parts"]:
                 row[f"{part}_times"] += runner.time(part, row["s"], row["b"], 0, 1)
             done_w += weights[(row["strategy"], row["s"], row["b"])] / reps[i]
