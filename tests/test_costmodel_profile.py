@@ -60,3 +60,18 @@ def test_a_mixed_plans_training_step_peaks_where_the_model_says(fitted):
         assert e["seconds"] > 0 and e["pred_seconds"] > cm.update_seconds()
         # 384 was never profiled: layers interpolated, the pool from its fitted buffers
         assert e["err_peak"] < 5.0, e
+
+
+def test_bf16_update_on_cpu_is_refused_before_any_rank_starts(capsys):
+    import torch
+
+    from megatron_paradyse.costmodel.profile import main
+
+    if torch.cuda.is_available():
+        pytest.skip("on CUDA megatron's mixed-precision optimizer runs")
+    bf16 = SHAPE.__class__(**dict(SHAPE.key(), dtype="bf16"))
+    with pytest.raises(ValueError, match="mixed-precision optimizer, which needs CUDA"):
+        run_profile(bf16, CFG, nproc=2, timeout=30)
+    with pytest.raises(SystemExit):
+        main(["--p", "2", "--bf16", "--seqs", "128", "-o", "unused.jsonl"])
+    assert "--no-nonlayer" in capsys.readouterr().err

@@ -309,9 +309,23 @@ def merge_ranks(per_rank: list) -> list:
     return out
 
 
+def unsupported(shape: ModelShape, cfg: dict) -> str | None:
+    """Why this profile cannot run here (checked before any rank starts), or None."""
+    import torch
+
+    if shape.dtype != "fp32" and cfg.get("nonlayer", True) and not torch.cuda.is_available():
+        return (f"a {shape.dtype} profile measures a training step's update with megatron's mixed-precision "
+                "optimizer, which needs CUDA tensors: on CPU profile fp32, or give --no-nonlayer to "
+                "measure the layers alone")
+    return None
+
+
 def run_profile(shape: ModelShape, cfg: dict, nproc: int | None = None, out: str | None = None,
                 timeout: float = 3600) -> list:
     """Profile ``shape``; returns the merged rows (header first) and writes ``out`` if given."""
+    why = unsupported(shape, cfg)
+    if why:
+        raise ValueError(why)
     t0 = time.time()
     cfg = dict(cfg)
     if cfg.get("fake_world"):
@@ -440,6 +454,9 @@ def main(argv=None):
     bad_s = [s for s in cfg["seqs"] if s % p]
     if bad_s:
         ap.error(f"sequence lengths {bad_s} are not divisible by p={p}")
+    why = unsupported(shape, cfg)
+    if why:
+        ap.error(why)
     t0 = time.time()
     rows = run_profile(shape, cfg, nproc=None if args.fake_world else (args.nproc or (None if "WORLD_SIZE" in os.environ else p)),
                        out=args.output, timeout=args.timeout)
