@@ -12,7 +12,7 @@
 # The demo's shape on this CPU (what the package ships, held-out lengths measured in the same
 # session and left out of the fit), p = 4:
 #   FIT_FLAGS="--holdout-seqs 384,768,1536,3072,6144 --holdout-largest" bash scripts/profile.sh runs/costmodel \
-#       --p 4 --seqs 128,256,384,512,768,1024,1536,2048,3072,4096,6144,8192,16384 --memory-limit 4G
+#       --p 4 --seqs 128,256,384,512,768,1024,1536,2048,3072,4096,6144,8192,16384 --repeats 5 --memory-limit 4G
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: bash scripts/profile.sh OUTDIR [profile flags...]}
