@@ -213,7 +213,8 @@ _MEGATRON_PLANNER: dict = {}
 class _LoggedPlannedIterator(PlannedIterator):
     """Prints each training step's micro-batch lengths and plans on global rank 0, one line per
     step, next to Megatron-LM's own iteration lines (rank 0's micro-batches); with the planner,
-    also the step's predicted time (sum over micro-batches) and peak (largest)."""
+    also the step's predicted time (sum over micro-batches, plus the update once) and peak
+    (largest)."""
 
     log = False
 
@@ -229,7 +230,8 @@ class _LoggedPlannedIterator(PlannedIterator):
                 got = [choices.get(i) for i in range(len(items))]
                 got = [c for c in got if c is not None]
                 if got:
-                    line += (f" | pred: {sum(c.seconds for c in got):.3f} s, peak "
+                    update = self.plan_fn.planner.update_seconds()  # once per step
+                    line += (f" | pred: {sum(c.seconds for c in got) + update:.3f} s, peak "
                              f"{max(c.peak_bytes for c in got) / 2 ** 20:.1f} MiB")
             print(line, flush=True)
         return items
