@@ -327,17 +327,8 @@ class NonLayerRunner:
         """``{"grad_sync": [...], "optimizer": [...]}``: seconds of what a training step runs
         after its backward (:class:`TrainingUpdate`), independent of the batch."""
         upd = TrainingUpdate(self.model, self.shape)
-        out = {"grad_sync": [], "optimizer": []}
-        for i in range(warmup + repeats):
-            for key, fn in (("grad_sync", upd.grad_sync), ("optimizer", upd.optimizer_step)):
-                _barrier()
-                _sync()
-                t0 = time.perf_counter()
-                fn()
-                _sync()
-                if i >= warmup:
-                    out[key].append(time.perf_counter() - t0)
-        return out
+        return {key: _timed(lambda: None, lambda _, fn=fn: fn(), warmup, repeats)
+                for key, fn in (("grad_sync", upd.grad_sync), ("optimizer", upd.optimizer_step))}
 
 
 class TrainingUpdate:
