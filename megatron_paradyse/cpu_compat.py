@@ -37,6 +37,10 @@ megatron-core functions that need it (checked on 0.16.1 and 0.19.x):
 ``checkpoint``
     ``filesystem_async._process_memory`` returns 0 when psutil is missing (its forked
     writer otherwise dies and the parent waits forever). Debug logging only.
+
+:data:`RANK_ENV` is the environment a CPU rank starts with (read by torch at its first
+allocation, so it must be set before the process starts: ``testing.spawn`` and the
+``scripts/*.sh`` launchers set it).
 """
 from __future__ import annotations
 
@@ -46,6 +50,18 @@ import importlib
 import os
 
 import torch
+
+RANK_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    # PyTorch's CPU allocator has no cache: a tensor above glibc's mmap threshold (at most
+    # 32 MiB) is mapped and zero-filled 4 KiB page by page on every allocation, ~0.6 ms per
+    # MiB here, so ``colossal``'s score rows grew 4.9x from 4096 to 8192 tokens (s^2: 4x).
+    # With 2 MiB transparent huge pages (torch's own switch, c10/core/alloc_cpu.cpp) the
+    # same pass is 31% faster and grows 3.8x; strategies without large buffers are unchanged
+    # (docs/costmodel.md).
+    "THP_MEM_ALLOC_ENABLE": "1",
+}
 
 _APPLIED: set = set()
 ALL_SHIMS = ("device", "rng", "sp_norm", "factory", "clip_grad", "streams", "checkpoint")

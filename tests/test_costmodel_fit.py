@@ -305,6 +305,22 @@ def test_shipped_demo_models():
         # the promised memory order at the demo's length
         saved = {st: m.layer(st, 4096, 1).saved_bytes for st in m.strategies}
         assert min(saved, key=saved.get) == "metp" and max(saved, key=saved.get) == "colossal"
+        # profiled as the CPU launchers run training (cpu_compat.RANK_ENV)
+        assert m.meta["profile"]["hardware"]["thp_mem_alloc_enable"] == "1", p
+
+
+def test_training_warns_when_the_profile_had_another_allocator(monkeypatch):
+    import types
+
+    from megatron_paradyse.training.planning import allocator_mismatch
+
+    cm = types.SimpleNamespace(meta={"profile": {"hardware": {"thp_mem_alloc_enable": "1"}}})
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")
+    assert allocator_mismatch(cm) is None
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE")
+    note = allocator_mismatch(cm)
+    assert "THP_MEM_ALLOC_ENABLE=1" in note and "has None" in note
+    assert allocator_mismatch(types.SimpleNamespace()) is None  # the analytic model: nothing to compare
 
 
 def test_calibrate_fits_the_larger_of_two_phases():

@@ -56,3 +56,23 @@ def test_hung_rank_fails_within_timeout():
     elapsed = time.monotonic() - t0
     assert "did not finish" in str(info.value)
     assert elapsed < 45, elapsed
+
+
+def _start_env(rank, world):
+    with open("/proc/self/environ", "rb") as f:  # the environment the process was started with
+        return dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+
+
+def test_ranks_start_with_the_cpu_rank_environment():
+    """torch reads THP_MEM_ALLOC_ENABLE at its first allocation: it must be there at exec."""
+    import os
+
+    from megatron_paradyse.cpu_compat import RANK_ENV
+
+    before = os.environ.get("THP_MEM_ALLOC_ENABLE")
+    out = run_world(_start_env, 2, timeout=120)
+    want = {k.encode(): v.encode() for k, v in RANK_ENV.items()}
+    assert RANK_ENV["THP_MEM_ALLOC_ENABLE"] == "1"
+    for env in out:
+        assert {k: env.get(k) for k in want} == want
+    assert os.environ.get("THP_MEM_ALLOC_ENABLE") == before  # the parent's own is restored

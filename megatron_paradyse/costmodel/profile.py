@@ -23,7 +23,9 @@ with the duration. Progress and the estimated time left go to stderr.
 
 Every (strategy, length) first gets its memory passes and a warm-up; then the timed repeats
 run in rounds over all of them (alternating direction), so that a slow spell on a shared
-machine spreads over every cell's repeats instead of shifting one strategy's medians.
+machine spreads over every cell's repeats instead of shifting one strategy's medians; each
+timed pass follows an untimed one of its own cell, as in training a pass follows one of its
+size.
 """
 from __future__ import annotations
 
@@ -86,10 +88,15 @@ def versions() -> dict:
     return out
 
 
-def hardware() -> dict:
+def hardware(rank_env: dict | None = None) -> dict:
+    """The machine, and ``THP_MEM_ALLOC_ENABLE`` as the ranks had it (``rank_env``: what the
+    spawned ranks started with; default this process's environment): CPU times of large
+    tensors depend on it (``cpu_compat.RANK_ENV``)."""
     import torch
 
-    hw = {"machine": platform.machine(), "cpus": os.cpu_count(), "node": platform.node()}
+    env = os.environ if rank_env is None else {**os.environ, **rank_env}
+    hw = {"machine": platform.machine(), "cpus": os.cpu_count(), "node": platform.node(),
+          "thp_mem_alloc_enable": env.get("THP_MEM_ALLOC_ENABLE")}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -230,7 +237,11 @@ def rank_sweep(rank, world, shape_d, cfg):
     # 2) timed passes in rounds over every (strategy, s, b), alternating direction: on a shared
     # machine whose speed drifts over minutes, each cell's repeats spread over the whole sweep
     # instead of one strategy's stretch of it (the pool is reset at each switch, as in phase 1,
-    # so a GPU holds no other strategy's buffers beside the one being timed)
+    # so a GPU holds no other strategy's buffers beside the one being timed). Each visit
+    # first runs one untimed pass of its cell, so the timed one follows a pass of its own
+    # size, as a training step's layers and micro-batches do: without it a pass after a
+    # smaller cell paid for memory the machine had handed back (on this VM the hypervisor
+    # reclaims freed guest memory within seconds; docs/costmodel.md), after a larger one not
     reps = [repeats_for(cfg["repeats"], row["s"] * row["b"]) for row in cells]
     n_rounds = max(reps, default=0)
     current = None
@@ -242,8 +253,8 @@ def rank_sweep(rank, world, shape_d, cfg):
             if row["strategy"] != current:
                 current = row["strategy"]
                 M.set_strategy(model, current)
-            for part in cfg["parts"]:
-                row[f"{part}_times"] += runner.time(part, row["s"], row["b"], 0, 1)
+            for j, part in enumerate(cfg["parts"]):
+                row[f"{part}_times"] += runner.time(part, row["s"], row["b"], 1 if j == 0 else 0, 1)
             done_w += weights[(row["strategy"], row["s"], row["b"])] / reps[i]
         progress(f"round {rnd + 1}/{n_rounds} of timed passes")
     for row in cells:
@@ -355,9 +366,11 @@ def run_profile(shape: ModelShape, cfg: dict, nproc: int | None = None, out: str
 
         per_rank = run_world(rank_sweep, nproc or shape.p, shape.key(), cfg, timeout=timeout)
     rows = merge_ranks(per_rank)
+    from ..cpu_compat import RANK_ENV
+
     header = {"type": "header", "format": FORMAT, "shape": shape.key(), "p": shape.p, "dtype": shape.dtype,
               "mode": mode, "fake_rank": cfg.get("fake_rank"), "interconnect": cfg.get("interconnect") if mode == "fake" else None,
-              "hardware": hardware(), "versions": versions(), "warmup": cfg["warmup"], "repeats": cfg["repeats"],
+              "hardware": hardware(None if mode == "torchrun" else RANK_ENV), "versions": versions(), "warmup": cfg["warmup"], "repeats": cfg["repeats"],
               "seqs": cfg["seqs"], "batches": cfg["batches"], "strategies": cfg["strategies"],
               "memory_limit": cfg.get("memory_limit"), "command": cfg.get("command"),
               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0))}

@@ -182,10 +182,13 @@ def _step_rank(rank, world, shape_d, plans, seqs, repeats):
     for cell in cells:  # warm-up: Adam state exists from here on
         step(*cell)
     # timed steps in rounds over every (s, plan), alternating direction, so that a slow spell
-    # of a shared machine spreads over every cell's repeats
+    # of a shared machine spreads over every cell's repeats; each after an untimed
+    # forward+backward of its own cell, as a training step follows one of its size (as the
+    # profiler's timed passes do, profile.py)
     times = {cell: [] for cell in cells}
     for rnd in range(repeats):
         for cell in (cells if rnd % 2 == 0 else cells[::-1]):
+            fwd_bwd(*cell)
             dist.barrier()
             t0 = time.perf_counter()
             step(*cell)

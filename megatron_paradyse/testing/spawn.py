@@ -5,6 +5,7 @@ with its traceback; a hung world is killed at the deadline instead of hanging it
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import pickle
@@ -14,6 +15,24 @@ import time
 import traceback
 
 import torch.multiprocessing as tmp
+
+from ..cpu_compat import RANK_ENV
+
+
+@contextlib.contextmanager
+def _process_env(env: dict):
+    """``env`` in this process's environment while children start, so that they start with it
+    (torch reads ``THP_MEM_ALLOC_ENABLE`` at its first allocation, before a worker runs)."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class WorldError(RuntimeError):
@@ -59,7 +78,7 @@ def run_world(fn, world_size: int, *args, timeout: float = 300.0, env: dict | No
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = tmp.get_context("spawn")
     results = ctx.Queue()
-    child_env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    child_env = dict(RANK_ENV)
     child_env.update(env or {})
     with tempfile.TemporaryDirectory(prefix="paradyse_world_") as tmpdir:
         init_file = os.path.join(tmpdir, "store")
@@ -69,8 +88,9 @@ def run_world(fn, world_size: int, *args, timeout: float = 300.0, env: dict | No
                               max(timeout, 1.0)))
             for r in range(world_size)
         ]
-        for p in procs:
-            p.start()
+        with _process_env(child_env):
+            for p in procs:
+                p.start()
         reports: dict = {}
         deadline = time.monotonic() + timeout
         first_error_at = None
@@ -201,15 +221,16 @@ def run_forked_worlds(cases, world_size: int, timeout: float = 120.0, preload=()
     """
     ctx = tmp.get_context("spawn")
     results = ctx.Queue()
-    child_env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    child_env = dict(RANK_ENV)
     child_env.update(env or {})
     out = [[None] * world_size for _ in cases]
     with tempfile.TemporaryDirectory(prefix="paradyse_forked_") as tmpdir:
         procs = [ctx.Process(target=_zygote, daemon=False,
                              args=(r, world_size, list(cases), tmpdir, tuple(preload), child_env, timeout, results))
                  for r in range(world_size)]
-        for p in procs:
-            p.start()
+        with _process_env(child_env):
+            for p in procs:
+                p.start()
         deadline = time.monotonic() + 60.0 + timeout * max(len(cases), 1)
         missing = len(cases) * world_size
         try:

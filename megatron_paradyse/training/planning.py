@@ -3,6 +3,8 @@
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -32,6 +34,22 @@ def planner_from_args(args, log=print, can_refine: bool = True):
     log(f"> planner: {planner.describe()}; cost model {type(cm).__name__}"
         + (f" ({args.paradyse_cost_model})" if args.paradyse_cost_model else "")
         + f"; on no fit: {args.paradyse_on_no_fit}; refinement {'on' if refine else 'off'}")
+    note = allocator_mismatch(cm)
+    if note:
+        log(f"> warning: {note}")
     multiple = args.paradyse_pad_multiple or args.tensor_model_parallel_size
     plan_fn = make_plan_fn(planner, args.paradyse_on_no_fit, multiple=multiple, warn=log)
     return planner, plan_fn
+
+
+def allocator_mismatch(cm) -> str | None:
+    """On CPU, why ``cm``'s times may not hold here: its profile's ranks had another
+    ``THP_MEM_ALLOC_ENABLE`` (``cpu_compat.RANK_ENV``) than this process; else None."""
+    hw = (getattr(cm, "meta", None) or {}).get("profile", {}).get("hardware") or {}
+    if torch.cuda.is_available() or "thp_mem_alloc_enable" not in hw:
+        return None
+    then, now = hw["thp_mem_alloc_enable"], os.environ.get("THP_MEM_ALLOC_ENABLE")
+    if then == now:
+        return None
+    return (f"the cost model was profiled with THP_MEM_ALLOC_ENABLE={then}, this rank has {now}: "
+            "CPU times of large tensors differ (scripts/pretrain_gpt_paradyse_cpu.sh sets it to 1)")
