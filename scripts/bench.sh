@@ -3,7 +3,7 @@
 # strategies as uniform static plans, ParaDySe heuristic and optimal, the per-batch oracle) on
 # the same batches of the stdlib corpus under one memory budget, in one run on p = 4 CPU gloo
 # ranks; then each system's longest sequence within the budget; then the H100 simulation.
-#   scripts/bench.sh                       # writes runs/bench/{bench.json,*.png,simulation.json}
+#   scripts/bench.sh                       # writes runs/bench/{bench.json,bench.log,*.png,simulation.json}
 #   OUT=docs/benchmark scripts/bench.sh    # what docs/benchmark.md commits
 #   STEPS=8 BUDGET_MIB=48 scripts/bench.sh --systems tp_sp,metp   # extra flags go to the bench
 set -euo pipefail
@@ -16,6 +16,6 @@ mkdir -p "$OUT"
 start=$(date +%s)
 "$PY" -m megatron_paradyse.bench --p "${P:-4}" --steps "${STEPS:-12}" --seq-length 4096 \
   --memory-budget-mib "${BUDGET_MIB:-28}" --max-seq-len-search --search-probes 4 --search-cap 16384 \
-  --out "$OUT" "$@" 2>&1 | tee "$OUT.log"
-"$PY" -m megatron_paradyse.bench --simulate --out "$OUT" 2>&1 | tee -a "$OUT.log"
-echo "> scripts/bench.sh took $(( $(date +%s) - start )) s" | tee -a "$OUT.log"
+  --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
+"$PY" -m megatron_paradyse.bench --simulate --out "$OUT" 2>&1 | tee -a "$OUT/bench.log"
+echo "> scripts/bench.sh took $(( $(date +%s) - start )) s" | tee -a "$OUT/bench.log"
