@@ -314,6 +314,9 @@ def test_training_warns_when_the_profile_had_another_allocator(monkeypatch):
 
     from megatron_paradyse.training.planning import allocator_mismatch
 
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the check is CPU-only
     cm = types.SimpleNamespace(meta={"profile": {"hardware": {"thp_mem_alloc_enable": "1"}}})
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")
     assert allocator_mismatch(cm) is None
