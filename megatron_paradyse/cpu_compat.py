@@ -1,7 +1,8 @@
 """CPU compatibility layer: lets stock megatron-core run on CPU with the gloo backend.
 
-Applied by :func:`apply` only when CUDA is absent; on a GPU machine it is a no-op, and
-the product itself never imports it on the GPU path. Idempotent. Each shim names the
+Applied by :func:`apply` only where this process computes on the CPU
+(:func:`megatron_paradyse.device.current`: gloo ranks, also on a machine with GPUs); under
+NCCL it is a no-op. Idempotent. Each shim names the
 megatron-core functions that need it (checked on 0.16.1 and 0.19.x):
 
 ``device``
@@ -68,8 +69,11 @@ ALL_SHIMS = ("device", "rng", "sp_norm", "factory", "clip_grad", "streams", "che
 
 
 def needed() -> bool:
-    """True where CUDA is absent, the only case in which shims are applied."""
-    return not torch.cuda.is_available()
+    """True where this process computes on the CPU (the device decision), the only case in
+    which shims are applied."""
+    from .device import is_cpu
+
+    return is_cpu()
 
 
 def apply(skip: tuple = ()) -> tuple:

@@ -35,9 +35,19 @@ def pool_buffer(name: str, shape, dtype, device=None) -> torch.Tensor:
     from megatron.core import parallel_state
 
     buf = parallel_state.get_global_memory_buffer().get_tensor(list(shape), dtype, POOL_PREFIX + name)
-    if device is not None and buf.device != torch.device(device) and torch.device(device).type != "cpu":
-        raise RuntimeError(f"pool buffer {name} is on {buf.device}, expected {device}")
+    if device is not None and not _same_device(buf.device, torch.device(device)):
+        raise RuntimeError(
+            f"pool buffer {name} is on {buf.device} but the tensors it serves are on {device}: "
+            "megatron's global memory buffer allocates on torch.cuda.current_device(); CPU (gloo) "
+            "ranks need megatron_paradyse.cpu_compat applied (megatron_paradyse.device.select('gloo') "
+            "then cpu_compat.apply())")
     return buf
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    return a.type == "cpu" or a.index is None or b.index is None or a.index == b.index
 
 
 def _global_buffer():

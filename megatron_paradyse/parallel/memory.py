@@ -56,7 +56,9 @@ class PeakMemory:
 
     def __init__(self, device=None):
         if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+            from ..device import current
+
+            device = current()
         self.device = torch.device(device)
         self.peak_bytes = 0
         self.end_bytes = 0

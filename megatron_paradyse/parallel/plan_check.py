@@ -20,10 +20,11 @@ _NEG_INF = -(1 << 63)
 
 
 def collective_device():
-    """The device collectives of the default backend take (cuda under NCCL, cpu under gloo)."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """The device collectives of this process take (the device decision: cuda under NCCL,
+    cpu under gloo)."""
+    from ..device import current
+
+    return current()
 
 
 def verify_plans(step: int, entries: list, num_expected: int, group_index: int, num_groups: int,

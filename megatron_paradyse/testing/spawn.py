@@ -46,7 +46,10 @@ def _worker(fn, rank, world_size, init_file, args, kwargs, results, env, coll_ti
         import torch
         import torch.distributed as dist
 
+        from ..device import select
+
         torch.set_num_threads(1)
+        select("gloo")  # CPU ranks, also on a machine with GPUs
         dist.init_process_group(
             "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=coll_timeout),
@@ -140,7 +143,10 @@ def _case_child(fn, args, rank, world_size, store_path, result_path, log_path, c
     try:
         import torch.distributed as dist
 
+        from ..device import select
+
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
+        select("gloo")
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=coll_timeout))
         out = ("ok", fn(rank, world_size, *args))
