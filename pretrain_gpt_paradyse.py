@@ -12,7 +12,8 @@ Two code paths (``--paradyse-trainer``):
 * ``core`` (the default): the training loop of
   ``megatron_paradyse.training`` on megatron-core alone (DDP, get_forward_backward_func,
   finalize_model_grads, get_megatron_optimizer, OptimizerParamScheduler, dist checkpoints).
-  On CPU it applies ``megatron_paradyse.cpu_compat`` and uses gloo. Tested in this repository.
+  With ``--distributed-backend gloo`` (the default without CUDA) the ranks compute on the CPU
+  and ``megatron_paradyse.cpu_compat`` is applied. Tested in this repository.
 * ``megatron``: Megatron-LM 0.16's own ``pretrain()`` with ParaDySe's model and datasets
   providers and forward step (``megatron.training`` of a Megatron-LM core_v0.16 checkout on
   ``PYTHONPATH``). Ran on CPU gloo ranks with core_v0.16.1: the same losses as Megatron-LM's
@@ -51,12 +52,6 @@ if __name__ == "__main__":
 
         megatron_lm_main()
     else:
-        import torch
-
-        if not torch.cuda.is_available():
-            from megatron_paradyse import cpu_compat
-
-            cpu_compat.apply()
         from megatron_paradyse.training.trainer import main
 
         sys.exit(main())

@@ -1,9 +1,11 @@
-"""The torch LayerNorm / RMSNorm that sequence parallelism needs when apex is absent.
+"""The torch LayerNorm / RMSNorm that sequence parallelism needs.
 
-megatron's ``WrappedTorchNorm`` refuses ``sequence_parallel``; apex's ``FusedLayerNorm``
-instead tags its parameters ``sequence_parallel`` so that ``finalize_model_grads`` sums their
-gradients over TP. This is that norm, with the same maths and state-dict keys as megatron's.
-Used by the GPU trainer without apex and by the CPU compatibility layer.
+megatron's ``WrappedTorchNorm`` refuses ``sequence_parallel`` (and its local spec uses it for
+RMSNorm even where apex exists); apex's ``FusedLayerNorm`` instead tags its parameters
+``sequence_parallel`` so that ``finalize_model_grads`` sums their gradients over TP. This is
+that norm, with the same maths and state-dict keys as megatron's. The plugin's model builder
+(``megatron_paradyse.model``) uses it whenever sequence parallelism is on; the Megatron-LM
+entry point and the CPU compatibility layer put it behind ``WrappedTorchNorm``.
 """
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ import torch
 
 def sp_torch_norm(config, hidden_size, eps=1e-5, **unused):
     """A torch norm for ``config.normalization`` whose parameters carry ``sequence_parallel``."""
-    if config.layernorm_zero_centered_gamma or config.persist_layer_norm:
-        raise ValueError("zero_centered_gamma / persist_layer_norm not supported by torch norms")
+    if config.layernorm_zero_centered_gamma:
+        raise ValueError("layernorm_zero_centered_gamma is not supported by torch norms")
+    # persist_layer_norm selects apex's persistent kernel; the maths is the same without it
     cls = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}.get(config.normalization)
     if cls is None:
         raise ValueError(f"normalization {config.normalization!r} not supported by torch norms")
@@ -21,3 +24,11 @@ def sp_torch_norm(config, hidden_size, eps=1e-5, **unused):
     for p in norm.parameters():
         p.sequence_parallel = config.sequence_parallel
     return norm
+
+
+class SPTorchNorm:
+    """:func:`sp_torch_norm` as a module class for megatron layer specs (``build_module``
+    instantiates classes but returns plain functions uncalled)."""
+
+    def __new__(cls, config, hidden_size, eps=1e-5, **unused):
+        return sp_torch_norm(config, hidden_size, eps)

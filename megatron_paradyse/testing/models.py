@@ -61,19 +61,13 @@ def init_megatron(tp: int, seed: int = 1234, **kwargs) -> None:
 
 
 def build_gpt(spec: TinyGPT, tp: int, seed: int = 1234, sequence_parallel: bool = True):
-    """A stock ``GPTModel`` with megatron's local layer spec, weights drawn from ``seed``."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    """A stock ``GPTModel`` (the package's one builder, ``megatron_paradyse.model``: megatron's
+    local layer spec) with weights drawn from ``seed``, on this process's device."""
+    from ..model import build_gpt as build
 
-    torch.manual_seed(seed)
     config = spec.transformer_config(tp, sequence_parallel)
-    model = GPTModel(
-        config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
-        vocab_size=spec.vocab_size, max_sequence_length=spec.max_seq_length,
-        position_embedding_type="rope", parallel_output=True,
-        share_embeddings_and_output_weights=False,
-    )
-    return model
+    return build(config, spec.vocab_size, spec.max_seq_length, position_embedding_type="rope",
+                 share_embeddings_and_output_weights=False, seed=seed)
 
 
 def make_batch(spec: TinyGPT, batch: int, seq: int, seed: int):

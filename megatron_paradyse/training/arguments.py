@@ -14,6 +14,8 @@ import argparse
 import os
 import warnings
 
+from ..model import ModelArgsError, add_model_args, complete_model_args, transformer_config
+
 
 class ArgumentError(ValueError):
     """A bad flag or flag combination, detected before any collective."""
@@ -69,9 +71,7 @@ _IGNORED = {  # accepted for drop-in compatibility with Megatron-LM scripts; no 
     "--data-cache-path": str, "--tensorboard-dir": str, "--wandb-project": str,
     "--exit-interval": int,
 }
-_IGNORED_SWITCHES = ("--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion",
-                     "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-gradient-accumulation-fusion",
-                     "--use-mcore-models", "--transformer-impl-local", "--log-throughput",
+_IGNORED_SWITCHES = ("--use-mcore-models", "--transformer-impl-local", "--log-throughput",
                      "--log-timers-to-tensorboard", "--no-async-tensor-model-parallel-allreduce")
 
 
@@ -80,32 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pretrain_gpt_paradyse.py", allow_abbrev=False,
         description="Pretrain a GPT with megatron-core, optionally with ParaDySe strategy switching.")
 
-    g = p.add_argument_group("network size")
-    g.add_argument("--num-layers", type=int, required=True)
-    g.add_argument("--hidden-size", type=int, required=True)
-    g.add_argument("--ffn-hidden-size", type=int, default=None,
-                   help="default 4*hidden (SwiGLU: int(4*hidden*2/3 / 64) * 64, as Megatron-LM)")
-    g.add_argument("--num-attention-heads", type=int, required=True)
-    g.add_argument("--kv-channels", type=int, default=None)
-    g.add_argument("--group-query-attention", action="store_true")
-    g.add_argument("--num-query-groups", type=int, default=1)
-    g.add_argument("--max-position-embeddings", type=int, default=None)
-    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope", "none"),
-                   default="learned_absolute")
-    g.add_argument("--rotary-base", type=int, default=10000)
-    g.add_argument("--rotary-percent", type=float, default=1.0)
-    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
-    g.add_argument("--norm-epsilon", type=float, default=1e-5)
-    g.add_argument("--swiglu", action="store_true")
-    g.add_argument("--disable-bias-linear", action="store_true")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--vocab-size", type=int, default=None,
-                   help="token ids are 0 .. vocab-size-1 (Megatron-LM's NullTokenizer)")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--tokenizer-type", type=str, default="NullTokenizer",
+    add_model_args(p)
+    p.add_argument("--tokenizer-type", type=str, default="NullTokenizer",
                    help="only NullTokenizer: data is token ids")
 
     g = p.add_argument_group("training")
@@ -129,9 +105,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-eps", type=float, default=1e-08)
     g.add_argument("--sgd-momentum", type=float, default=0.9)
     g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--fp16", action="store_true")
-    g.add_argument("--use-cpu-initialization", action="store_true")
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="always on: the loss is summed over real tokens and divided by the step's "
                         "real-token count, so padding never changes loss or gradient")
@@ -262,20 +235,23 @@ def validate_args(args, world_size: int | None = None) -> argparse.Namespace:
     if args.paradyse and tp > 1 and not args.sequence_parallel:
         _err("--paradyse needs --sequence-parallel: every strategy keeps the [s/p, b, h] "
              "sequence-parallel layout between layers")
-    if args.fp16:
-        _err("--fp16 is not supported (its loss scaler needs CUDA and apex); use --bf16 or fp32")
-    if args.bf16 and not torch.cuda.is_available():
-        _err("--bf16 needs a GPU: on CPU train in fp32 (drop --bf16)")
-    if args.use_distributed_optimizer and not torch.cuda.is_available():
+    if args.distributed_backend is None:
+        from ..device import default_backend
+
+        args.distributed_backend = default_backend()
+    if args.distributed_backend == "nccl" and not torch.cuda.is_available():
+        _err("--distributed-backend nccl needs CUDA; use gloo on CPU")
+    on_cpu = args.distributed_backend == "gloo"  # the device decision (megatron_paradyse.device)
+    if args.bf16 and on_cpu:
+        _err("--bf16 needs GPUs (the nccl backend): on CPU ranks train in fp32 (drop --bf16)")
+    if args.use_distributed_optimizer and on_cpu:
         _err("--use-distributed-optimizer needs CUDA tensors (megatron's type check); on CPU the "
              "plain optimizer is used: drop the flag")
-    if args.overlap_grad_reduce and not torch.cuda.is_available():
+    if args.overlap_grad_reduce and on_cpu:
         _err("--overlap-grad-reduce needs CUDA streams; drop it on CPU")
     if args.tokenizer_type != "NullTokenizer":
         _err(f"--tokenizer-type {args.tokenizer_type}: only NullTokenizer (token-id data) is "
              "supported by this trainer; use Megatron-LM's pretrain() path for text tokenizers")
-    if args.vocab_size is None or args.vocab_size < 2:
-        _err("--vocab-size is required (token ids are 0 .. vocab-size-1)")
     if args.lr is None:
         _err("--lr is required")
     if args.micro_batch_size < 1 or args.train_iters < 1 or args.seq_length < 1:
@@ -299,22 +275,10 @@ def validate_args(args, world_size: int | None = None) -> argparse.Namespace:
         args.max_position_embeddings = args.seq_length
     if args.position_embedding_type == "learned_absolute" and args.seq_length > args.max_position_embeddings:
         _err(f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}")
-    if args.hidden_size % args.num_attention_heads and args.kv_channels is None:
-        _err("--hidden-size must be divisible by --num-attention-heads (or give --kv-channels)")
-    if args.num_attention_heads % tp:
-        _err(f"--num-attention-heads {args.num_attention_heads} must be divisible by "
-             f"--tensor-model-parallel-size {tp}")
-    if not args.group_query_attention:
-        args.num_query_groups = args.num_attention_heads
-    if args.num_attention_heads % args.num_query_groups or args.num_query_groups % tp:
-        _err(f"--num-query-groups {args.num_query_groups} must divide --num-attention-heads and be "
-             f"divisible by --tensor-model-parallel-size {tp}")
-    if args.ffn_hidden_size is None:
-        args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64 if args.swiglu else 4 * args.hidden_size
-    if args.ffn_hidden_size % tp:
-        _err(f"--ffn-hidden-size {args.ffn_hidden_size} must be divisible by TP {tp}")
-    mult = args.make_vocab_size_divisible_by * tp
-    args.padded_vocab_size = -(-args.vocab_size // mult) * mult
+    try:
+        args.model_notes = complete_model_args(args, tp, torch.device("cpu" if on_cpu else "cuda"))
+    except ModelArgsError as e:
+        _err(str(e))
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.lr_warmup_iters >= args.lr_decay_iters:
@@ -325,18 +289,11 @@ def validate_args(args, world_size: int | None = None) -> argparse.Namespace:
         _err("--save-interval needs --save DIR")
     if args.log_interval < 1:
         _err("--log-interval must be >= 1")
-    if args.distributed_backend is None:
-        args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if args.distributed_backend == "nccl" and not torch.cuda.is_available():
-        _err("--distributed-backend nccl needs CUDA; use gloo on CPU")
     if args.paradyse_pad_multiple is None:
         args.paradyse_pad_multiple = tp if (args.sequence_parallel or args.paradyse) else 1
     if args.paradyse_pad_multiple < 1 or args.paradyse_pad_multiple % (tp if args.sequence_parallel else 1):
         _err(f"--paradyse-pad-multiple {args.paradyse_pad_multiple} must be a positive multiple of TP {tp}")
-    args.params_dtype = torch.bfloat16 if args.bf16 else torch.float32
     args.calculate_per_token_loss = True
-    if not torch.cuda.is_available():
-        args.use_cpu_initialization = True
     for flag in list(_IGNORED) + list(_IGNORED_SWITCHES):
         dest = flag.lstrip("-").replace("-", "_")
         if getattr(args, dest, None) not in (None, False) and int(os.environ.get("RANK", "0")) == 0:
@@ -422,25 +379,4 @@ def default_memory_budget_gib() -> float:
 
 def transformer_config_from_args(args, **overrides):
     """megatron-core's ``TransformerConfig`` for the parsed flags (no collective)."""
-    import torch.nn.functional as F
-    from megatron.core.transformer import TransformerConfig
-
-    kw = dict(
-        num_layers=args.num_layers, hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-        kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
-        gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
-        add_bias_linear=not args.disable_bias_linear, normalization=args.normalization,
-        layernorm_epsilon=args.norm_epsilon, init_method_std=args.init_method_std,
-        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        sequence_parallel=args.sequence_parallel,
-        use_cpu_initialization=args.use_cpu_initialization,
-        params_dtype=args.params_dtype, bf16=args.bf16,
-        pipeline_dtype=args.params_dtype,
-        calculate_per_token_loss=True,
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        persist_layer_norm=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
-    )
-    kw.update(overrides)
-    return TransformerConfig(**kw)
+    return transformer_config(args, **overrides)

@@ -37,53 +37,22 @@ import torch
 import torch.distributed as dist
 
 from .. import data as pdata
+from ..device import select as select_device
+from ..device import synchronize
 from ..parallel.plan_check import collective_device
 from .forward_step import forward_step
 from .iterator import PlannedIterator
-from ..parallel.norms import sp_torch_norm
 from ..parallel.plans import describe_plans, parse_plan, rule_plan_fn
 
 # ============================================================================ model & optimizer
 
 
 def build_model(args, config):
-    """The stock GPTModel (megatron-core's local layer spec) for the parsed flags."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    """The stock GPTModel for the parsed flags (megatron_paradyse.model: the builder the
+    profiler and the check use too), on this process's device."""
+    from ..model import build_gpt_from_args
 
-    torch.manual_seed(args.seed)  # CPU init draws the full master weights: same on every rank
-    spec = get_gpt_layer_local_spec(normalization=args.normalization)
-    if torch.cuda.is_available() and config.sequence_parallel and not _has_apex():
-        # GPU without apex: megatron's torch norm refuses sequence parallelism; use the same
-        # torch norm with its parameters tagged sequence_parallel (as apex's FusedLayerNorm).
-        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-
-        spec.submodules.input_layernorm = sp_torch_norm
-        spec.submodules.pre_mlp_layernorm = sp_torch_norm
-        spec = TransformerBlockSubmodules(layer_specs=[spec] * config.num_layers, layer_norm=sp_torch_norm)
-    model = GPTModel(
-        config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,
-        parallel_output=True,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
-    )
-    if torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
-    if args.bf16:
-        from megatron.core.transformer.module import Float16Module
-
-        model = Float16Module(config, model)
-    return model
-
-
-def _has_apex() -> bool:
-    try:
-        from apex.normalization import FusedLayerNorm  # noqa: F401
-    except Exception:  # noqa: BLE001
-        return False
-    return True
+    return build_gpt_from_args(args, config)
 
 
 def build_optimizer(args, model):
@@ -177,6 +146,8 @@ class Trainer:
         tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
 
         self.config = transformer_config_from_args(args)
+        for note in getattr(args, "model_notes", ()):
+            self.log(f"> {note}")
         model = build_model(args, self.config)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
@@ -272,8 +243,7 @@ class Trainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         args = self.args
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        synchronize()
         t0 = time.perf_counter()
         micro = self.data_iterator.prefetch()
         self.model.zero_grad_buffer()
@@ -300,8 +270,7 @@ class Trainer:
             t = total.to(collective_device())
             dist.all_reduce(t, group=self.dp_group)
             total = t.cpu()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        synchronize()
         seconds = time.perf_counter() - t0
         self.iteration += 1
         stats = StepStats(
@@ -431,9 +400,8 @@ def init_distributed(args) -> None:
     os.environ.setdefault("MASTER_PORT", "29500")
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
-    if args.distributed_backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    else:
+    select_device(args.distributed_backend)  # nccl: this rank's GPU, set before NCCL starts; gloo: CPU
+    if args.distributed_backend == "gloo":
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group(args.distributed_backend,
                             timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
