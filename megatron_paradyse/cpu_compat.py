@@ -171,18 +171,9 @@ def _rng():
 
 
 def _sp_norm():
-    from megatron.core.transformer import torch_norm
+    from .parallel.norms import install_sp_norm
 
-    if getattr(torch_norm.WrappedTorchNorm.__new__, "_paradyse", False):
-        return
-
-    from .parallel.norms import sp_torch_norm
-
-    def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
-        return sp_torch_norm(config, hidden_size, eps)
-
-    __new__._paradyse = True
-    torch_norm.WrappedTorchNorm.__new__ = __new__
+    install_sp_norm()
 
 
 def _cpu_device(device):

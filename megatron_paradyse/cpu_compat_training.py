@@ -64,8 +64,11 @@ ALL_SHIMS = ("batch_invariant", "no_cuda_assert", "distributed", "seed", "device
 
 
 def needed() -> bool:
-    """True where CUDA is absent, the only case in which shims are applied."""
-    return not torch.cuda.is_available()
+    """True where this process computes on the CPU (the device decision), the only case in
+    which shims are applied."""
+    from .device import is_cpu
+
+    return is_cpu()
 
 
 def apply(skip: tuple = ()) -> tuple:

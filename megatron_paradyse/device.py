@@ -47,9 +47,47 @@ def select(backend: str) -> torch.device:
     if _CHOSEN and _CHOSEN[0] != dev:
         raise RuntimeError(f"this process already computes on {_CHOSEN[0]}; cannot switch to {dev}")
     if dev.type == "cuda":
+        set_allocator()
         torch.cuda.set_device(dev)
     _CHOSEN[:] = [dev]
     return dev
+
+
+ALLOCATOR_CONF = "expandable_segments:True"
+
+
+def set_allocator() -> str:
+    """The CUDA caching allocator's settings on every path (trainer, Megatron-LM entry point,
+    profiler, check): ``expandable_segments`` unless ``PYTORCH_CUDA_ALLOC_CONF`` says otherwise.
+    Variable-length micro-batches allocate differently sized activations every step; with
+    fixed segments the cached blocks fragment and reserved memory grows past what the cost
+    model predicts. Returns the setting in force."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    if conf is None:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf = ALLOCATOR_CONF
+        if torch.cuda.is_initialized():  # too late for the variable: set it directly
+            torch.cuda.memory._set_allocator_settings(ALLOCATOR_CONF)
+    return conf
+
+
+# Memory the device will need outside torch's allocator after planning starts: NCCL's buffers
+# for communicators first used in the first step, cuBLAS/cuDNN workspaces of new streams.
+NON_TORCH_RESERVE_BYTES = 1 << 30
+
+
+def usable_memory_bytes() -> int:
+    """What this rank's device can really hand out to torch's allocator from now on: on CUDA,
+    the free device memory plus what torch already reserved (the CUDA context, other
+    processes and NCCL/cuBLAS buffers already made are outside), less
+    :data:`NON_TORCH_RESERVE_BYTES` for buffers not made yet; on the CPU, the host's memory
+    divided by the ranks of this node (``LOCAL_WORLD_SIZE``, else ``WORLD_SIZE``)."""
+    dev = current()
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        return max(0, free + torch.cuda.memory_reserved(dev) - NON_TORCH_RESERVE_BYTES)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")) or 1)
+    return total // max(1, ranks)
 
 
 def current() -> torch.device:

@@ -357,12 +357,16 @@ class AnalyticCostModel(CostModel):
             raise ValueError(f"unknown hardware {hardware!r} in {hardware_path or 'hardware.json'}: "
                              f"{sorted(k for k in hw_all if not k.startswith('_'))}")
         self.hw = hw_all[hardware]
+        self.hardware = hardware
         nets = load_config("interconnects.json", interconnect_path)
         name = interconnect or self.hw["interconnect"]
         if name not in nets:
             raise ValueError(f"unknown interconnect {name!r}: {sorted(k for k in nets if not k.startswith('_'))}")
         self.net = nets[name]
         self.optimizer = optimizer
+
+    def device_kind(self) -> str:
+        return "cpu" if self.hardware == "cpu" else "cuda"
 
     def _check(self, strategy, s, b):
         if strategy not in self.strategies:

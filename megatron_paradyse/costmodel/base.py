@@ -55,6 +55,11 @@ class CostModel:
         """Weights, gradients and optimizer state on one rank (independent of the batch)."""
         raise NotImplementedError
 
+    def device_kind(self) -> str:
+        """``"cuda"`` or ``"cpu"``: the device the predictions are for (the planner's default
+        margin depends on it, not on the machine that plans)."""
+        return "cpu"
+
     def nonlayer(self, s: int, b: int) -> LayerCost:
         """Embedding, output layer and loss of one micro-batch, as one term."""
         return LayerCost(0.0, 0.0, 0.0)

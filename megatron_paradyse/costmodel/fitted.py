@@ -77,6 +77,12 @@ class FittedCostModel(CostModel):
         self.boosters = boosters
         self._cache: dict = {}
 
+    def device_kind(self) -> str:
+        """From the profile's hardware record: its ``device`` (profiles since the device
+        decision), else ``cuda`` where a GPU was recorded."""
+        hw = (self.meta.get("profile") or {}).get("hardware") or {}
+        return hw.get("device") or ("cuda" if hw.get("gpu") else "cpu")
+
     # ---------------------------------------------------------------- loading
     @classmethod
     def load(cls, path: str, shape: ModelShape | None = None, strategies=None) -> "FittedCostModel":

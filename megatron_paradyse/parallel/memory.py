@@ -1,11 +1,16 @@
 """Peak memory of a region of code: the measure the strategies' table and the cost models use.
 
-On GPU it is ``torch.cuda.max_memory_allocated`` relative to the region's start. On CPU it
-is a deterministic tracker of live tensor bytes: a ``TorchDispatchMode`` that counts each
-new storage an op creates (views, in-place and ``out=`` ops reuse an input's storage and are
-not counted) and subtracts it when the storage is freed. It is exact to the byte and
-repeatable across runs, unlike RSS (glibc keeps freed heap). It sees tensor storages only:
-not Python objects, nor scratch memory a kernel allocates internally.
+On GPU it is the CUDA caching allocator's peak of *allocated* bytes relative to the region's
+start (what the cost models predict), with the peak of *reserved* bytes beside it (what an
+out-of-memory error is about: allocated plus the allocator's cached, fragmented blocks). torch
+keeps one peak counter per device, so a region resets it; :func:`run_peaks` keeps the
+process's peaks across those resets for logs (Megatron-LM's own ``report_memory`` reads the
+raw counters; the Megatron-LM entry point never measures regions, so they stay untouched
+there). On CPU it is a deterministic tracker of live tensor bytes: a ``TorchDispatchMode``
+that counts each new storage an op creates (views, in-place and ``out=`` ops reuse an input's
+storage and are not counted) and subtracts it when the storage is freed. It is exact to the
+byte and repeatable across runs, unlike RSS (glibc keeps freed heap). It sees tensor storages
+only: not Python objects, nor scratch memory a kernel allocates internally.
 """
 from __future__ import annotations
 
@@ -62,11 +67,13 @@ class PeakMemory:
         self.device = torch.device(device)
         self.peak_bytes = 0
         self.end_bytes = 0
+        self.peak_reserved = None  # CUDA: the allocator's reserved peak (absolute), else None
         self._mode = None
 
     def __enter__(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            _fold_run_peaks(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._start = torch.cuda.memory_allocated(self.device)
         else:
@@ -86,6 +93,7 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._start
             self.end_bytes = torch.cuda.memory_allocated(self.device) - self._start
+            self.peak_reserved = torch.cuda.max_memory_reserved(self.device)
         else:
             self._mode.__exit__(*exc)
             self.peak_bytes = self._mode.peak
@@ -93,11 +101,27 @@ class PeakMemory:
         return False
 
 
-def measure_peak(fn, *args, **kwargs):
-    """``(fn(*args, **kwargs), peak bytes)`` of one call."""
-    with PeakMemory() as m:
-        out = fn(*args, **kwargs)
-    return out, m.peak_bytes
+_RUN_PEAKS: dict = {}  # device -> [allocated, reserved] peaks before the last reset
+
+
+def _fold_run_peaks(device) -> None:
+    run = _RUN_PEAKS.setdefault(str(device), [0, 0])
+    run[0] = max(run[0], torch.cuda.max_memory_allocated(device))
+    run[1] = max(run[1], torch.cuda.max_memory_reserved(device))
+
+
+def run_peaks(device=None) -> tuple:
+    """``(allocated, reserved)`` peak bytes of this process on a CUDA ``device`` since it
+    started, across :class:`PeakMemory`'s resets of torch's counters; ``(None, None)`` on CPU."""
+    if device is None:
+        from ..device import current
+
+        device = current()
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None, None
+    _fold_run_peaks(device)
+    return tuple(_RUN_PEAKS[str(device)])
 
 
 def pass_memory(forward, backward, between=None) -> dict:

@@ -32,3 +32,20 @@ class SPTorchNorm:
 
     def __new__(cls, config, hidden_size, eps=1e-5, **unused):
         return sp_torch_norm(config, hidden_size, eps)
+
+
+def install_sp_norm() -> None:
+    """Make megatron's ``WrappedTorchNorm`` (the local spec's norm for RMSNorm on every image,
+    and for LayerNorm without apex) build :func:`sp_torch_norm`, which accepts sequence
+    parallelism; idempotent. For code that builds megatron's local spec itself (Megatron-LM's
+    own model providers); the plugin's builder (``megatron_paradyse.model``) needs no patch."""
+    from megatron.core.transformer import torch_norm
+
+    if getattr(torch_norm.WrappedTorchNorm.__new__, "_paradyse", False):
+        return
+
+    def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
+        return sp_torch_norm(config, hidden_size, eps)
+
+    __new__._paradyse = True
+    torch_norm.WrappedTorchNorm.__new__ = __new__

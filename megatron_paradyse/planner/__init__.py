@@ -24,14 +24,16 @@ __all__ = ["build_planner", "Planner", "PlanChoice", "NoFitError", "HeuristicPla
 
 
 def build_planner(kind: str, cost_model, memory_budget_bytes: float, gamma: float | None = None,
-                  margin_bytes: float | None = None, strategies=None, refinement=None) -> Planner:
+                  margin_bytes: float | None = None, strategies=None, refinement=None,
+                  device_kind: str | None = None) -> Planner:
     """A planner of ``kind`` (``heuristic`` | ``optimal``) for ``cost_model`` under the budget.
 
     ``gamma``: the hysteresis (keep the previous plan while it fits and is at most gamma
     slower); default 0.05 for ``heuristic`` (the paper's) and 0 for ``optimal`` (switching
     costs nothing here: ``set_plan`` only sets attributes, so the exact planner need not
     trade time for stability; give a gamma to damp switching on noisy, refined predictions).
-    ``margin_bytes``: default 10% of the budget on GPU, 5% on CPU. ``strategies``: restrict
+    ``margin_bytes``: default 10% of the budget on GPU, 5% on CPU, by ``device_kind`` ("cuda" or
+    "cpu": the device the plans are for; default the cost model's). ``strategies``: restrict
     to these (default: all the cost model predicts). ``refinement``: a :class:`Refinement`
     (``True`` builds one) whose all-reduced factors correct the predictions.
     """
@@ -42,7 +44,7 @@ def build_planner(kind: str, cost_model, memory_budget_bytes: float, gamma: floa
     if refinement is True:
         refinement = Refinement(tuple(strategies) if strategies is not None else tuple(cost_model.strategies))
     return KINDS[kind](cost_model, memory_budget_bytes, gamma=gamma, margin_bytes=margin_bytes,
-                       strategies=strategies, refinement=refinement)
+                       strategies=strategies, refinement=refinement, device_kind=device_kind)
 
 
 def make_plan_fn(planner: Planner, on_no_fit: str = "error", multiple: int = 1, warn=None):

@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--memory-budget", type=float, required=True, help="GiB per rank")
     ap.add_argument("--memory-margin", type=float, default=None,
-                    help="GiB kept free (default 10%% of the budget on GPU, 5%% on CPU)")
+                    help="GiB kept free (default 10%% of the budget for a GPU cost model, 5%% for a CPU one: by the cost model's device, not this machine)")
     ap.add_argument("--gamma", type=float, default=None)
     ap.add_argument("--planner", choices=("heuristic", "optimal", "both"), default="both")
     return ap

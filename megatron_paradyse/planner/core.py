@@ -51,14 +51,10 @@ class NoFitError(RuntimeError):
     """Nothing fits the memory budget (raised by the ``error`` policy; the message has the numbers)."""
 
 
-def default_margin_fraction() -> float:
-    """10% of the budget on GPU, 5% on CPU (module docstring)."""
-    try:
-        import torch
-
-        return 0.10 if torch.cuda.is_available() else 0.05
-    except Exception:  # noqa: BLE001
-        return 0.05
+def default_margin_fraction(device_kind: str) -> float:
+    """10% of the budget on a GPU, 5% on a CPU (module docstring), by the device the plans are
+    for (the cost model's or the training device), never by the machine that plans."""
+    return 0.10 if device_kind == "cuda" else 0.05
 
 
 class Costs(NamedTuple):
@@ -117,7 +113,7 @@ class Planner:
 
     def __init__(self, cost_model, memory_budget_bytes: float, gamma: float = 0.05,
                  margin_bytes: float | None = None, strategies=None, refinement=None,
-                 cache_size: int = 4096):
+                 cache_size: int = 4096, device_kind: str | None = None):
         if memory_budget_bytes is None or not (float(memory_budget_bytes) > 0):
             raise ValueError(f"memory budget must be a positive number of bytes, got {memory_budget_bytes!r}")
         if gamma is None or gamma < 0:
@@ -133,7 +129,8 @@ class Planner:
                              f"(it knows {tuple(cost_model.strategies)})")
         self.strategies = names
         self.budget = float(memory_budget_bytes)
-        self.margin = (default_margin_fraction() * self.budget if margin_bytes is None
+        self.device_kind = device_kind or getattr(cost_model, "device_kind", lambda: "cpu")()
+        self.margin = (default_margin_fraction(self.device_kind) * self.budget if margin_bytes is None
                        else float(margin_bytes))
         if self.margin < 0 or self.margin >= self.budget:
             raise ValueError(f"margin {self.margin / MiB:.1f} MiB must be >= 0 and below the budget "

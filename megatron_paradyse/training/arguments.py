@@ -43,8 +43,10 @@ def add_paradyse_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="The planner's fitted cost model (metadata .json; default: the model shipped "
                         "for this model's shape, else the analytic model).")
     g.add_argument("--paradyse-memory-budget", type=float, default=None,
-                   help="The planner's memory budget, GiB per rank (default: the GPU's memory; on "
-                        "CPU the host's memory divided by the ranks on the node).")
+                   help="The planner's memory budget, GiB per rank (default: what the device can "
+                        "hand out once the model and optimizer exist: on GPU free + torch-reserved "
+                        "memory less 1 GiB for NCCL/cuBLAS buffers made later; on CPU the host's "
+                        "memory divided by the ranks on the node).")
     g.add_argument("--paradyse-trainer", choices=("auto", "core", "megatron"), default="core",
                    help="pretrain_gpt_paradyse.py: 'core' (default) = the megatron-core training "
                         "loop of megatron_paradyse.training; 'megatron' = Megatron-LM's pretrain() "
@@ -366,15 +368,13 @@ def validate_planner_args(args, tp: int, config=None) -> None:
 
 
 def default_memory_budget_gib() -> float:
-    """The planner's default budget: the GPU's memory; on CPU the host's memory divided by the
-    ranks on this node (``LOCAL_WORLD_SIZE``, else ``WORLD_SIZE``), which share it."""
-    import torch
+    """The planner's default budget, GiB: what this rank's device can really hand out
+    (``megatron_paradyse.device.usable_memory_bytes``: on GPU free + torch-reserved memory
+    less a reserve for NCCL/cuBLAS buffers made later, measured when the planner is built,
+    after the model and optimizer; on CPU the host's memory divided by the node's ranks)."""
+    from ..device import usable_memory_bytes
 
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / float(1 << 30)
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")) or 1)
-    return total / max(1, ranks) / float(1 << 30)
+    return usable_memory_bytes() / float(1 << 30)
 
 
 def transformer_config_from_args(args, **overrides):

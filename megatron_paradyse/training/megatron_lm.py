@@ -430,18 +430,38 @@ def uninstall_hooks() -> None:
     _HOOKS.clear()
 
 
-def run_script(script: str, argv: list) -> None:
-    """Run Megatron-LM's ``script`` as ``__main__`` with ``argv``, with the hooks installed."""
+def _select_device(argv) -> None:
+    """The device decision from Megatron-LM's ``--distributed-backend`` (its default nccl; gloo
+    without CUDA), made before Megatron initialises: the allocator settings and the current
+    device on GPUs, the CPU shims on CPU ranks. With sequence parallelism megatron's
+    ``WrappedTorchNorm`` (the local spec's RMSNorm on every image) builds the SP torch norm."""
     import torch
 
+    from ..device import select
+    from ..parallel.norms import install_sp_norm
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    for i, a in enumerate(argv):
+        if a == "--distributed-backend" and i + 1 < len(argv):
+            backend = argv[i + 1]
+        elif a.startswith("--distributed-backend="):
+            backend = a.split("=", 1)[1]
+    select(backend)
+    if backend == "gloo":
+        from .. import cpu_compat_training
+
+        cpu_compat_training.apply()
+    if "--sequence-parallel" in argv:
+        install_sp_norm()
+
+
+def run_script(script: str, argv: list) -> None:
+    """Run Megatron-LM's ``script`` as ``__main__`` with ``argv``, with the hooks installed."""
     script = os.path.abspath(script)
     if not os.path.isfile(script):
         raise SystemExit(f"megatron_paradyse.training.megatron_lm: no such script: {script}")
     sys.path.insert(0, os.path.dirname(script))  # its gpt_builders / model_provider / megatron/
-    if not torch.cuda.is_available():
-        from .. import cpu_compat_training
-
-        cpu_compat_training.apply()
+    _select_device(argv)
     install_hooks()
     sys.argv = [script] + list(argv)
     # Not runpy.run_path: it would make the script ``sys.modules["__main__"]``, and the
@@ -477,13 +497,9 @@ def megatron_lm_main() -> None:
     with a local-spec GPT, ParaDySe's forward step and document datasets (needs
     ``megatron.training`` of Megatron-LM 0.16; ran on core_v0.16.1, equal to its own
     ``pretrain_gpt.py``). For 0.19 and later, use :func:`main` with Megatron-LM's script."""
-    import torch
     from megatron.core.enums import ModelType
 
-    if not torch.cuda.is_available():
-        from .. import cpu_compat_training
-
-        cpu_compat_training.apply()
+    _select_device(sys.argv[1:])
     install_hooks()
     import inspect
 

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import os
 
-import torch
+from ..device import current as current_device
+from ..device import is_cpu
 
 
 def planner_from_args(args, log=print, can_refine: bool = True):
     """``(planner, plan_fn)`` for ``--paradyse`` without ``--paradyse-plan``.
 
     The cost model is ``--paradyse-cost-model`` or the one shipped for the model's shape (else
-    the analytic model); the budget ``--paradyse-memory-budget`` GiB (default: the device's
-    memory, see ``arguments.default_memory_budget_gib``). ``plan_fn`` is the iterator's
+    the analytic model); the budget ``--paradyse-memory-budget`` GiB (default: what the device
+    can hand out, see ``arguments.default_memory_budget_gib``); the margin by the training
+    device (10% on GPU, 5% on CPU) unless ``--paradyse-memory-margin``. ``plan_fn`` is the iterator's
     ``plan_fn(mb, step, index)`` and keeps the last choices in ``plan_fn.choices``.
     ``can_refine=False``: a step loop that feeds no measurements back (Megatron-LM's) gets no
     online refinement, whatever ``--paradyse-refine`` says.
@@ -27,10 +29,10 @@ def planner_from_args(args, log=print, can_refine: bool = True):
     if budget is None:
         budget = args.paradyse_memory_budget = default_memory_budget_gib()
     margin = None if args.paradyse_memory_margin is None else args.paradyse_memory_margin * GiB
-    refine = can_refine and {"on": True, "off": False}.get(args.paradyse_refine, torch.cuda.is_available())
+    refine = can_refine and {"on": True, "off": False}.get(args.paradyse_refine, not is_cpu())
     planner = build_planner(args.paradyse_planner, cm, budget * GiB, gamma=args.paradyse_gamma,
                             margin_bytes=margin, strategies=args.paradyse_planner_strategies,
-                            refinement=True if refine else None)
+                            refinement=True if refine else None, device_kind=current_device().type)
     log(f"> planner: {planner.describe()}; cost model {type(cm).__name__}"
         + (f" ({args.paradyse_cost_model})" if args.paradyse_cost_model else "")
         + f"; on no fit: {args.paradyse_on_no_fit}; refinement {'on' if refine else 'off'}")
@@ -46,7 +48,7 @@ def allocator_mismatch(cm) -> str | None:
     """On CPU, why ``cm``'s times may not hold here: its profile's ranks had another
     ``THP_MEM_ALLOC_ENABLE`` (``cpu_compat.RANK_ENV``) than this process; else None."""
     hw = (getattr(cm, "meta", None) or {}).get("profile", {}).get("hardware") or {}
-    if torch.cuda.is_available() or "thp_mem_alloc_enable" not in hw:
+    if not is_cpu() or "thp_mem_alloc_enable" not in hw:
         return None
     then, now = hw["thp_mem_alloc_enable"], os.environ.get("THP_MEM_ALLOC_ENABLE")
     if then == now:

@@ -231,8 +231,9 @@ class Trainer:
                                    layer_seconds=lambda n, s: self.planner.costs(s, b).t[idx[n]])
             ref.step(vec)  # one all-reduce over the world: every rank applies the same sum
         MiB = float(1 << 20)
+        reserved = "" if m.peak_reserved is None else f", reserved {m.peak_reserved / MiB:.1f} MiB"
         text = (f"pred: {pred_s:.3f} s, peak {pred_m / MiB:.1f} MiB | measured peak (rank "
-                f"{dist.get_rank() if dist.is_initialized() else 0}): {measured / MiB:.1f} MiB "
+                f"{dist.get_rank() if dist.is_initialized() else 0}): {measured / MiB:.1f} MiB{reserved} "
                 f"(budget {self.planner.budget / MiB:.1f} MiB)")
         if ref is not None:
             text += f" | refinement v{ref.version}"
