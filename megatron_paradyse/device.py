@@ -20,7 +20,14 @@ _CHOSEN: list = []  # [torch.device] once selected
 
 
 def default_backend() -> str:
-    """``nccl`` where CUDA is present, else ``gloo`` (what a launcher picks when not told)."""
+    """The backend when none is given: that of an initialised ``torch.distributed``, else the
+    decision already made, else ``nccl`` where CUDA is present and ``gloo`` elsewhere."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return "nccl" if dist.get_backend() == "nccl" else "gloo"
+    if _CHOSEN:
+        return "gloo" if _CHOSEN[0].type == "cpu" else "nccl"
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 

@@ -5,6 +5,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("PYTHONWARNINGS", "ignore")
 warnings.filterwarnings("ignore")
 
+from megatron_paradyse.testing.spawn import fake_cuda_available  # noqa: E402
+
+fake_cuda_available()  # PARADYSE_FAKE_CUDA_AVAILABLE=1: the suite as on a GPU host, gloo ranks
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: extra multi-process worlds, run with -m slow")

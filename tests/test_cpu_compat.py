@@ -1,5 +1,5 @@
-"""The CPU compatibility layer: applied only without CUDA, idempotent, and each shim skippable."""
-import torch
+"""The CPU compatibility layer: applied where the CPU is chosen (gloo ranks), idempotent, and each
+shim skippable."""
 
 from megatron_paradyse.testing.spawn import run_world
 
@@ -36,7 +36,6 @@ def _skip_factory(rank, world):
 
 
 def test_apply_is_idempotent_and_complete():
-    assert not torch.cuda.is_available()
     out = run_world(_apply_twice, 1, timeout=120)[0]
     assert set(out["first"]) == {"device", "rng", "sp_norm", "factory", "clip_grad", "streams", "checkpoint"}
     assert out["second"] == out["first"] and out["same"]

@@ -35,6 +35,20 @@ def _process_env(env: dict):
                 os.environ[k] = v
 
 
+FAKE_CUDA_ENV = "PARADYSE_FAKE_CUDA_AVAILABLE"
+
+
+def fake_cuda_available() -> None:
+    """With ``$PARADYSE_FAKE_CUDA_AVAILABLE=1``, ``torch.cuda.is_available()`` answers True in this
+    process (the CPU ranks then play a GPU host's: everything must still follow the gloo
+    backend's device decision, not CUDA's presence). ``tests/conftest.py`` and every rank
+    this module starts call it."""
+    if os.environ.get(FAKE_CUDA_ENV) == "1":
+        import torch
+
+        torch.cuda.is_available = lambda: True
+
+
 class WorldError(RuntimeError):
     """One or more ranks failed or the world timed out; the message holds each rank's report."""
 
@@ -48,6 +62,7 @@ def _worker(fn, rank, world_size, init_file, args, kwargs, results, env, coll_ti
 
         from ..device import select
 
+        fake_cuda_available()
         torch.set_num_threads(1)
         select("gloo")  # CPU ranks, also on a machine with GPUs
         dist.init_process_group(
@@ -146,6 +161,7 @@ def _case_child(fn, args, rank, world_size, store_path, result_path, log_path, c
         from ..device import select
 
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
+        fake_cuda_available()
         select("gloo")
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=coll_timeout))

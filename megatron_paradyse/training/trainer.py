@@ -26,6 +26,7 @@ The pieces, each usable alone:
 """
 
 
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -153,6 +154,7 @@ class Trainer:
             grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
             overlap_grad_reduce=args.overlap_grad_reduce,
             use_distributed_optimizer=args.use_distributed_optimizer,
+            overlap_param_gather=getattr(args, "overlap_param_gather", False),
         )
         self.model = DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=model)
         self.optimizer, self.scheduler = build_optimizer(args, self.model)
@@ -231,6 +233,9 @@ class Trainer:
                                    layer_seconds=lambda n, s: self.planner.costs(s, b).t[idx[n]])
             ref.step(vec)  # one all-reduce over the world: every rank applies the same sum
         MiB = float(1 << 20)
+        self.last_measure = dict(pred_seconds=pred_s, pred_peak=pred_m, peak=measured,
+                                 peak_reserved=m.peak_reserved, seconds=stats.seconds,
+                                 budget=self.planner.budget, margin=self.planner.margin)
         reserved = "" if m.peak_reserved is None else f", reserved {m.peak_reserved / MiB:.1f} MiB"
         text = (f"pred: {pred_s:.3f} s, peak {pred_m / MiB:.1f} MiB | measured peak (rank "
                 f"{dist.get_rank() if dist.is_initialized() else 0}): {measured / MiB:.1f} MiB{reserved} "
@@ -310,6 +315,7 @@ class Trainer:
                 last_saved = stats.iteration
         if args.save and last_saved != self.iteration and self.iteration > 0:
             self.save()
+        self.finish_param_gather()
         if report is not None:
             self.log(report.summary())
             if not dist.is_initialized() or dist.get_rank() == 0:
@@ -339,12 +345,34 @@ class Trainer:
         static = max_over_ranks(static)
         return stats, report.record(stats, peak, static, self.data_iterator.current)
 
+    @contextlib.contextmanager
+    def _params_gathered(self):
+        """With --overlap-param-gather, the distributed optimizer's parameter all-gather is
+        finished only in the next forward's pre-hooks: inside this, the parameters are complete
+        (as Megatron-LM around a checkpoint save: the hooks off with a synchronous gather, then
+        back on)."""
+        hooked = getattr(self.model, "use_forward_hook", False)
+        if hooked:
+            self.model.disable_forward_pre_hook(param_sync=True)
+        try:
+            yield
+        finally:
+            if hooked:
+                self.model.enable_forward_pre_hook()
+
+    def finish_param_gather(self):
+        """With --overlap-param-gather, finish the last update's parameter all-gather now (else
+        the next forward finishes it), so that the parameters are complete after train()."""
+        with self._params_gathered():
+            pass
+
     def save(self):
         from . import checkpointing
 
         t0 = time.perf_counter()
-        path = checkpointing.save_checkpoint(self.args, self.iteration, self.model, self.optimizer,
-                                             self.scheduler)
+        with self._params_gathered():
+            path = checkpointing.save_checkpoint(self.args, self.iteration, self.model, self.optimizer,
+                                                 self.scheduler)
         self.log(f"  saved checkpoint at iteration {self.iteration:8d} to {path} "
                  f"({time.perf_counter() - t0:.2f} s)")
 

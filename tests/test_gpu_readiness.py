@@ -1,0 +1,92 @@
+"""What a GPU host changes, shown on this CPU: one device decision from the backend, the planner's
+margin from the plans' device, the budget from what the device can hand out, the allocator set
+on every path."""
+import os
+
+import pytest
+import torch
+
+from megatron_paradyse import device
+from megatron_paradyse.testing.spawn import FAKE_CUDA_ENV, run_world
+
+from .exactness import assert_exact, run_cases, stock
+
+
+@pytest.fixture
+def fresh_device():
+    device.reset_for_tests()
+    yield
+    device.reset_for_tests()
+
+
+def _gpu_host_world(rank, world):
+    """In a gloo rank on a (faked) GPU host: every strategy and a mixed plan against stock TP=1
+    (computed in the same faked world), then planned training steps."""
+    import megatron_paradyse as mp
+    from megatron_paradyse.training import arguments, trainer
+
+    assert torch.cuda.is_available() and device.current() == torch.device("cpu")
+    spec = dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, swiglu=True)
+    cases = [(spec, [(p, 2, 32, 5) for p in list(mp.STRATEGIES) + [["tp_sp", "ring", "metp", "ulysses"]]])]
+    got = run_cases(rank, world, cases)
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--vocab-size", "128",
+            "--seq-length", "128", "--micro-batch-size", "1", "--train-iters", "3", "--lr", "1e-3",
+            "--tensor-model-parallel-size", str(world), "--sequence-parallel", "--mock-data",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--position-embedding-type", "rope",
+            "--paradyse", "--paradyse-memory-budget", "1"]
+    args = arguments.parse_args(argv, world_size=world)
+    tr = trainer.Trainer(args, log=lambda m: None)
+    tr.train()
+    return got, args.distributed_backend, [h.loss for h in tr.history]
+
+
+def test_gloo_ranks_on_a_gpu_host_stay_on_the_cpu():
+    env = {FAKE_CUDA_ENV: "1"}
+    got, backend, losses = run_world(_gpu_host_world, 2, env=env, timeout=300)[0]
+    spec = dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, swiglu=True)
+    ref_cases = stock([(spec, [(None, 2, 32, 5)])])
+    ref = run_world(run_cases, 1, ref_cases, env=env, timeout=300)[0][0][0]
+    for i, g in enumerate(got[0]):
+        assert_exact(g, ref, f"plan {i} on a faked GPU host")
+    assert backend == "gloo" and len(losses) == 3 and all(x == x for x in losses)
+
+
+def test_the_margin_follows_the_plans_device_not_this_machine(monkeypatch):
+    from megatron_paradyse.costmodel import ModelShape, build_cost_model
+    from megatron_paradyse.costmodel.analytic import AnalyticCostModel
+    from megatron_paradyse.planner import build_planner
+
+    shape = ModelShape(num_layers=4, hidden=128, heads=8, query_groups=8, ffn=512, swiglu=False,
+                       bias=True, vocab=512, p=4)
+    for cuda in (False, True):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda c=cuda: c)
+        cpu_model = build_cost_model(shape)  # the shipped model, profiled on this CPU
+        gpu_model = AnalyticCostModel(shape, hardware="h100")
+        assert build_planner("optimal", cpu_model, 1 << 30).margin == pytest.approx(0.05 * (1 << 30))
+        assert build_planner("optimal", gpu_model, 1 << 30).margin == pytest.approx(0.10 * (1 << 30))
+        trained_on_gpu = build_planner("optimal", cpu_model, 1 << 30, device_kind="cuda")
+        assert trained_on_gpu.margin == pytest.approx(0.10 * (1 << 30))
+
+
+def test_nccl_without_cuda_is_a_clear_error(fresh_device):
+    with pytest.raises(RuntimeError, match="nccl backend needs CUDA"):
+        device.select("nccl")
+    with pytest.raises(ValueError, match="unknown distributed backend"):
+        device.select("mpi")
+    assert device.select("gloo") == torch.device("cpu")
+
+
+def test_the_budget_is_what_the_device_can_hand_out(monkeypatch, fresh_device):
+    GiB = 1 << 30
+    monkeypatch.setattr(device, "current", lambda: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (70 * GiB, 80 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 5 * GiB)
+    assert device.usable_memory_bytes() == 70 * GiB + 5 * GiB - device.NON_TORCH_RESERVE_BYTES
+
+
+def test_the_allocator_is_set_unless_the_user_set_it(monkeypatch):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert device.set_allocator() == "expandable_segments:True"
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    assert device.set_allocator() == "max_split_size_mb:512"
