@@ -28,5 +28,8 @@ export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 export TORCH_NCCL_ENABLE_MONITORING=1
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 
-# one task per node; each sets NODE_RANK from SLURM_NODEID and starts torchrun
-srun --kill-on-bad-exit=1 bash -c "NODE_RANK=\$SLURM_NODEID bash $ROOT/scripts/pretrain_gpt_paradyse_torchrun.sh $*"
+# one task per node; each sets NODE_RANK from SLURM_NODEID and starts torchrun. The arguments
+# travel as bash -c's positional parameters, each one word as given (a plan such as
+# "rule:4096=tp_sp,ulysses*12+ring*12" is neither split nor globbed).
+srun --kill-on-bad-exit=1 bash -c 'NODE_RANK=$SLURM_NODEID exec bash "$0" "$@"' \
+    "$ROOT/scripts/pretrain_gpt_paradyse_torchrun.sh" "$@"

@@ -90,3 +90,30 @@ def test_the_allocator_is_set_unless_the_user_set_it(monkeypatch):
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
     assert device.set_allocator() == "max_split_size_mb:512"
+
+
+def test_the_slurm_template_keeps_each_argument_whole(tmp_path):
+    """``sbatch pretrain_gpt_paradyse_slurm.sh CKPT DATA --paradyse-plan "a b*"`` reaches the
+    torchrun template with each argument as given (it used to be re-split through ``$*``)."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    fake = tmp_path / "root"
+    (fake / "scripts").mkdir(parents=True)
+    (fake / "scripts" / "pretrain_gpt_paradyse_torchrun.sh").write_text(
+        'for a in "$@"; do echo "[$a]"; done; echo "node $NODE_RANK"\n')
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/bash\nshift\nexec "$@"\n')  # drop --kill-on-bad-exit
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho node0\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    (tmp_path / "x y").mkdir()  # a glob that would match if the argument were re-split
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PARADYSE_ROOT=str(fake),
+               SLURM_JOB_NODELIST="node0", SLURM_JOB_NUM_NODES="1", SLURM_NODEID="0")
+    out = subprocess.run(["bash", os.path.join(root, "scripts", "pretrain_gpt_paradyse_slurm.sh"),
+                          "ck pt", "data", "--paradyse-plan", "rule:4096=tp_sp,ulysses*2 x*"],
+                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:4] == ["[ck pt]", "[data]", "[--paradyse-plan]", "[rule:4096=tp_sp,ulysses*2 x*]"]
+    assert "node 0" in out.stdout
