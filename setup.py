@@ -38,7 +38,7 @@ setup(
         # must be installed with its torch part ("transformer-engine[pytorch]"): the bare
         # meta package makes `import megatron.core` crash. Never install the PyPI package
         # named "apex" (an unrelated web toolkit); NVIDIA apex is built from source.
-        "gpu": ["flash-attn>=2.5", "transformer-engine[pytorch]"],
+        "gpu": ["flash-attn>=2.7,<2.9", "transformer-engine[pytorch]"],
     },
     py_modules=["pretrain_gpt_paradyse"],
 )

@@ -1,72 +1,164 @@
 """Attention kernels: torch's SDPA where no log-sum-exp is needed, and block kernels that expose
 the log-sum-exp with the merge that ring attention needs.
 
-Layout here is ``[b, heads, s, d]``. For the block kernels: on CPU: torch's flash kernel for CPU
+Layout here is ``[b, heads, s, d]``; ``k``/``v`` may have fewer heads than ``q`` (GQA). The
+block kernels (:func:`kernel_path` says which runs): on CPU: torch's flash kernel for CPU
 (``_scaled_dot_product_flash_attention_for_cpu``), which returns the log-sum-exp and has a
 backward that accepts a global output and log-sum-exp, the property that lets a ring split
-one softmax into blocks. On CUDA: flash-attn when installed, else torch's own flash kernel
-(fp16/bf16) or memory-efficient kernel (fp32).
+one softmax into blocks. On CUDA: flash-attn 2.7/2.8 when installed, else torch's own flash
+kernel (fp16/bf16) or memory-efficient kernel (fp32). The flash kernels take fewer K/V heads
+natively (:func:`native_gqa`); for the others K/V are expanded per call and dK/dV reduced.
+A causal block must be square (the kernels align a non-square causal mask differently).
 """
 from __future__ import annotations
 
+import inspect
+import logging
+
 import torch
 
-try:  # optional GPU extra
-    from flash_attn.flash_attn_interface import _flash_attn_backward as _fa_bwd
-    from flash_attn.flash_attn_interface import _flash_attn_forward as _fa_fwd
-    HAVE_FLASH_ATTN = True
-except Exception:  # noqa: BLE001 - any import failure means "not available"
-    HAVE_FLASH_ATTN = False
-
+log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
+# flash-attn's private kernels as called here (2.7.0 - 2.8.x): window_size_left/right, the
+# forward returns (out, lse, S_dmask, rng_state), the backward writes dq/dk/dv in place.
+# 2.5/2.6 take one ``window_size`` tuple and return 8 values.
+_FA_FWD_ARGS = ("q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size_left",
+                "window_size_right", "softcap", "alibi_slopes", "return_softmax")
+_FA_BWD_ARGS = ("dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "dropout_p",
+                "softmax_scale", "causal", "window_size_left", "window_size_right", "softcap",
+                "alibi_slopes", "deterministic")
 
-def _flash_attn_ok(q):
-    return HAVE_FLASH_ATTN and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+def _takes(fn, names) -> bool:
+    """Whether ``fn``'s parameters start with ``names`` and any others have defaults. flash-attn
+    wraps its kernels in ``torch.library.custom_op``, which keeps the function in ``_init_fn``."""
+    params = list(inspect.signature(getattr(fn, "_init_fn", fn)).parameters.values())
+    head, rest = tuple(p.name for p in params[:len(names)]), params[len(names):]
+    return head == tuple(names) and all(p.default is not p.empty for p in rest)
+
+
+def flash_attn_kernels(interface, version: str):
+    """``(forward, backward)`` from flash-attn's ``flash_attn_interface`` module when their
+    signatures are the ones called here, else None, after one warning naming ``version``."""
+    try:
+        fwd, bwd = interface._flash_attn_forward, interface._flash_attn_backward
+        ok = _takes(fwd, _FA_FWD_ARGS) and _takes(bwd, _FA_BWD_ARGS)
+    except (AttributeError, TypeError, ValueError):
+        ok = False
+    if ok:
+        return fwd, bwd
+    log.warning("flash-attn %s is installed, but its _flash_attn_forward/_flash_attn_backward are not "
+                "those of flash-attn 2.7-2.8 that ParaDySe calls: using torch's attention kernels",
+                version)
+    return None
+
+
+def _load_flash_attn():
+    """``((forward, backward), version)`` of an installed, compatible flash-attn, else (None, None)."""
+    try:
+        import flash_attn
+        from flash_attn import flash_attn_interface
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return None, None
+    version = getattr(flash_attn, "__version__", "unknown")
+    kernels = flash_attn_kernels(flash_attn_interface, version)
+    return (kernels, version) if kernels else (None, None)
+
+
+_FA, FLASH_ATTN_VERSION = _load_flash_attn()
+
+
+def kernel_path(q) -> str:
+    """Which block kernel :func:`attn_forward` / :func:`attn_backward` run for ``q``."""
+    if q.device.type == "cpu":
+        return "cpu flash"
+    if q.dtype in (torch.float16, torch.bfloat16):
+        return f"flash-attn {FLASH_ATTN_VERSION}" if _FA else "torch flash"
+    return "torch efficient"
+
+
+def native_gqa(q) -> bool:
+    """Whether the block kernel for ``q`` takes fewer K/V heads than query heads itself
+    (flash-attn's and torch's CUDA flash kernel: ``num_heads % num_heads_k == 0`` in mha_fwd /
+    mha_bwd, which sum dK/dV over each group). torch's memory-efficient kernel needs equal heads;
+    the CPU kernel gets them expanded too (torch 2.13's takes GQA, not checked for older ones)."""
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def _bshd(x):
+    """``[b, h, s, d]`` values laid out as contiguous ``[b, s, h, d]``: the layout torch's CUDA
+    forwards return ``out`` in, which the memory-efficient backward assumes (o_strideM = h*d).
+    ``clone``, not ``contiguous()``: the same copy, which also runs on the CPU tests' fake CUDA
+    tensors (``contiguous()`` sets a CUDA device guard there)."""
+    t = x.transpose(1, 2)
+    return x if t.is_contiguous() else t.clone(memory_format=torch.contiguous_format).transpose(1, 2)
+
+
+def _flash_rng(q):
+    """RNG state for torch's flash backward, shaped as its forward returns it (uint64 ``[2]``
+    and ``[]`` on q's device); read only when dropout_p > 0, never here."""
+    return (torch.empty(2, dtype=torch.uint64, device=q.device),
+            torch.empty((), dtype=torch.uint64, device=q.device))
+
+
+def _efficient_rng(q):
+    """Philox seed and offset for torch's memory-efficient backward (int64 scalars); read only
+    when dropout_p > 0, never here."""
+    return (torch.empty((), dtype=torch.int64, device=q.device),
+            torch.empty((), dtype=torch.int64, device=q.device))
 
 
 def attn_forward(q, k, v, causal: bool, scale: float):
     """Softmax attention of one block: returns (out like q, lse [b, heads, sq] in fp32)."""
+    if not native_gqa(q):
+        rep = q.shape[1] // k.shape[1]
+        k, v = expand_kv(k, rep), expand_kv(v, rep)
     if q.device.type == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)[:2]
         return out, lse
-    if _flash_attn_ok(q):
-        res = _fa_fwd(q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(),
-                      v.transpose(1, 2).contiguous(), 0.0, scale, causal=causal,
-                      window_size_left=-1, window_size_right=-1, softcap=0.0,
-                      alibi_slopes=None, return_softmax=False)
-        return res[0].transpose(1, 2), res[1]
-    if q.dtype in (torch.float16, torch.bfloat16):
-        res = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
-        return res[0], res[1]
+    if _FA and native_gqa(q):
+        # [b, s, h, d] views: flash-attn needs only a contiguous last dim, so nothing is copied
+        out, lse = _FA[0](q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, scale, causal,
+                          -1, -1, 0.0, None, False)[:2]
+        return out.transpose(1, 2), lse
+    if native_gqa(q):
+        out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+        return out, lse
     out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)[:2]
-    return out, lse[..., : q.shape[2]]
+    return out, lse.narrow(-1, 0, q.shape[2])  # the kernel pads the lse rows to a multiple of 32
 
 
 def attn_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
-    """Gradients (dq, dk, dv) of one block, given the *global* out and lse of its rows."""
+    """Gradients (dq, dk, dv) of one block, given the *global* out and lse of its rows; dk/dv
+    have k's heads."""
+    rep = 1 if native_gqa(q) else q.shape[1] // k.shape[1]
+    dq, dk, dv = _block_backward(dout, q, expand_kv(k, rep), expand_kv(v, rep), out, lse, causal, scale)
+    return dq, reduce_kv(dk, rep), reduce_kv(dv, rep)
+
+
+def _block_backward(dout, q, k, v, out, lse, causal, scale):
+    """:func:`attn_backward` with K/V as the kernel takes them. The flash kernels read ``lse`` by
+    pointer as ``[b, h, sq]``: contiguous."""
     if q.device.type == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, causal, scale=scale)
-    if _flash_attn_ok(q):
-        t = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731
-        dq, dk, dv = torch.empty_like(t(q)), torch.empty_like(t(k)), torch.empty_like(t(v))
-        _fa_bwd(t(dout), t(q), t(k), t(v), t(out), lse.contiguous(), dq, dk, dv, 0.0, scale, causal,
-                -1, -1, 0.0, None, False)
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
-    b, h, sq, _ = q.shape
-    if q.dtype in (torch.float16, torch.bfloat16):
-        cum = torch.empty(0, dtype=torch.int32, device=q.device)
-        seed = torch.zeros((), dtype=torch.int64, device=q.device)
+    sq, sk = q.shape[2], k.shape[2]
+    if _FA and native_gqa(q):
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        t = lambda x: x.transpose(1, 2)  # noqa: E731 - [b, s, h, d] views, written in place
+        _FA[1](t(dout), t(q), t(k), t(v), t(out), lse.contiguous(), t(dq), t(dk), t(dv), 0.0, scale, causal,
+               -1, -1, 0.0, None, False)
+        return dq, dk, dv
+    if native_gqa(q):
+        # cum_seq_q/k None (undefined): the dense kernel; defined ones select the varlen one
         return aten._scaled_dot_product_flash_attention_backward(
-            dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), cum, cum, sq, k.shape[2],
-            0.0, causal, seed, seed, scale=scale)
-    seed = torch.zeros((), dtype=torch.int64, device=q.device)
-    pad = (-sq) % 32
-    lse_p = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
+            dout, q, k, v, out, lse.contiguous(), None, None, sq, sk, 0.0, causal, *_flash_rng(q), scale=scale)
+    pad = (-sq) % 32  # rows padded to a multiple of 32, as its forward returns them
+    lse = torch.nn.functional.pad(lse, (0, pad)) if pad else lse.contiguous()
     dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-        dout.contiguous(), q, k, v, None, out.contiguous(), lse_p.contiguous(), seed, seed, 0.0,
-        [True, True, True, False], causal, scale=scale)
+        dout, q, k, v, None, _bshd(out), lse, *_efficient_rng(q), 0.0, [True, True, True, False],
+        causal, scale=scale)
     return dq, dk, dv
 
 

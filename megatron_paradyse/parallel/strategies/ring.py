@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..attention_kernels import attn_backward, attn_forward, causal_attention, expand_kv, merge_lse, reduce_kv
+from ..attention_kernels import attn_backward, attn_forward, causal_attention, merge_lse
 from ..buffers import block_slot
 from ..ring_comm import GradRing, ring_stream
 from . import zero3
@@ -45,50 +45,58 @@ def _blocks(layout, rank, src, length):
     return tuple((rows, keys, False) for rows, keys in layout.full_blocks(rank, src))
 
 
+def ring_forward(q, kv_steps, layout, rank, scale):
+    """Rank ``rank``'s forward over the K/V blocks ``kv_steps`` yields as ``(src, (k, v))``, its
+    own first (:func:`ring_stream`'s order); returns (out, lse) in fp32."""
+    out = lse = None
+    for src, (cur_k, cur_v) in kv_steps:
+        for rows, keys, causal in _blocks(layout, rank, src, q.shape[2]):
+            o, l = attn_forward(q[:, :, rows], cur_k[:, :, keys], cur_v[:, :, keys], causal, scale)
+            out, lse = _merge_rows(out, lse, rows, o, l)
+    return out, lse
+
+
+def step_backward(dout, q, out, lse, dq, cur_k, cur_v, blocks, scale):
+    """One ring step's backward over the visiting ``cur_k``/``cur_v``: adds the blocks' dQ into
+    ``dq`` (fp32) and returns the block's fp32 [dK, dV], or None where no query sees it."""
+    if not blocks:
+        return None
+    contrib = [torch.zeros_like(cur_k, dtype=torch.float32), torch.zeros_like(cur_v, dtype=torch.float32)]
+    for rows, keys, causal in blocks:
+        dq_b, dk_b, dv_b = attn_backward(dout[:, :, rows], q[:, :, rows], cur_k[:, :, keys], cur_v[:, :, keys],
+                                         out[:, :, rows], lse[:, :, rows], causal, scale)
+        dq[:, :, rows] += dq_b
+        contrib[0][:, :, keys] += dk_b
+        contrib[1][:, :, keys] += dv_b
+    return contrib
+
+
 class RingAttention(torch.autograd.Function):
     """Causal attention of local queries ``[b, n, s/p, d]`` over the whole sequence by a K/V ring.
 
     Rank r holds the tokens ``layout.segments(r)`` (``zigzag.RingLayout``: balanced, or
-    contiguous). ``k``/``v`` are ``[b, kv, s/p, d]`` with ``n % kv == 0``; each block is
-    expanded to the query heads only for the kernel.
+    contiguous). ``k``/``v`` are ``[b, kv, s/p, d]`` with ``n % kv == 0``; the block kernels
+    take them with their KV heads (``attention_kernels.native_gqa``).
     """
 
     @staticmethod
     def forward(ctx, q, k, v, group, scale, layout):
         rank = dist.get_rank(group)
-        rep, length = q.shape[1] // k.shape[1], q.shape[2]
-        out = lse = None
-        for src, (cur_k, cur_v) in ring_stream([k, v], group, _slot):
-            for rows, keys, causal in _blocks(layout, rank, src, length):
-                o, l = attn_forward(q[:, :, rows], expand_kv(cur_k[:, :, keys], rep),
-                                    expand_kv(cur_v[:, :, keys], rep), causal, scale)
-                out, lse = _merge_rows(out, lse, rows, o, l)
+        out, lse = ring_forward(q, ring_stream([k, v], group, _slot), layout, rank, scale)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale, ctx.rep, ctx.layout = group, scale, rep, layout
+        ctx.group, ctx.scale, ctx.layout = group, scale, layout
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, rep = ctx.group, ctx.rep
-        rank, length = dist.get_rank(group), q.shape[2]
+        rank = dist.get_rank(ctx.group)
         dq = torch.zeros_like(q, dtype=torch.float32)
-        grads = GradRing([k, v], group)
-        for src, (cur_k, cur_v) in ring_stream([k, v], group, _slot):
-            blocks = _blocks(ctx.layout, rank, src, length)
-            contrib = None
-            if blocks:
-                contrib = [torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
-            for rows, keys, causal in blocks:
-                dq_b, dk_b, dv_b = attn_backward(dout[:, :, rows], q[:, :, rows],
-                                                 expand_kv(cur_k[:, :, keys], rep),
-                                                 expand_kv(cur_v[:, :, keys], rep),
-                                                 out[:, :, rows], lse[:, :, rows], causal, ctx.scale)
-                dq[:, :, rows] += dq_b
-                contrib[0][:, :, keys] += reduce_kv(dk_b, rep)
-                contrib[1][:, :, keys] += reduce_kv(dv_b, rep)
-            grads.add(contrib)
+        grads = GradRing([k, v], ctx.group)
+        for src, (cur_k, cur_v) in ring_stream([k, v], ctx.group, _slot):
+            blocks = _blocks(ctx.layout, rank, src, q.shape[2])
+            grads.add(step_backward(dout, q, out, lse, dq, cur_k, cur_v, blocks, ctx.scale))
         dk, dv = grads.result()
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
