@@ -6,8 +6,11 @@
 # Without torchrun this spawns --nproc gloo ranks on this machine (CPU); under torchrun
 # (WORLD_SIZE set) it uses the launched ranks, e.g. on a GPU node:
 #   torchrun --nproc-per-node 8 -m megatron_paradyse.costmodel profile --tensor-model-parallel-size 8 \
-#       --hidden-size 4096 --num-attention-heads 32 --num-query-groups 8 --ffn-hidden-size 14336 \
-#       --swiglu --bf16 --seqs 1024,2048,4096,8192,16384,32768 -o prof.jsonl
+#       --hidden-size 4096 --num-attention-heads 32 --group-query-attention --num-query-groups 8 \
+#       --ffn-hidden-size 14336 --swiglu --disable-bias-linear --normalization RMSNorm --bf16 \
+#       --seqs 1024,2048,4096,8192,16384,32768 -o prof.jsonl
+# The model flags are the trainer's (Megatron-LM names, fusion switches included): give the ones
+# the training command gives, so that the profiled layer is the trained one.
 # Single-device mode (one GPU plays one rank of p): --fake-world 8 --fake-rank 0 --interconnect nvlink4
 # The demo's shape on this CPU (what the package ships, held-out lengths measured in the same
 # session and left out of the fit), p = 4:

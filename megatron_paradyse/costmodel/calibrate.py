@@ -67,9 +67,9 @@ def _world(rank, world):
 
 
 def measure(timeout=900):
-    from megatron_paradyse.testing.spawn import run_world
+    from .ranks import run_ranks
 
-    per_rank = run_world(_world, 4, timeout=timeout)
+    per_rank = run_ranks(_world, 4, timeout=timeout)
     rows = []
     for i, row in enumerate(per_rank[0]):
         m = dict(row)

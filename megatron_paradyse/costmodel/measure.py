@@ -14,9 +14,15 @@ Definitions (per rank; what ``LayerCost`` predicts):
 * ``transient``: the most live at once during the layer's forward or backward beyond
   ``saved`` (the output gradient the backward receives is counted, the parameters' already
   allocated gradients are not).
+
+The model is built as training builds it (:mod:`megatron_paradyse.model`: the same Megatron-LM
+model flags, ``TransformerConfig``, layer spec and builder, fusions included) on this
+process's device (:func:`megatron_paradyse.device.current`: the rank's GPU under NCCL, the CPU
+for gloo ranks); every tensor made here lives there.
 """
 from __future__ import annotations
 
+import argparse
 import gc
 import statistics
 import time
@@ -24,9 +30,116 @@ import time
 import torch
 import torch.distributed as dist
 
+from .. import device
 from .shape import ModelShape
 
 _TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# The profiler's defaults for the model flags (the demo's shape, as the shipped profiles were
+# measured): 4 layers, hidden 128, 8 heads, byte-level vocabulary, RoPE, no dropout (no
+# strategy supports dropout). Every other default is Megatron-LM's, as the trainer's.
+DEMO_DEFAULTS = dict(num_layers=4, hidden_size=128, num_attention_heads=8, vocab_size=258,
+                     num_query_groups=None, position_embedding_type="rope",
+                     hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def add_model_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The trainer's model flags (``megatron_paradyse.model.add_model_args``, fusion switches
+    included) with the demo's defaults, ``--tensor-model-parallel-size`` (alias ``--p``),
+    ``--sequence-parallel`` (accepted: always on for p > 1) and ``--seed``.
+
+    Embedding and output weights are always untied (the cost model counts both,
+    ``analytic.static_bytes``): ``--untie-embeddings-and-output-weights`` is accepted."""
+    from ..model import add_model_args
+
+    add_model_args(parser, defaults=DEMO_DEFAULTS)
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", "--p", dest="tensor_model_parallel_size", type=int,
+                   default=None, help="p, the switching group (TP) size")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="accepted for the trainer's command lines: always on for p > 1 (every "
+                        "strategy keeps the sequence-parallel layout between layers)")
+    g.add_argument("--seed", type=int, default=1234)
+    parser.set_defaults(untie_embeddings_and_output_weights=True)
+    return parser
+
+
+def model_flag_names() -> list:
+    """The ``args`` attributes :func:`add_model_flags` defines."""
+    ap = argparse.ArgumentParser(add_help=False)
+    add_model_flags(ap)
+    return sorted({a.dest for a in ap._actions if a.dest != "help"})
+
+
+def model_args_for_shape(shape: ModelShape, **overrides) -> argparse.Namespace:
+    """Model flags (not completed) for ``shape`` with the profiler's defaults: what
+    ``profile --hidden-size ... --p ...`` parses to for this shape."""
+    ap = argparse.ArgumentParser(add_help=False)
+    add_model_flags(ap)
+    argv = ["--num-layers", str(shape.num_layers), "--hidden-size", str(shape.hidden),
+            "--num-attention-heads", str(shape.heads), "--ffn-hidden-size", str(shape.ffn),
+            "--vocab-size", str(shape.vocab), "--tensor-model-parallel-size", str(shape.p)]
+    if shape.query_groups != shape.heads:
+        argv += ["--group-query-attention", "--num-query-groups", str(shape.query_groups)]
+    if shape.swiglu:
+        argv.append("--swiglu")
+    if not shape.bias:
+        argv.append("--disable-bias-linear")
+    if shape.dtype == "bf16":
+        argv.append("--bf16")
+    elif shape.dtype != "fp32":
+        raise ValueError(f"the profiler builds fp32 or bf16 models, not {shape.dtype}")
+    args = ap.parse_args(argv)
+    for k, v in overrides.items():
+        setattr(args, k, v)
+    return args
+
+
+def complete(args, p: int | None = None, dev: torch.device | None = None,
+             max_seq: int | None = None) -> argparse.Namespace:
+    """A completed copy of the model flags ``args`` (Namespace or dict) for TP = ``p`` on
+    ``dev`` (default this process's device), as the trainer completes them
+    (``model.complete_model_args``: derived sizes, padded vocabulary, dtype, fusions for the
+    device); sequence parallelism on for p > 1; ``max_position_embeddings``
+    ``max_seq`` where not given. Raises ``model.ModelArgsError``."""
+    from ..model import complete_model_args
+
+    a = argparse.Namespace(**(dict(args) if isinstance(args, dict) else vars(args)))
+    p = int(p if p is not None else a.tensor_model_parallel_size)
+    a.tensor_model_parallel_size = p
+    a.sequence_parallel = p > 1
+    if a.num_query_groups is None:
+        a.num_query_groups = 1 if a.group_query_attention else a.num_attention_heads
+    if a.max_position_embeddings is None and max_seq is not None:
+        a.max_position_embeddings = int(max_seq)
+    a.model_notes = complete_model_args(a, p, dev if dev is not None else device.current())
+    return a
+
+
+def model_config(args, **overrides):
+    """megatron-core's ``TransformerConfig`` of completed model flags (``model.transformer_config``,
+    the trainer's)."""
+    from ..model import transformer_config
+
+    return transformer_config(args, **overrides)
+
+
+def shape_of(args) -> ModelShape:
+    """The ``ModelShape`` of completed model flags."""
+    return ModelShape.from_args(args)
+
+
+def describe_args(args) -> dict:
+    """What of the completed flags shapes a layer's cost beyond ``ModelShape`` (for a profile's
+    header): norm, position embedding, fusions, dropout, tying."""
+    from ..model import FUSION_SWITCHES
+
+    keys = ["normalization", "norm_epsilon", "position_embedding_type", "rotary_percent", "rotary_base",
+            "kv_channels", "hidden_dropout", "attention_dropout", "untie_embeddings_and_output_weights",
+            "sequence_parallel", "max_position_embeddings"] + [d for d, _ in FUSION_SWITCHES.values()]
+    out = {k: getattr(args, k, None) for k in keys}
+    out["notes"] = list(getattr(args, "model_notes", []) or [])
+    return out
 
 
 def init_fake(rank: int, world: int) -> None:
@@ -120,23 +233,87 @@ def is_fake() -> bool:
     return dist.is_initialized() and dist.get_backend() == "fake"
 
 
-def build(shape: ModelShape, num_layers: int | None = None, max_seq: int = 8192, seed: int = 1234):
-    """Megatron initialised over the current world (TP = p) and a stock GPT of ``shape``."""
+def build(shape: ModelShape, num_layers: int | None = None, max_seq: int = 8192, seed: int = 1234,
+          args=None):
+    """Megatron initialised over the current world (TP = p) and the stock GPT the trainer
+    builds for ``args`` (model flags, completed here for this process's device; default the
+    profiler's flags for ``shape``), with ``num_layers`` layers (default all), on this
+    process's device. Returns ``(completed args, model)``; the model is wrapped in
+    ``Float16Module`` under bf16, as the trainer's."""
     import megatron_paradyse as mp
-    from megatron_paradyse.testing import models as T
+    from ..model import build_gpt_from_args
 
     if dist.get_world_size() % shape.p:
         raise ValueError(f"the world has {dist.get_world_size()} ranks, not a multiple of the shape's p={shape.p}")
+    a = complete(args if args is not None else model_args_for_shape(shape), shape.p, max_seq=max_seq)
+    if shape_of(a) != shape:
+        raise ValueError(f"the model flags describe {shape_of(a).describe()}, not {shape.describe()}")
+    if args is None:
+        a.seed = seed
+    if num_layers is not None:
+        a.num_layers = num_layers
     kw = {"create_gloo_process_groups": False} if is_fake() else {}
-    T.init_megatron(shape.p, **kw)
+    init_parallel(shape.p, seed=a.seed, **kw)
     mp.install()
-    spec = T.TinyGPT(num_layers=num_layers or shape.num_layers, hidden_size=shape.hidden,
-                     num_attention_heads=shape.heads,
-                     num_query_groups=None if shape.query_groups == shape.heads else shape.query_groups,
-                     ffn_hidden_size=shape.ffn, swiglu=shape.swiglu, bias=shape.bias,
-                     vocab_size=shape.vocab, max_seq_length=max_seq,
-                     params_dtype=_TORCH_DTYPE[shape.dtype])
-    return spec, T.build_gpt(spec, shape.p, seed=seed)
+    return a, build_gpt_from_args(a, model_config(a))
+
+
+def init_parallel(p: int, seed: int = 1234, **kwargs) -> None:
+    from .ranks import init_parallel as init
+
+    init(p, seed, **kwargs)
+
+
+def make_batch(vocab: int, batch: int, seq: int, seed: int):
+    """Deterministic token ids and labels in ``0 .. vocab-1``, identical on every rank, on this
+    process's device."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g).to(device.current())
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def token_vocab(spec, shape: ModelShape) -> int:
+    """The token ids a batch draws from: the flags' ``--vocab-size`` (else the padded one)."""
+    return int(getattr(spec, "vocab_size", None) or shape.vocab)
+
+
+def unwrap(model):
+    """The ``GPTModel`` inside ``Float16Module`` / DDP wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def is_oom(exc) -> bool:
+    """An out-of-memory error (CUDA's, or any whose message says so)."""
+    oom = tuple(t for t in (getattr(torch, "OutOfMemoryError", None),
+                            getattr(torch.cuda, "OutOfMemoryError", None)) if isinstance(t, type))
+    return isinstance(exc, oom) or "out of memory" in str(exc).lower()
+
+
+def free_after_oom(model=None) -> None:
+    """After an out-of-memory pass (the exception and its traceback already dropped): the
+    model's gradients and the communication pool released, garbage collected, then CUDA's
+    cache emptied, so the next cell starts from the memory the failed one found."""
+    from megatron_paradyse.parallel.buffers import release_pool
+
+    if model is not None:  # (no DDP here yet: its main_grad buffers are not touched)
+        for prm in model.parameters():
+            prm.grad = None
+    release_pool()
+    gc.collect()
+    if device.current().type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def free_device_bytes() -> int | None:
+    """Bytes a pass could still allocate on this process's GPU (free device memory plus what
+    the caching allocator holds unused); None on the CPU."""
+    dev = device.current()
+    if dev.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(dev)
+    return int(free + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev))
 
 
 def _timed(fwd, bwd, warmup, repeats):
@@ -154,8 +331,7 @@ def _timed(fwd, bwd, warmup, repeats):
 
 
 def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    device.synchronize()
 
 
 def _barrier():
@@ -184,9 +360,10 @@ class LayerRunner:
 
     def __init__(self, model, shape: ModelShape):
         self.model, self.shape = model, shape
-        self.layer = model.decoder.layers[0]
+        self.gpt = unwrap(model)
+        self.layer = self.gpt.decoder.layers[0]
         self.dtype = _TORCH_DTYPE[shape.dtype]
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = device.current()
         # the memory passes collect garbage before reading the tracker; with megatron loaded a
         # full collection walks ~10^6 objects (~0.3 s): move what exists now out of its reach
         # (frozen objects are never collected: fine in the dedicated profiling processes)
@@ -196,7 +373,8 @@ class LayerRunner:
     def _inputs(self, s, b):
         g = torch.Generator().manual_seed(s * 31 + b)
         x = torch.randn(s // self.shape.p, b, self.shape.hidden, generator=g).to(self.device, self.dtype)
-        return x.requires_grad_(True), self.model.rotary_pos_emb(s)
+        rope = getattr(self.gpt, "rotary_pos_emb", None)  # None without RoPE
+        return x.requires_grad_(True), rope(s) if rope is not None else None
 
     def pass_fn(self, part: str, s: int, b: int):
         """``(forward, backward)`` closures for ``part`` in {"layer", "attn", "mlp"}."""
@@ -263,7 +441,7 @@ def pool_after(forward, backward) -> dict:
 def set_strategy(model, name):
     import megatron_paradyse as mp
 
-    mp.set_plan(model, [name] * len(model.decoder.layers))
+    mp.set_plan(model, [name] * len(unwrap(model).decoder.layers))
     reset_buffers()
 
 
@@ -275,16 +453,16 @@ def summarize(times):
 
 class NonLayerRunner:
     """The rest of a step: embedding, final norm, output layer and loss (the decoder's layers
-    removed for the pass), and the optimizer step (Adam over this rank's parameters)."""
+    removed for the pass), and the optimizer step (Adam over this rank's parameters).
+    ``spec``: the model flags :func:`build` returned (tokens are drawn below their
+    ``vocab_size``)."""
 
     def __init__(self, model, spec, shape: ModelShape):
         self.model, self.spec, self.shape = model, spec, shape
 
     def _pass(self, s, b):
-        from megatron_paradyse.testing import models as T
-
-        tok, lab = T.make_batch(self.spec, b, s, seed=s)
-        pos = torch.arange(s).unsqueeze(0).expand_as(tok)
+        tok, lab = make_batch(token_vocab(self.spec, self.shape), b, s, seed=s)
+        pos = torch.arange(s, device=tok.device).unsqueeze(0).expand_as(tok)
         model = self.model
 
         def forward():
@@ -296,7 +474,7 @@ class NonLayerRunner:
         return forward, backward
 
     def _without_layers(self):
-        dec = self.model.decoder
+        dec = unwrap(self.model).decoder
         saved = dec.layers
         dec.layers = torch.nn.ModuleList()
         return dec, saved

@@ -156,15 +156,14 @@ def _step_rank(rank, world, shape_d, plans, seqs, repeats):
     from megatron_paradyse.costmodel.shape import ModelShape
     from megatron_paradyse.parallel.buffers import release_pool
     from megatron_paradyse.parallel.memory import PeakMemory, static_bytes
-    from megatron_paradyse.testing import models as T
 
     shape = ModelShape(**shape_d)
     spec, model = M.build(shape, max_seq=max(seqs))
     upd = M.TrainingUpdate(model, shape)
     batches = {}
     for s in seqs:
-        tok, lab = T.make_batch(spec, 1, s, seed=s)
-        batches[s] = (tok, torch.arange(s).unsqueeze(0).expand_as(tok), lab)
+        tok, lab = M.make_batch(M.token_vocab(spec, shape), 1, s, seed=s)
+        batches[s] = (tok, torch.arange(s, device=tok.device).unsqueeze(0).expand_as(tok), lab)
     cells = [(s, tuple(plan)) for s in seqs for plan in plans]
 
     def fwd_bwd(s, plan):
@@ -205,9 +204,9 @@ def _step_rank(rank, world, shape_d, plans, seqs, repeats):
 
 
 def measure_steps(shape, plans, seqs, repeats=5, timeout=1800):
-    from megatron_paradyse.testing.spawn import run_world
+    from .ranks import run_ranks
 
-    per_rank = run_world(_step_rank, shape.p, shape.key(), plans, seqs, repeats, timeout=timeout)
+    per_rank = run_ranks(_step_rank, shape.p, shape.key(), plans, seqs, repeats, timeout=timeout)
     rows = []
     for i, r in enumerate(per_rank[0]):
         rows.append(dict(r, seconds=max(x[i]["seconds"] for x in per_rank),
