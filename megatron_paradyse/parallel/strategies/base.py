@@ -75,14 +75,46 @@ def common_support(config) -> tuple[bool, str]:
 
 
 def zero_support(config, p: int) -> tuple[bool, str]:
-    """Extra conditions of the strategies that rebuild weights from their shards."""
-    ok, why = common_support(config)
-    if not ok:
-        return ok, why
-    if getattr(config, "gradient_accumulation_fusion", False):
-        return False, ("gradient_accumulation_fusion must be off: gathered-weight strategies "
-                       "return weight gradients through autograd")
-    return True, ""
+    """Conditions of the strategies that rebuild weights from their shards: those of every
+    strategy (gradient-accumulation fusion included: see :func:`wgrad_fusion`)."""
+    return common_support(config)
+
+
+def wgrad_fusion(linear):
+    """The ``main_grad`` that ``linear``'s weight gradient is accumulated into, or None.
+
+    megatron's gradient-accumulation fusion, decided at forward time as megatron's
+    ``LinearWithGradAccumulationAndAsyncCommunication`` decides it: the linear's own
+    ``gradient_accumulation_fusion`` (set from the config when it was built) and a weight that
+    has a ``main_grad`` (DDP's gradient buffer). A strategy computing this weight's gradient
+    hands it to :func:`weight_grad` with what this returned.
+    """
+    w = linear.weight
+    if getattr(linear, "gradient_accumulation_fusion", False) and hasattr(w, "main_grad"):
+        return w.main_grad
+    return None
+
+
+def weight_grad(weight, grad, main_grad, act_dtype):
+    """What a strategy's backward returns for a TP weight shard whose gradient is ``grad``.
+
+    Without fusion (``main_grad`` None): ``grad`` in the weight's dtype. With it: ``grad`` is
+    added into ``main_grad`` (in ``main_grad``'s dtype, fp32 with DDP's default) and megatron's
+    dummy gradient is returned exactly as megatron's fused linear backward returns it: where
+    the weight has ``grad_added_to_main_grad`` (DDP sets it) that flag is set, so DDP's
+    backward hook does not add the gradient again, and the dummy is ``main_grad``-shaped in
+    the activations' dtype, zeros if the weight has ``zero_out_wgrad`` (the hook then adds
+    it anyway), else uninitialised; without the flag, None.
+    """
+    if main_grad is None:
+        return grad.to(weight.dtype)
+    main_grad.add_(grad)
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+    dummy = make(main_grad.shape, dtype=act_dtype, device=main_grad.device, requires_grad=False)
+    weight.grad_added_to_main_grad = True
+    return dummy
 
 
 @dataclasses.dataclass

@@ -50,7 +50,7 @@ from ..buffers import weight_slot
 from ..collectives import broadcast_start, reduce_to, wait
 from ..ring_comm import GradRing, ring_stream
 from .base import (Strategy, apply_activation, apply_rope, bias_of, from_bhsd, geometry, rope_freqs,
-                   split_qkv, switching_group, to_bhsd, zero_support)
+                   split_qkv, switching_group, to_bhsd, weight_grad, wgrad_fusion, zero_support)
 from .ring import ring_attention
 
 _ACC = torch.float32  # dtype of every sum over shards or ranks
@@ -118,11 +118,12 @@ class METPAttention(torch.autograd.Function):
     Takes this rank's tokens ``x`` as laid out by ``layout`` (``zigzag.RingLayout``), its stock
     shards ``w_qkv`` ``[(groups/p)*(q_per_group+2)*d, h]``, ``b_qkv`` (or None) and ``w_proj``
     ``[h, (heads/p)*d]``; returns ``[s/p, b, h]`` in the same layout. Saves ``x`` and this
-    rank's own shards (parameters, no copy): never a broadcast shard.
+    rank's own shards (parameters, no copy): never a broadcast shard. ``main_grads``: the
+    :func:`~.base.wgrad_fusion` of ``linear_qkv`` and ``linear_proj`` (None: no fusion).
     """
 
     @staticmethod
-    def forward(ctx, x, w_qkv, b_qkv, w_proj, geo, qf, kf, config, layout):
+    def forward(ctx, x, w_qkv, b_qkv, w_proj, geo, qf, kf, config, layout, main_grads=(None, None)):
         out = torch.zeros(x.shape[:-1] + (w_proj.shape[0],), dtype=_ACC, device=x.device)
         shards = _attn_shards(w_qkv, b_qkv, w_proj)
         for _, (wq, wp, *bq) in _group_weight_stream(shards, geo.group, geo.p):
@@ -131,6 +132,7 @@ class METPAttention(torch.autograd.Function):
             out += attn.matmul(wp.t())
         ctx.save_for_backward(x, w_qkv, b_qkv, w_proj)
         ctx.geo, ctx.qf, ctx.kf, ctx.config, ctx.layout = geo, qf, kf, config, layout
+        ctx.main_grads = main_grads
         return out.to(x.dtype)
 
     @staticmethod
@@ -157,9 +159,12 @@ class METPAttention(torch.autograd.Function):
             got = tuple(reduce_to(g, i, geo.group) if g is not None else None for g in grads)
             if i == geo.rank:
                 mine = got
-        dwq, dbq, dwp = (g.to(w.dtype) if g is not None else None
-                         for g, w in zip(mine, (w_qkv, b_qkv, w_proj)))
-        return dx.to(x.dtype), dwq, dbq, dwp, None, None, None, None, None
+        mg_qkv, mg_proj = ctx.main_grads
+        dwq, dbq, dwp = mine
+        dwq = weight_grad(w_qkv, dwq, mg_qkv, x.dtype)
+        dwp = weight_grad(w_proj, dwp, mg_proj, x.dtype)
+        dbq = dbq.to(b_qkv.dtype) if dbq is not None else None
+        return dx.to(x.dtype), dwq, dbq, dwp, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,17 +181,18 @@ class METPMLP(torch.autograd.Function):
     ``w1`` ``[ffn/p, h]`` (``[2*ffn/p, h]`` as ``[gate_r; up_r]`` when gated), ``b1`` (or None)
     and ``w2`` ``[h, ffn/p]`` are this rank's stock shards; returns ``[s/p, b, h]``. Saves
     ``x`` and the own shards (parameters, no copy); the intermediate is recomputed.
+    ``main_grads``: the :func:`~.base.wgrad_fusion` of ``linear_fc1`` and ``linear_fc2``.
     """
 
     @staticmethod
-    def forward(ctx, x, w1, b1, w2, mlp, group):
+    def forward(ctx, x, w1, b1, w2, mlp, group, main_grads=(None, None)):
         shards = [w1, w2] + ([b1] if b1 is not None else [])
         out = torch.zeros(x.shape[:-1] + (w2.shape[0],), dtype=_ACC, device=x.device)
         for _, cur in ring_stream(shards, group, weight_slot):
             bias = cur[2] if b1 is not None else None
             out += apply_activation(mlp, _fc1(x, cur[0]), bias, shards=1).matmul(cur[1].t())
         ctx.save_for_backward(x, w1, b1, w2)
-        ctx.mlp, ctx.group = mlp, group
+        ctx.mlp, ctx.group, ctx.main_grads = mlp, group, main_grads
         return out.to(x.dtype)
 
     @staticmethod
@@ -211,9 +217,10 @@ class METPMLP(torch.autograd.Function):
             contrib = [_flat(dpre).t().matmul(x2).to(_ACC), dw2] + [db.to(_ACC) for db in dbias]
             grads.add(contrib)
         final = grads.result()
-        dw1, dw2 = final[0].to(w1.dtype), final[1].to(w2.dtype)
+        dw1 = weight_grad(w1, final[0], ctx.main_grads[0], x.dtype)
+        dw2 = weight_grad(w2, final[1], ctx.main_grads[1], x.dtype)
         db1 = final[2].to(b1.dtype) if b1 is not None else None
-        return dx.to(x.dtype), dw1, db1, dw2, None, None
+        return dx.to(x.dtype), dw1, db1, dw2, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,11 +250,12 @@ class METP(Strategy):
         layout = zigzag.layout_for(hidden_states, geo.group)
         x = zigzag.to_balanced(hidden_states, layout, geo.group)
         out = METPAttention.apply(x, qkv.weight, b, attn.linear_proj.weight, geo, qf, kf,
-                                  attn.config, layout)
+                                  attn.config, layout, (wgrad_fusion(qkv), wgrad_fusion(attn.linear_proj)))
         return _output_bias(attn.linear_proj, zigzag.from_balanced(out, layout, geo.group))
 
     def mlp(self, mlp, hidden_states):
         group = switching_group(mlp)
         out = METPMLP.apply(hidden_states, mlp.linear_fc1.weight, bias_of(mlp.linear_fc1),
-                            mlp.linear_fc2.weight, mlp, group)
+                            mlp.linear_fc2.weight, mlp, group,
+                            (wgrad_fusion(mlp.linear_fc1), wgrad_fusion(mlp.linear_fc2)))
         return _output_bias(mlp.linear_fc2, out)

@@ -13,7 +13,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 from .. import collectives, zigzag
 from ..buffers import weight_slot
 from .base import (Strategy, apply_activation, apply_rope, bias_of, from_bhsd, geometry, rope_freqs,
-                   split_qkv, switching_group, to_bhsd, zero_support)
+                   split_qkv, switching_group, to_bhsd, weight_grad, wgrad_fusion, zero_support)
 
 
 class ZeroLinear(torch.autograd.Function):
@@ -21,16 +21,17 @@ class ZeroLinear(torch.autograd.Function):
 
     Forward: all-gather W into the pool. Backward: all-gather W again, ``dx = dy W``, then
     reduce-scatter ``dW`` to the owners. (Not megatron's linear: it gathers activations, not
-    weights.)
+    weights.) ``main_grad``: :func:`~.base.wgrad_fusion` of the linear (the shard's gradient
+    is then accumulated there, as megatron's fused linear does).
     """
 
     @staticmethod
-    def forward(ctx, x, w_shard, group, shard_dim):
+    def forward(ctx, x, w_shard, group, shard_dim, main_grad=None):
         wt = shard_dim == 1  # gathered tensor is W^T for row-parallel shards
         w = collectives.gather_shards(w_shard, shard_dim, group, weight_slot(0, 0))
         y = x.matmul(w) if wt else x.matmul(w.t())
         ctx.save_for_backward(x, w_shard)
-        ctx.group, ctx.shard_dim = group, shard_dim
+        ctx.group, ctx.shard_dim, ctx.main_grad = group, shard_dim, main_grad
         return y
 
     @staticmethod
@@ -42,7 +43,13 @@ class ZeroLinear(torch.autograd.Function):
         x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
         dw_full = x2.t().matmul(dy2) if wt else dy2.t().matmul(x2)
         dw = collectives.scatter_grad(dw_full, ctx.shard_dim, ctx.group)
-        return dx, dw.to(w_shard.dtype), None, None
+        return dx, weight_grad(w_shard, dw, ctx.main_grad, x.dtype), None, None, None
+
+
+def zero_linear(lin, x, group, shard_dim):
+    """``ZeroLinear`` over the stock linear ``lin``'s weight (with its gradient-accumulation
+    fusion, if on)."""
+    return ZeroLinear.apply(x, lin.weight, group, shard_dim, wgrad_fusion(lin))
 
 
 def gather_bias(bias, group):
@@ -53,7 +60,7 @@ def gather_bias(bias, group):
 
 def column(linear, x, group):
     """A stock ``ColumnParallelLinear`` applied to local tokens with its weight gathered."""
-    y = ZeroLinear.apply(x, linear.weight, group, 0)
+    y = zero_linear(linear, x, group, 0)
     b = bias_of(linear)
     if b is not None and not linear.skip_bias_add:
         y = y + gather_bias(b, group)
@@ -62,7 +69,7 @@ def column(linear, x, group):
 
 def row(linear, x, group):
     """A stock ``RowParallelLinear`` applied to local tokens; returns (y, bias) like the stock one."""
-    y = ZeroLinear.apply(x, linear.weight, group, 1)
+    y = zero_linear(linear, x, group, 1)
     bias = bias_of(linear)
     if bias is not None and not linear.skip_bias_add:
         return y + bias, None
@@ -85,7 +92,7 @@ def mlp(mlp_module, hidden_states):
     """The whole MLP on local tokens, both weights gathered just in time."""
     lin1 = mlp_module.linear_fc1
     group = switching_group(mlp_module)
-    inter = ZeroLinear.apply(hidden_states, lin1.weight, group, 0)
+    inter = zero_linear(lin1, hidden_states, group, 0)
     bias1 = bias_of(lin1)
     bias1 = gather_bias(bias1, group) if bias1 is not None else None
     act = apply_activation(mlp_module, inter, bias1, shards=torch.distributed.get_world_size(group))
