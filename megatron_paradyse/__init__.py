@@ -14,11 +14,12 @@ the multi-rank harness and tiny models for tests and benchmarks.
 """
 from __future__ import annotations
 
-from .parallel.dispatch import get_plan, install, installed, set_plan, uninstall, unwrap
+from .parallel.dispatch import (check_model, get_plan, install, installed, set_plan, supports_model,
+                                uninstall, unwrap)
 from .parallel.plans import describe
 from .parallel.strategies import REGISTRY, STRATEGIES, supports
 
 __version__ = "0.1.0"
 
 __all__ = ["install", "uninstall", "installed", "set_plan", "get_plan", "describe", "unwrap",
-           "supports", "STRATEGIES", "REGISTRY", "__version__"]
+           "supports", "supports_model", "check_model", "STRATEGIES", "REGISTRY", "__version__"]

@@ -191,6 +191,9 @@ def _set_plan(model, plan) -> tuple:
         ok, why = strategies.supports(name, cfg, p)
         if not ok:
             raise ValueError(f"strategy {name!r} cannot run this model over p={p}: {why}")
+    if not getattr(gpt, _MODULES_CHECKED, False):  # once per model: set_plan runs every micro-batch
+        check_model(gpt)
+        setattr(gpt, _MODULES_CHECKED, True)
     for layer, name in zip(layers, plan):
         setattr(layer.self_attention, _ATTR, name)
         setattr(layer.mlp, _ATTR, name)
@@ -200,3 +203,68 @@ def _set_plan(model, plan) -> tuple:
 
 def get_plan(model):
     return getattr(unwrap(model), "_paradyse_plan", None)
+
+
+_MODULES_CHECKED = "_paradyse_modules_checked"
+
+
+def _local_spec_modules() -> dict:
+    """Each decoder-layer submodule the strategies read or replace, and the types megatron-core's
+    local layer spec (``get_gpt_layer_local_spec``) builds there (exact types, no subclasses)."""
+    import torch
+    from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mlp import MLP
+
+    # the local spec's norms: apex's FusedLayerNorm, or torch's (WrappedTorchNorm and the
+    # plugin's SPTorchNorm return torch.nn.LayerNorm / RMSNorm instances)
+    norms = tuple(t for t in (torch.nn.LayerNorm, getattr(torch.nn, "RMSNorm", None), FusedLayerNorm) if t)
+    return {
+        "input_layernorm": norms,
+        "self_attention": (SelfAttention,),
+        "self_attention.linear_qkv": (ColumnParallelLinear,),
+        "self_attention.core_attention": (DotProductAttention,),
+        "self_attention.linear_proj": (RowParallelLinear,),
+        "self_attention.q_layernorm": (IdentityOp, type(None)),  # qk-layernorm: not supported
+        "self_attention.k_layernorm": (IdentityOp, type(None)),
+        "pre_mlp_layernorm": norms,
+        "mlp": (MLP,),
+        "mlp.linear_fc1": (ColumnParallelLinear,),
+        "mlp.linear_fc2": (RowParallelLinear,),
+    }
+
+
+def supports_model(model) -> tuple[bool, str]:
+    """(True, "") if every decoder layer of ``model`` is built of megatron-core's local layer
+    spec modules, which every strategy (``tp_sp`` included) reads or replaces, else (False,
+    the first module that is not, named by its path)."""
+    gpt = unwrap(model)
+    expected = _local_spec_modules()
+    for i, layer in enumerate(gpt.decoder.layers):
+        for path, types in expected.items():
+            module = layer
+            for attr in path.split("."):
+                module = getattr(module, attr, None)
+            if type(module) in types:
+                continue
+            want = " or ".join(t.__name__ for t in types if t is not type(None))
+            got = "missing" if module is None else f"{type(module).__name__}"
+            return False, (
+                f"decoder.layers.{i}.{path} is {got}, where megatron-core's local layer spec has "
+                f"{want}: ParaDySe strategies run the local spec's modules (ColumnParallelLinear, "
+                "RowParallelLinear, DotProductAttention, MLP, unfused norms) and would skip or "
+                "replace others (e.g. Transformer Engine's LayerNorm fused into linear_qkv, its "
+                "attention); build the model with megatron-core's local spec (Megatron-LM: "
+                "--transformer-impl local)")
+    return True, ""
+
+
+def check_model(model) -> None:
+    """:func:`supports_model`, raising ``TypeError`` with its reason (what ``set_plan`` runs
+    once per model)."""
+    ok, why = supports_model(model)
+    if not ok:
+        raise TypeError(why)
