@@ -138,3 +138,39 @@ def test_install_and_uninstall_are_idempotent_and_restore_stock():
     mp.uninstall()
     assert (SelfAttention.forward, MLP.forward, GPTModel.forward) == stock
     assert not mp.installed()
+
+
+def test_overlap_param_gather_is_refused_with_paradyse():
+    """Megatron's DDP finishes --overlap-param-gather's all-gathers in forward pre-hooks of the
+    modules owning the parameters; the gathered-weight strategies read those weights without
+    calling the modules. Both trainers refuse the combination in argument validation, before
+    any collective."""
+    import argparse
+
+    import pytest
+
+    from megatron_paradyse.training.arguments import ArgumentError, parse_args
+    from megatron_paradyse.training.megatron_lm import check_paradyse_args
+
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "32", "--vocab-size", "128", "--micro-batch-size", "1",
+            "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--tensor-model-parallel-size", "2",
+            "--sequence-parallel", "--attention-dropout", "0", "--hidden-dropout", "0"]
+    for extra in (["--paradyse-plan", "ulysses"], []):  # a plan, or the planner
+        argv = base + ["--paradyse", "--overlap-param-gather", "--use-distributed-optimizer",
+                       "--overlap-grad-reduce"] + extra
+        with pytest.raises(ArgumentError, match="--overlap-param-gather cannot be used with --paradyse") as e:
+            parse_args(argv, world_size=2)
+        assert "forward pre-hooks" in str(e.value) and "linear_qkv" in str(e.value)
+    # stock: Megatron-LM's own requirements
+    with pytest.raises(ArgumentError, match="needs --use-distributed-optimizer and --overlap-grad-reduce"):
+        parse_args(base + ["--overlap-param-gather", "--distributed-backend", "gloo"], world_size=2)
+    assert not parse_args(base + ["--paradyse"], world_size=2).overlap_param_gather
+
+    # Megatron-LM's entry point: the check inside its validate_args (Megatron-LM's parsed args)
+    args = argparse.Namespace(paradyse=True, overlap_param_gather=True, paradyse_document_data=False,
+                              tensor_model_parallel_size=2, sequence_parallel=True)
+    with pytest.raises(ValueError, match="--overlap-param-gather cannot be used with --paradyse"):
+        check_paradyse_args(args)
+    args.paradyse = False  # stock Megatron-LM keeps its flag
+    check_paradyse_args(args)

@@ -300,6 +300,18 @@ def test_bad_plan_is_a_clear_error_on_every_rank():
 
 
 @full
+def test_overlap_param_gather_with_paradyse_is_a_clear_error():
+    """DDP finishes --overlap-param-gather's all-gathers in module forward pre-hooks, which the
+    gathered-weight strategies bypass: refused in validate_args, before any process group."""
+    out = launch(model_flags(2) + ["--mock-data", "--paradyse", "--paradyse-plan", "ulysses",
+                                   "--use-distributed-optimizer", "--overlap-grad-reduce",
+                                   "--overlap-param-gather"])
+    assert out.rc != 0
+    assert out.out.count("--overlap-param-gather cannot be used with --paradyse") >= 2, out.out[-4000:]
+    assert "initializing torch distributed" not in out.out and "already initialized" not in out.out
+
+
+@full
 def test_checkpoints_move_between_megatron_lm_and_pretrain_gpt_paradyse():
     """Megatron-LM's stock checkpoint (iteration 5) resumed by ``pretrain_gpt_paradyse.py
     --paradyse`` (the megatron-core trainer), whose checkpoint (iteration 6) stock Megatron-LM

@@ -21,6 +21,15 @@ class ArgumentError(ValueError):
     """A bad flag or flag combination, detected before any collective."""
 
 
+# Megatron-LM's --overlap-param-gather with --paradyse (both trainers refuse it)
+OVERLAP_PARAM_GATHER_WITH_PARADYSE = (
+    "--overlap-param-gather cannot be used with --paradyse: megatron's DDP waits for each "
+    "parameter bucket's all-gather in forward pre-hooks of the modules that own the parameters, "
+    "and the ulysses, ring, colossal and metp strategies read the linear_qkv, linear_proj, "
+    "linear_fc1 and linear_fc2 weights without calling those modules, so they could read shards "
+    "whose all-gather is still in flight; drop --overlap-param-gather")
+
+
 # ---------------------------------------------------------------------------- plugin flags
 def add_paradyse_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The ``--paradyse*`` flags; usable as Megatron-LM's ``extra_args_provider``."""
@@ -112,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "real-token count, so padding never changes loss or gradient")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="overlap the distributed optimizer's parameter all-gather with the next "
+                        "forward (Megatron-LM's flag; needs --use-distributed-optimizer and "
+                        "--overlap-grad-reduce; not with --paradyse)")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
 
     g = p.add_argument_group("distributed")
@@ -237,6 +250,8 @@ def validate_args(args, world_size: int | None = None) -> argparse.Namespace:
     if args.paradyse and tp > 1 and not args.sequence_parallel:
         _err("--paradyse needs --sequence-parallel: every strategy keeps the [s/p, b, h] "
              "sequence-parallel layout between layers")
+    if args.paradyse and args.overlap_param_gather:
+        _err(OVERLAP_PARAM_GATHER_WITH_PARADYSE)
     if args.distributed_backend is None:
         from ..device import default_backend
 
@@ -251,6 +266,9 @@ def validate_args(args, world_size: int | None = None) -> argparse.Namespace:
              "plain optimizer is used: drop the flag")
     if args.overlap_grad_reduce and on_cpu:
         _err("--overlap-grad-reduce needs CUDA streams; drop it on CPU")
+    if args.overlap_param_gather and not (args.use_distributed_optimizer and args.overlap_grad_reduce):
+        _err("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce "
+             "(as in Megatron-LM)")
     if args.tokenizer_type != "NullTokenizer":
         _err(f"--tokenizer-type {args.tokenizer_type}: only NullTokenizer (token-id data) is "
              "supported by this trainer; use Megatron-LM's pretrain() path for text tokenizers")

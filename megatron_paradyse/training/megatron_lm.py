@@ -96,6 +96,10 @@ def check_paradyse_args(args) -> None:
             raise ValueError("--paradyse-document-data takes one --data-path prefix (no blends)")
     if not getattr(args, "paradyse", False):
         return
+    if getattr(args, "overlap_param_gather", False):
+        from .arguments import OVERLAP_PARAM_GATHER_WITH_PARADYSE
+
+        raise ValueError(OVERLAP_PARAM_GATHER_WITH_PARADYSE)
     tp = args.tensor_model_parallel_size
     if tp > 1 and not args.sequence_parallel:
         raise ValueError("--paradyse needs --sequence-parallel: every strategy keeps the "
