@@ -11,7 +11,8 @@ refuses sequence parallelism) for RMSNorm on every image.
 
 Fusions follow Megatron-LM's switches and defaults on CUDA; one whose kernel is not installed
 (RoPE fusion needs Transformer Engine, gradient-accumulation fusion apex's
-``fused_weight_gradient_mlp_cuda``) is turned off and said so (:func:`complete_model_args`
+``fused_weight_gradient_mlp_cuda``, masked-softmax fusion megatron's
+``scaled_masked_softmax_cuda``) is turned off and said so (:func:`complete_model_args`
 returns the notes). On the CPU every fusion is off (megatron's fused kernels are CUDA or
 ``torch.compile`` code).
 """
@@ -126,6 +127,10 @@ def _complete_fusions(args, device) -> list:
         if args.position_embedding_type == "rope":
             notes.append("RoPE fusion off: it needs Transformer Engine (--no-rope-fusion silences this)")
         args.apply_rope_fusion = False
+    if args.masked_softmax_fusion and not _importable("scaled_masked_softmax_cuda"):
+        notes.append("masked-softmax fusion off: it needs megatron's scaled_masked_softmax_cuda "
+                     "extension (--no-masked-softmax-fusion silences this)")
+        args.masked_softmax_fusion = False
     if args.gradient_accumulation_fusion and not have_grad_accum_fusion():
         notes.append("gradient-accumulation fusion off: it needs apex's fused_weight_gradient_mlp_cuda "
                      "(--no-gradient-accumulation-fusion silences this)")
@@ -147,11 +152,13 @@ def _have_te_rope() -> bool:
 
 def have_grad_accum_fusion() -> bool:
     """Whether megatron's fused weight-gradient accumulation kernel (apex) is installed."""
-    try:
-        import fused_weight_gradient_mlp_cuda  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return _importable("fused_weight_gradient_mlp_cuda")
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
 
 
 def transformer_config(args, **overrides):

@@ -69,9 +69,11 @@ def install(spec: dict) -> None:
         phase = "backward" if kind.endswith("backward") else "forward"
 
         def ring_stream(*a, **k):
+            # the frame that iterates the ring: RingAttention.forward's ring_forward, or backward
             caller = sys._getframe(1).f_code.co_name
+            callers = ("forward", "ring_forward") if phase == "forward" else ("backward",)
             for n, item in enumerate(original_stream(*a, **k)):
-                if n == 1 and caller == phase and _fires(spec):
+                if n == 1 and caller in callers and _fires(spec):
                     _stamp(spec)
                     if kind.startswith("kill"):
                         os.kill(os.getpid(), signal.SIGKILL)

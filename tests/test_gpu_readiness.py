@@ -117,3 +117,18 @@ def test_the_slurm_template_keeps_each_argument_whole(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:4] == ["[ck pt]", "[data]", "[--paradyse-plan]", "[rule:4096=tp_sp,ulysses*2 x*]"]
     assert "node 0" in out.stdout
+
+
+def test_torch_kernels_can_be_forced_where_flash_attn_is_installed(monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megatron_paradyse.parallel import attention_kernels as K
+
+    monkeypatch.setattr(K, "_FA", (object(), object()))
+    monkeypatch.setattr(K, "FLASH_ATTN_VERSION", "2.8.3")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.empty(1, 4, 8, 16, dtype=torch.bfloat16, device="cuda")
+        assert K.kernel_path(q) == "flash-attn 2.8.3"
+        with K.torch_kernels_only():
+            assert K.kernel_path(q) == "torch flash"
+        assert K.kernel_path(q) == "flash-attn 2.8.3"

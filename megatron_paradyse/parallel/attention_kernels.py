@@ -12,6 +12,7 @@ A causal block must be square (the kernels align a non-square causal mask differ
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 
@@ -67,6 +68,29 @@ def _load_flash_attn():
 
 
 _FA, FLASH_ATTN_VERSION = _load_flash_attn()
+_FA_ON = [True]
+
+
+def _fa():
+    """flash-attn's kernels where installed and not turned off (:func:`torch_kernels_only`)."""
+    return _FA if _FA_ON[0] else None
+
+
+@contextlib.contextmanager
+def torch_kernels_only():
+    """torch's block kernels inside, even where flash-attn is installed (the check runs every
+    plan with both)."""
+    old, _FA_ON[0] = _FA_ON[0], False
+    try:
+        yield
+    finally:
+        _FA_ON[0] = old
+
+
+@contextlib.contextmanager
+def default_kernels():
+    """The block kernels as chosen by default: flash-attn where installed."""
+    yield
 
 
 def kernel_path(q) -> str:
@@ -74,7 +98,7 @@ def kernel_path(q) -> str:
     if q.device.type == "cpu":
         return "cpu flash"
     if q.dtype in (torch.float16, torch.bfloat16):
-        return f"flash-attn {FLASH_ATTN_VERSION}" if _FA else "torch flash"
+        return f"flash-attn {FLASH_ATTN_VERSION}" if _fa() else "torch flash"
     return "torch efficient"
 
 
@@ -117,7 +141,7 @@ def attn_forward(q, k, v, causal: bool, scale: float):
     if q.device.type == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)[:2]
         return out, lse
-    if _FA and native_gqa(q):
+    if _fa() and native_gqa(q):
         # [b, s, h, d] views: flash-attn needs only a contiguous last dim, so nothing is copied
         out, lse = _FA[0](q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, scale, causal,
                           -1, -1, 0.0, None, False)[:2]
@@ -144,7 +168,7 @@ def _block_backward(dout, q, k, v, out, lse, causal, scale):
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, causal, scale=scale)
     sq, sk = q.shape[2], k.shape[2]
-    if _FA and native_gqa(q):
+    if _fa() and native_gqa(q):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         t = lambda x: x.transpose(1, 2)  # noqa: E731 - [b, s, h, d] views, written in place
         _FA[1](t(dout), t(q), t(k), t(v), t(out), lse.contiguous(), t(dq), t(dk), t(dv), 0.0, scale, causal,

@@ -8,7 +8,9 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.distributed as dist
+
+# the comparison helpers are the check's (product code), shared with the tests
+from ..check.compare import allreduce_sequence_parallel_grads, forward_backward, gather_full  # noqa: F401
 
 
 @dataclasses.dataclass
@@ -75,68 +77,3 @@ def make_batch(spec: TinyGPT, batch: int, seq: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, spec.vocab_size, (batch, seq + 1), generator=g)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
-def forward_backward(model, tokens, labels, loss_scale: float = 1.0):
-    """One stock forward and backward: returns (mean loss, full logits [b, s, V])."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-    captured = {}
-
-    def hook(_mod, _inp, out):
-        captured["logits"] = out[0] if isinstance(out, tuple) else out
-
-    handle = model.output_layer.register_forward_hook(hook)
-    try:
-        position_ids = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
-        per_token = model(tokens, position_ids, None, labels=labels)
-    finally:
-        handle.remove()
-    loss = per_token.float().mean()
-    (loss * loss_scale).backward()
-    logits = captured["logits"].detach()
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        logits = gather_from_tensor_model_parallel_region(logits)
-    return loss.detach(), logits.transpose(0, 1).contiguous()
-
-
-def allreduce_sequence_parallel_grads(model) -> None:
-    """Sum the grads of replicated, sequence-parallel params (norms, row biases) over TP.
-
-    ``finalize_model_grads`` does this in training; tests without DDP call it directly.
-    """
-    from megatron.core import parallel_state
-
-    if parallel_state.get_tensor_model_parallel_world_size() == 1:
-        return
-    group = parallel_state.get_tensor_model_parallel_group()
-    for p in model.parameters():
-        if getattr(p, "sequence_parallel", False) and p.grad is not None:
-            dist.all_reduce(p.grad, group=group)
-
-
-def gather_full(model, what: str = "param", gated_fc1: bool = False) -> dict:
-    """Each parameter (or its grad) gathered to its TP=1 shape and layout, keyed by name.
-
-    SwiGLU's ``linear_fc1`` shard on rank r is ``[gate_r; up_r]``, so the gathered shards are
-    re-ordered to ``[gate; up]``, the TP=1 layout.
-    """
-    from megatron.core import parallel_state
-
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    group = parallel_state.get_tensor_model_parallel_group()
-    out = {}
-    for name, p in model.named_parameters():
-        t = p.detach() if what == "param" else (p.grad if p.grad is not None else torch.zeros_like(p))
-        t = t.detach().float().contiguous()
-        if tp > 1 and getattr(p, "tensor_model_parallel", False):
-            dim = p.partition_dim
-            parts = [torch.empty_like(t) for _ in range(tp)]
-            dist.all_gather(parts, t, group=group)
-            if gated_fc1 and "linear_fc1" in name:
-                halves = [x.chunk(2, dim=dim) for x in parts]
-                parts = [h[0] for h in halves] + [h[1] for h in halves]
-            t = torch.cat(parts, dim=dim)
-        out[name] = t
-    return out
