@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -71,7 +72,9 @@ def test_profiler_config_equals_trainers(name, dev, monkeypatch):
     assert got == want, {k: (got[k], want[k]) for k in want if got[k] != want[k]}
     assert M.shape_of(done) == M.shape_of(targs)
     if dev == "cuda" and "fusions" in name:  # the switches left on by the flags are on for CUDA
-        assert got["masked_softmax_fusion"] and got["bias_activation_fusion"] and got["bias_dropout_fusion"]
+        assert got["bias_activation_fusion"] and got["bias_dropout_fusion"]
+        # masked softmax: on where megatron's extension is installed (never here, nor on the H100 image)
+        assert got["masked_softmax_fusion"] == (importlib.util.find_spec("scaled_masked_softmax_cuda") is not None)
         assert got["bf16"] and got["params_dtype"] == torch.bfloat16
     if dev == "cpu":
         assert not got["masked_softmax_fusion"] and not got["bias_activation_fusion"]
