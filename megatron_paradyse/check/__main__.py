@@ -36,6 +36,10 @@ COMMON_MODEL = ["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear
                 "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
+class CheckArgsError(ValueError):
+    """A bad flag of the check or of the model, found before anything is launched."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m megatron_paradyse.check", allow_abbrev=False,
                                  description=__doc__.split("\n\n")[0])
@@ -76,15 +80,17 @@ def complete(opts, world: int) -> None:
     opts.sections = [s.strip() for s in opts.sections.split(",") if s.strip()]
     unknown = set(opts.sections) - set(SECTIONS) - {"megatron-lm"}
     if unknown:
-        raise SystemExit(f"error: unknown section(s) {sorted(unknown)}; known: {', '.join(SECTIONS)}, megatron-lm")
+        raise CheckArgsError(f"unknown section(s) {sorted(unknown)}; known: {', '.join(SECTIONS)}")
     if on_gpu and not torch.cuda.is_available():
-        raise SystemExit("error: --backend nccl needs CUDA; use --backend gloo")
+        raise CheckArgsError("--backend nccl needs CUDA; use --backend gloo")
     q = opts.quick
     opts.exact_seq = opts.exact_seq or (64 if q else 256 if not on_gpu else 1024)
     opts.train_seq = opts.train_seq or (256 if q else 1024 if not on_gpu else 16384)
     opts.train_iters = opts.train_iters or (4 if q else 20)
-    opts.profile_seqs = opts.profile_seqs or ("64,128,256" if q else "128,256,512,1024" if not on_gpu
-                                              else "1024,2048,4096,8192,16384")
+    # four lengths or more (one is held out; memory models need three), long enough that the
+    # quadratic terms show on the CPU
+    opts.profile_seqs = opts.profile_seqs or ("256,512,768,1024" if q else "256,512,768,1024,1536,2048"
+                                              if not on_gpu else "1024,2048,4096,8192,16384")
 
 
 def model_flags(opts, rest: list) -> list:
@@ -98,13 +104,13 @@ def parse_model(argv: list, opts):
 
     from ..model import ModelArgsError, add_model_args, complete_model_args
 
-    ap = add_model_args(argparse.ArgumentParser(prog="model flags", allow_abbrev=False))
-    args = ap.parse_args(argv)
+    ap = add_model_args(argparse.ArgumentParser(prog="python -m megatron_paradyse.check", allow_abbrev=False))
+    args = ap.parse_args(argv)  # an unknown flag: argparse's error, exit status 2
     args.tensor_model_parallel_size, args.sequence_parallel, args.seed = opts.p, opts.p > 1, 1234
     try:
         notes = complete_model_args(args, opts.p, torch.device("cuda" if opts.backend == "nccl" else "cpu"))
     except ModelArgsError as e:
-        raise SystemExit(f"error: {e}") from None
+        raise CheckArgsError(str(e)) from None
     return args, notes
 
 
@@ -184,6 +190,14 @@ def _run(cmd, env, timeout) -> int:
 
 
 def main(argv=None) -> int:
+    try:
+        return _main(argv)
+    except CheckArgsError as e:
+        print(f"python -m megatron_paradyse.check: error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+def _main(argv=None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
     opts, rest = build_parser().parse_known_args(raw)
     if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:  # under torchrun
