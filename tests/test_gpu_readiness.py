@@ -132,3 +132,18 @@ def test_torch_kernels_can_be_forced_where_flash_attn_is_installed(monkeypatch):
         with K.torch_kernels_only():
             assert K.kernel_path(q) == "torch flash"
         assert K.kernel_path(q) == "flash-attn 2.8.3"
+
+
+def test_resuming_the_distributed_optimizer_without_apex_or_te_is_refused(monkeypatch):
+    """Seen on an H100 (megatron-core 0.16.1, torch's Adam): the save works, the resume asserts in
+    DistributedOptimizer.state_dict before any step; refused before anything starts instead."""
+    from megatron_paradyse.training import arguments
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--vocab-size", "128",
+            "--seq-length", "64", "--micro-batch-size", "1", "--train-iters", "2", "--lr", "1e-3",
+            "--mock-data", "--distributed-backend", "nccl", "--use-distributed-optimizer"]
+    arguments.parse_args(argv, world_size=1)  # no --load: fine
+    with pytest.raises(arguments.ArgumentError, match="needs apex or Transformer Engine"):
+        arguments.parse_args(argv + ["--load", "ckpt"], world_size=1)
+    arguments.parse_args(argv + ["--load", "ckpt", "--no-load-optim"], world_size=1)

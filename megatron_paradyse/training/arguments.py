@@ -266,6 +266,12 @@ def validate_args(args, world_size: int | None = None) -> argparse.Namespace:
              "plain optimizer is used: drop the flag")
     if args.overlap_grad_reduce and on_cpu:
         _err("--overlap-grad-reduce needs CUDA streams; drop it on CPU")
+    if args.use_distributed_optimizer and args.load and not args.no_load_optim and not _apex_or_te_adam():
+        _err("--load with --use-distributed-optimizer needs apex or Transformer Engine: without them "
+             "megatron-core's DistributedOptimizer cannot build the state to load into before its "
+             "first step (distrib_optimizer.py, state_dict: assert len(steps) == 1; seen on an H100 "
+             "with megatron-core 0.16.1). Install either, or resume with --no-load-optim (the "
+             "optimizer's moments restart), or train without --use-distributed-optimizer")
     if args.overlap_param_gather and not (args.use_distributed_optimizer and args.overlap_grad_reduce):
         _err("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce "
              "(as in Megatron-LM)")
@@ -337,6 +343,16 @@ def validate_args(args, world_size: int | None = None) -> argparse.Namespace:
                 _err(f"--paradyse-plan uses {name!r}, which cannot run this model over "
                      f"TP={tp}: {why}")
     return args
+
+
+def _apex_or_te_adam() -> bool:
+    """Whether megatron-core's distributed optimizer runs on apex's or TE's Adam (its
+    ``HAVE_APEX_OR_TE``), whose state it can save and load before a first step."""
+    try:
+        from megatron.core.optimizer import distrib_optimizer
+    except ImportError:
+        return False
+    return bool(getattr(distrib_optimizer, "HAVE_APEX_OR_TE", False))
 
 
 def validate_planner_args(args, tp: int, config=None) -> None:

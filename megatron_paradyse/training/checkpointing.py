@@ -131,6 +131,17 @@ def _unwrap(model):
     return unwrap(model)
 
 
+def _optimizer_metadata(args) -> dict:
+    """The distributed optimizer's checkpoint layout as Megatron-LM 0.16 saves it
+    (``_build_sharded_state_dict_metadata``: ``dp_reshardable``). megatron-core's own default,
+    ``fully_sharded_model_space``, writes ShardedTensors with ``flattened_range``, which its
+    torch_dist writer refuses (seen on an H100: "ShardedTensor.flattened_range is not
+    supported"). Nothing for the plain optimizer (its layout is unchanged)."""
+    if not getattr(args, "use_distributed_optimizer", False):
+        return {}
+    return {"metadata": {"distrib_optim_sharding_type": "dp_reshardable"}}
+
+
 def sharded_state_dict(model, optimizer=None, scheduler=None, iteration: int = 0, args=None,
                        with_rng: bool = True, is_loading: bool = False) -> dict:
     """The state saved (or, with ``is_loading``, the template loaded)."""
@@ -147,7 +158,8 @@ def sharded_state_dict(model, optimizer=None, scheduler=None, iteration: int = 0
             "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
             "padded_vocab_size", "swiglu", "seq_length", "global_batch_size") if hasattr(args, k)}
     if optimizer is not None:
-        sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+        sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                       **_optimizer_metadata(args))
     if scheduler is not None:
         sd["opt_param_scheduler"] = scheduler.state_dict()
     if with_rng:
