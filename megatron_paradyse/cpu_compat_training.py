@@ -1,8 +1,9 @@
 """CPU compatibility layer for Megatron-LM's ``megatron.training`` (its ``pretrain()``).
 
 The companion of :mod:`megatron_paradyse.cpu_compat` (which shims megatron-core and must be
-applied first; :func:`apply` does). Applied by :func:`apply` only when CUDA is absent; on
-a GPU machine it is a no-op and the GPU path never imports it. Idempotent. It lets
+applied first; :func:`apply` does). Applied by :func:`apply` only where this process
+computes on the CPU (``megatron_paradyse.device``: gloo ranks); under NCCL it is a no-op.
+Idempotent. It lets
 Megatron-LM's unmodified ``pretrain_gpt.py`` train on CPU with gloo, which this repository
 uses to test the plugin against the real ``pretrain()``. Checked on Megatron-LM
 core_v0.16.1 (with megatron-core 0.16.1) and core_v0.19.0 (megatron-core 0.19.x's wheel).

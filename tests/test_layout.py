@@ -1,9 +1,9 @@
 """The package's dependencies point one way and form no cycle (read with ``ast``, nothing imported).
 
-parallel <- costmodel <- planner <- data <- training <- bench: a lower layer never imports a
-higher one; the parallel layer does not import the test helpers in ``testing`` either (the
-profiler in ``costmodel`` builds its stock models with them). Imports inside functions count
-too: a lazy import is still a dependency.
+device <- model <- parallel <- costmodel <- planner <- data <- training <- check / bench: a
+lower layer never imports a higher one, and product code (everything but ``bench``, the
+CPU benchmark launcher) never imports the test helpers in ``testing``. Imports inside
+functions count too: a lazy import is still a dependency.
 """
 from __future__ import annotations
 
@@ -15,11 +15,14 @@ ROOT = Path(__file__).resolve().parent.parent / PKG
 
 # subpackage -> subpackages it must never import
 FORBIDDEN = {
-    "parallel": {"costmodel", "planner", "data", "training", "testing", "bench"},
-    "costmodel": {"planner", "data", "training", "bench"},
-    "planner": {"data", "training", "bench"},
-    "data": {"training", "bench"},
-    "training": {"bench"},
+    "parallel": {"costmodel", "planner", "data", "training", "testing", "bench", "check"},
+    "costmodel": {"planner", "data", "training", "testing", "bench", "check"},
+    "planner": {"data", "training", "testing", "bench", "check"},
+    "data": {"training", "testing", "bench", "check"},
+    "training": {"testing", "bench", "check"},
+    "check": {"testing", "bench"},
+    "device": {"parallel", "costmodel", "planner", "data", "training", "testing", "bench", "check"},
+    "model": {"costmodel", "planner", "data", "training", "testing", "bench", "check"},
 }
 
 

@@ -23,12 +23,14 @@ script.py`` would). The hooks (:func:`install_hooks`, idempotent):
   (one document per sample, variable lengths; for stock and ParaDySe runs alike).
 
 Without ``--paradyse`` (and without ``--paradyse-document-data``) the script runs exactly as
-Megatron-LM ships it. Without CUDA, :mod:`megatron_paradyse.cpu_compat_training` is applied
-first (CPU + gloo; this is how the repository tests it).
+Megatron-LM ships it. With ``--distributed-backend gloo`` (Megatron-LM's default is nccl;
+gloo without CUDA) :mod:`megatron_paradyse.cpu_compat_training` is applied first (CPU ranks;
+this is how the repository tests it).
 
 Tested on CPU gloo ranks against Megatron-LM's unmodified files at core_v0.16.1 (with
 megatron-core 0.16.1) and core_v0.19.0 (with megatron-core 0.19.2); docs/megatron_lm.md says
-what ran, on what. Never run on a GPU.
+what ran, on what. On one H100 (p = 1, NCCL): core_v0.16.1's script stock and with
+``--paradyse`` gave equal losses (docs/gpu.md).
 """
 from __future__ import annotations
 
