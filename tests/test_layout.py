@@ -23,6 +23,7 @@ FORBIDDEN = {
     "check": {"testing", "bench"},
     "device": {"parallel", "costmodel", "planner", "data", "training", "testing", "bench", "check"},
     "model": {"costmodel", "planner", "data", "training", "testing", "bench", "check"},
+    "launch": {"parallel", "costmodel", "planner", "data", "training", "testing", "bench", "check"},
 }
 
 

@@ -1,11 +1,11 @@
-"""Run a function on N gloo ranks in fresh processes, with a timeout, and collect results.
-
-Used by the tests, the benchmarks and the demo on CPU machines. A failing rank is reported
+"""Run a function on N gloo ranks in fresh processes, with a timeout, and collect results
+(``run_world``: the product's ``launch.run_ranks`` with the tests' hooks; ``run_forked_worlds``:
+many worlds forked from processes that import once). Used by the tests, the benchmarks and
+the demo on CPU machines. A failing rank is reported
 with its traceback; a hung world is killed at the deadline instead of hanging its caller.
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 import pickle
@@ -17,22 +17,7 @@ import traceback
 import torch.multiprocessing as tmp
 
 from ..cpu_compat import RANK_ENV
-
-
-@contextlib.contextmanager
-def _process_env(env: dict):
-    """``env`` in this process's environment while children start, so that they start with it
-    (torch reads ``THP_MEM_ALLOC_ENABLE`` at its first allocation, before a worker runs)."""
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+from ..launch import WorldError, process_env, run_ranks  # noqa: F401  (WorldError re-exported)
 
 
 FAKE_CUDA_ENV = "PARADYSE_FAKE_CUDA_AVAILABLE"
@@ -49,101 +34,18 @@ def fake_cuda_available() -> None:
         torch.cuda.is_available = lambda: True
 
 
-class WorldError(RuntimeError):
-    """One or more ranks failed or the world timed out; the message holds each rank's report."""
-
-
-def _worker(fn, rank, world_size, init_file, args, kwargs, results, env, coll_timeout):
-    os.environ.update(env)
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
-    try:
-        import torch
-        import torch.distributed as dist
-
-        from ..device import select
-
-        fake_cuda_available()
-        torch.set_num_threads(1)
-        select("gloo")  # CPU ranks, also on a machine with GPUs
-        dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(seconds=coll_timeout),
-        )
-        out = fn(rank, world_size, *args, **kwargs)
-        results.put((rank, "ok", pickle.dumps(out)))  # by value: the child may exit first
-    except BaseException:  # noqa: BLE001 - every failure must reach the parent
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        try:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:
-            pass
-
-
 def run_world(fn, world_size: int, *args, timeout: float = 300.0, env: dict | None = None,
               grace: float = 5.0, **kwargs) -> list:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks
+    (``megatron_paradyse.launch.run_ranks``, with :func:`fake_cuda_available` first in each).
 
     Returns the list of per-rank return values (which must be picklable). Raises
     :class:`WorldError` with every failing rank's traceback if a rank raises, and with the
     list of silent ranks if the world does not finish within ``timeout`` seconds. Once one
     rank fails, the others get ``grace`` seconds to report before they are killed.
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = tmp.get_context("spawn")
-    results = ctx.Queue()
-    child_env = dict(RANK_ENV)
-    child_env.update(env or {})
-    with tempfile.TemporaryDirectory(prefix="paradyse_world_") as tmpdir:
-        init_file = os.path.join(tmpdir, "store")
-        procs = [
-            ctx.Process(target=_worker, daemon=False,  # ranks may start children (checkpoint writers)
-                        args=(fn, r, world_size, init_file, args, kwargs, results, child_env,
-                              max(timeout, 1.0)))
-            for r in range(world_size)
-        ]
-        with _process_env(child_env):
-            for p in procs:
-                p.start()
-        reports: dict = {}
-        deadline = time.monotonic() + timeout
-        first_error_at = None
-        try:
-            while len(reports) < world_size:
-                now = time.monotonic()
-                limit = deadline if first_error_at is None else min(deadline, first_error_at + grace)
-                if now >= limit:
-                    break
-                try:
-                    rank, status, payload = results.get(timeout=min(0.5, limit - now))
-                except queue.Empty:
-                    for r, p in enumerate(procs):
-                        if r not in reports and not p.is_alive() and p.exitcode not in (None, 0):
-                            reports[r] = ("error", f"rank {r} died with exit code {p.exitcode}")
-                            first_error_at = first_error_at or time.monotonic()
-                    continue
-                reports[rank] = (status, payload)
-                if status == "error" and first_error_at is None:
-                    first_error_at = time.monotonic()
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-            for p in procs:
-                p.join(timeout=5)
-    errors = {r: v for r, (s, v) in reports.items() if s == "error"}
-    missing = [r for r in range(world_size) if r not in reports]
-    if errors or missing:
-        parts = [f"--- rank {r} failed ---\n{tb}" for r, tb in sorted(errors.items())]
-        if missing:
-            why = "after another rank failed" if errors else f"within the {timeout:.0f} s timeout"
-            parts.append(f"--- ranks {missing} did not finish {why}; killed ---")
-        raise WorldError("\n".join(parts))
-    return [pickle.loads(reports[r][1]) for r in range(world_size)]
+    return run_ranks(fn, world_size, *args, timeout=timeout, env=env, grace=grace,
+                     setup=fake_cuda_available, **kwargs)
 
 
 # ============================================================================ forked worlds
@@ -250,7 +152,7 @@ def run_forked_worlds(cases, world_size: int, timeout: float = 120.0, preload=()
         procs = [ctx.Process(target=_zygote, daemon=False,
                              args=(r, world_size, list(cases), tmpdir, tuple(preload), child_env, timeout, results))
                  for r in range(world_size)]
-        with _process_env(child_env):
+        with process_env(child_env):
             for p in procs:
                 p.start()
         deadline = time.monotonic() + 60.0 + timeout * max(len(cases), 1)
