@@ -147,3 +147,34 @@ def test_resuming_the_distributed_optimizer_without_apex_or_te_is_refused(monkey
     with pytest.raises(arguments.ArgumentError, match="needs apex or Transformer Engine"):
         arguments.parse_args(argv + ["--load", "ckpt"], world_size=1)
     arguments.parse_args(argv + ["--load", "ckpt", "--no-load-optim"], world_size=1)
+
+
+def test_the_sp_norm_is_chosen_by_configuration(monkeypatch):
+    """RMSNorm and LayerNorm with sequence parallelism get the plugin's SP norm whatever is
+    installed (megatron's local spec gives WrappedTorchNorm, which refuses SP, for RMSNorm even
+    with apex); a class, since megatron's build_module returns a plain function uncalled."""
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_paradyse.model import layer_spec
+    from megatron_paradyse.parallel.norms import SPTorchNorm
+
+    for norm in ("RMSNorm", "LayerNorm"):
+        cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, normalization=norm,
+                                tensor_model_parallel_size=2, sequence_parallel=True,
+                                activation_func=F.gelu, use_cpu_initialization=True)
+        spec = layer_spec(cfg)
+        assert spec.layer_norm is SPTorchNorm and isinstance(SPTorchNorm, type)
+        assert all(ls.submodules.input_layernorm is SPTorchNorm and ls.submodules.pre_mlp_layernorm is SPTorchNorm
+                   for ls in spec.layer_specs)
+        built = SPTorchNorm(cfg, 64, eps=1e-5)
+        assert type(built).__name__ == norm and all(p.sequence_parallel for p in built.parameters())
+
+
+def test_peak_memory_reports_no_reserved_peak_on_cpu():
+    from megatron_paradyse.parallel.memory import PeakMemory, run_peaks
+
+    with PeakMemory("cpu") as m:
+        x = torch.ones(1 << 16)
+    del x
+    assert m.peak_bytes == 4 << 16 and m.peak_reserved is None and run_peaks("cpu") == (None, None)
