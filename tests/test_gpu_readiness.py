@@ -14,9 +14,10 @@ from .exactness import assert_exact, run_cases, stock
 
 @pytest.fixture
 def fresh_device():
+    saved = list(device._CHOSEN)
     device.reset_for_tests()
     yield
-    device.reset_for_tests()
+    device._CHOSEN[:] = saved
 
 
 def _gpu_host_world(rank, world):
@@ -68,7 +69,8 @@ def test_the_margin_follows_the_plans_device_not_this_machine(monkeypatch):
         assert trained_on_gpu.margin == pytest.approx(0.10 * (1 << 30))
 
 
-def test_nccl_without_cuda_is_a_clear_error(fresh_device):
+def test_nccl_without_cuda_is_a_clear_error(fresh_device, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match="nccl backend needs CUDA"):
         device.select("nccl")
     with pytest.raises(ValueError, match="unknown distributed backend"):

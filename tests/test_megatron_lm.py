@@ -358,7 +358,9 @@ def test_cpu_shims_for_megatron_training_are_documented():
     for name in c.ALL_SHIMS:
         m = re.search(rf"^``{name}``\n((?:    .*\n)+)", c.__doc__, re.M)
         assert m and "Needed by" in m.group(1), f"shim {name!r} is not documented with its users"
-    assert c.needed() == (not __import__("torch").cuda.is_available())
+    from megatron_paradyse import device
+
+    assert c.needed() == device.is_cpu()
 
 
 @full
