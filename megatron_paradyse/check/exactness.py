@@ -55,8 +55,9 @@ def run_plans(spec, tp: int, dtype, plans: list) -> list:
     out = []
     for plan in plans:
         if plan is not None:
-            mp.install()
-        mp.set_plan(model, plan) if mp.installed() else None
+            mp.install()  # plan None runs stock code, before install and after it alike
+        if mp.installed():
+            mp.set_plan(model, plan)
         model.zero_grad(set_to_none=True)
         loss, logits = forward_backward(model, tokens, labels)
         allreduce_sequence_parallel_grads(model)
