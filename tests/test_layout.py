@@ -24,6 +24,8 @@ FORBIDDEN = {
     "device": {"parallel", "costmodel", "planner", "data", "training", "testing", "bench", "check"},
     "model": {"costmodel", "planner", "data", "training", "testing", "bench", "check"},
     "launch": {"parallel", "costmodel", "planner", "data", "training", "testing", "bench", "check"},
+    "paths": {"device", "model", "launch", "parallel", "costmodel", "planner", "data", "training",
+              "testing", "bench", "check"},
 }
 
 
@@ -113,3 +115,40 @@ def test_no_import_cycle_between_modules():
         if v not in index:
             visit(v)
     assert not cycles, cycles
+
+
+def test_no_committed_file_holds_an_absolute_path_of_a_machine():
+    """Logs, JSON, profiles and docs record paths relative to the repository or the output
+    folder (``megatron_paradyse.paths``); the tests, which build such paths on purpose, aside."""
+    import re
+    import subprocess
+
+    root = ROOT.parent
+    try:
+        files = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True,
+                               check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout: every file
+        files = [str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and ".git" not in p.parts]
+    pattern = re.compile(r"(/work/|/root/|/home/[a-z]|/tmp/[A-Za-z])")
+    bad = []
+    for name in files:
+        if name.startswith("tests/") or name.endswith((".png", ".bin", ".idx")):
+            continue
+        try:
+            text = (root / name).read_text(errors="ignore")
+        except OSError:
+            continue
+        bad += [f"{name}: {m.group(0)}" for m in pattern.finditer(text)][:1]
+    assert not bad, bad
+
+
+def test_recorded_paths_are_relative():
+    import os
+
+    from megatron_paradyse.paths import recorded, shown, shown_argv
+
+    here = os.getcwd()
+    assert shown(os.path.join(here, "runs", "x")) == os.path.join("runs", "x")
+    assert recorded("/elsewhere/out/p.jsonl") == os.path.join("...", "p.jsonl") and shown("rel") == "rel"
+    assert shown_argv(["--out", os.path.join(here, "a"), "--x=/w/b", "-o", "/q/p.jsonl"]) == \
+        "--out a --x=.../b -o .../p.jsonl"

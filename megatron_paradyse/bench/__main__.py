@@ -13,6 +13,8 @@ import os
 import sys
 import time
 
+from ..paths import recorded, shown, shown_argv
+
 ALL_SYSTEMS = ("stock", "tp_sp", "ulysses", "ring", "colossal", "metp", "paradyse_heuristic",
                "paradyse_optimal")
 
@@ -103,7 +105,7 @@ def main(argv=None) -> int:
                search=a.max_seq_len_search, search_cap=a.search_cap, search_probes=a.search_probes,
                search_resolution=a.search_resolution, verbose=not a.quiet, memory_pass=a.memory_pass)
     print(f"> benchmark: {len(systems)} systems x {a.steps} steps on {a.p} gloo ranks, demo shape, "
-          f"data {prefix}, budget {budget / (1 << 20):.1f} MiB per rank ({why})", flush=True)
+          f"data {shown(prefix)}, budget {budget / (1 << 20):.1f} MiB per rank ({why})", flush=True)
     t0 = time.perf_counter()
     out = run_world(bench_world, a.p, cfg, timeout=a.timeout)[0]
     wall = time.perf_counter() - t0
@@ -114,10 +116,10 @@ def main(argv=None) -> int:
     summary = report.summarize(records, budget)
     result = dict(
         title=f"demo shape (L4 h128 a8 ffn512), p={a.p} CPU gloo ranks, {a.steps} steps, stdlib corpus"
-        if a.data_path is None else f"p={a.p}, {a.steps} steps, {prefix}",
-        command="python -m megatron_paradyse.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+        if a.data_path is None else f"p={a.p}, {a.steps} steps, {shown(prefix)}",
+        command="python -m megatron_paradyse.bench " + shown_argv(argv if argv is not None else sys.argv[1:]),
         wall_seconds=wall, measured_seconds=out["seconds"], budget_bytes=budget, budget_source=why,
-        memory_pass=a.memory_pass, p=a.p, steps=a.steps, seq_length=a.seq_length, data=prefix, long_docs=a.long_docs,
+        memory_pass=a.memory_pass, p=a.p, steps=a.steps, seq_length=a.seq_length, data=recorded(prefix), long_docs=a.long_docs,
         notes=out["notes"] + ["stock = megatron-core's own TP+SP layer: on CPU its attention is the "
                               "unfused DotProductAttention (s x s scores); tp_sp is the same layer "
                               "with the plugin's memory-linear attention kernel",

@@ -557,6 +557,13 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _command(argv) -> str:
+    """How this profile was asked for, without the machine's absolute paths."""
+    from ..paths import shown_argv
+
+    return "python -m megatron_paradyse.costmodel profile " + shown_argv(sys.argv[1:] if argv is None else argv)
+
+
 def main(argv=None):
     import torch
 
@@ -603,7 +610,7 @@ def main(argv=None):
                memory_limit=_bytes(args.memory_limit), nonlayer=not args.no_nonlayer,
                pool_only=args.pool_only, backend=args.backend,
                fake_world=args.fake_world, fake_rank=args.fake_rank, interconnect=args.interconnect,
-               interconnect_path=args.interconnect_config, command=" ".join(sys.argv),
+               interconnect_path=args.interconnect_config, command=_command(argv),
                model_args=model_args)
     mode = profile_mode(cfg, nproc)
     try:
