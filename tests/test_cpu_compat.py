@@ -46,3 +46,17 @@ def test_apply_is_idempotent_and_complete():
 def test_a_shim_can_be_skipped():
     out = run_world(_skip_factory, 1, timeout=120, env={"PARADYSE_CPU_SHIMS_SKIP": "factory"})[0]
     assert "factory" not in out["applied"] and out["factory_raised"]
+
+
+def test_nothing_is_patched_on_a_process_that_chose_a_gpu(monkeypatch):
+    """Where the device decision is CUDA, neither layer applies a shim (no CUDA is needed to
+    show it: the decision is faked, and apply must return before touching anything)."""
+    import torch
+
+    from megatron_paradyse import cpu_compat, cpu_compat_training, device
+
+    monkeypatch.setattr(device, "_CHOSEN", [torch.device("cuda", 0)])
+    before = (torch.zeros, torch.cuda.current_device, torch.Tensor.cuda)
+    assert not cpu_compat.needed() and cpu_compat.apply() == ()
+    assert not cpu_compat_training.needed() and cpu_compat_training.apply() == ()
+    assert (torch.zeros, torch.cuda.current_device, torch.Tensor.cuda) == before
