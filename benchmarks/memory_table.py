@@ -23,7 +23,7 @@ def measure(rank, world, spec_kw, batch, seq, names):
 
     import megatron_paradyse as mp
     from megatron_paradyse.testing import models as T
-    from megatron_paradyse.parallel.memory import pass_memory
+    from megatron_paradyse.memory import pass_memory
 
     T.init_megatron(world)
     mp.install()

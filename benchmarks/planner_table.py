@@ -28,7 +28,7 @@ def _rank(rank, world, cfg):
     from megatron_paradyse.bench.__main__ import demo_argv
     from megatron_paradyse.bench.world import System, _max_over_ranks, _measure
     from megatron_paradyse.costmodel import ModelShape, build_cost_model
-    from megatron_paradyse.parallel.memory import static_bytes
+    from megatron_paradyse.memory import static_bytes
     from megatron_paradyse.planner import build_planner
     from megatron_paradyse.training.arguments import parse_args
 

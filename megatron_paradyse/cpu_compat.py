@@ -171,7 +171,7 @@ def _rng():
 
 
 def _sp_norm():
-    from .parallel.norms import install_sp_norm
+    from .norms import install_sp_norm
 
     install_sp_norm()
 

@@ -61,7 +61,7 @@ class PeakMemory:
 
     def __init__(self, device=None):
         if device is None:
-            from ..device import current
+            from .device import current
 
             device = current()
         self.device = torch.device(device)
@@ -114,7 +114,7 @@ def run_peaks(device=None) -> tuple:
     """``(allocated, reserved)`` peak bytes of this process on a CUDA ``device`` since it
     started, across :class:`PeakMemory`'s resets of torch's counters; ``(None, None)`` on CPU."""
     if device is None:
-        from ..device import current
+        from .device import current
 
         device = current()
     device = torch.device(device)

@@ -4,7 +4,7 @@
 The profiler must measure the layer training runs, so both build through here from the same
 Megatron-LM flag names (fusions included). The layer spec is megatron-core's local spec; with
 sequence parallelism its norms are the plugin's sequence-parallel torch norm
-(:class:`megatron_paradyse.parallel.norms.SPTorchNorm`) for LayerNorm and RMSNorm alike,
+(:class:`megatron_paradyse.norms.SPTorchNorm`) for LayerNorm and RMSNorm alike,
 decided by the configuration and never by what is installed: megatron's local spec picks
 apex's ``FusedLayerNorm`` for LayerNorm where apex exists and ``WrappedTorchNorm`` (which
 refuses sequence parallelism) for RMSNorm on every image.
@@ -23,7 +23,7 @@ import argparse
 import torch
 
 from .device import current as current_device
-from .parallel.norms import SPTorchNorm
+from .norms import SPTorchNorm
 
 # Megatron-LM's fusion switches: flag -> (args attribute, TransformerConfig field)
 FUSION_SWITCHES = {

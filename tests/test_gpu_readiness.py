@@ -159,7 +159,7 @@ def test_the_sp_norm_is_chosen_by_configuration(monkeypatch):
     from megatron.core.transformer import TransformerConfig
 
     from megatron_paradyse.model import layer_spec
-    from megatron_paradyse.parallel.norms import SPTorchNorm
+    from megatron_paradyse.norms import SPTorchNorm
 
     for norm in ("RMSNorm", "LayerNorm"):
         cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, normalization=norm,
@@ -174,7 +174,7 @@ def test_the_sp_norm_is_chosen_by_configuration(monkeypatch):
 
 
 def test_peak_memory_reports_no_reserved_peak_on_cpu():
-    from megatron_paradyse.parallel.memory import PeakMemory, run_peaks
+    from megatron_paradyse.memory import PeakMemory, run_peaks
 
     with PeakMemory("cpu") as m:
         x = torch.ones(1 << 16)

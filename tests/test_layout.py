@@ -22,8 +22,11 @@ FORBIDDEN = {
     "training": {"testing", "bench", "check"},
     "check": {"testing", "bench"},
     "device": {"parallel", "costmodel", "planner", "data", "training", "testing", "bench", "check"},
-    "model": {"costmodel", "planner", "data", "training", "testing", "bench", "check"},
+    "model": {"parallel", "costmodel", "planner", "data", "training", "testing", "bench", "check"},
     "launch": {"parallel", "costmodel", "planner", "data", "training", "testing", "bench", "check"},
+    "memory": {"model", "parallel", "costmodel", "planner", "data", "training", "testing", "bench", "check"},
+    "norms": {"device", "model", "parallel", "costmodel", "planner", "data", "training", "testing", "bench",
+              "check"},
     "paths": {"device", "model", "launch", "parallel", "costmodel", "planner", "data", "training",
               "testing", "bench", "check"},
 }

@@ -28,7 +28,7 @@ def test_pass_memory_credits_what_the_backward_frees():
     freed must not be stacked on top of them (one tracker spans forward and backward)."""
     import torch
 
-    from megatron_paradyse.parallel.memory import pass_memory
+    from megatron_paradyse.memory import pass_memory
 
     n = 1 << 18  # 1 MiB of fp32
 

@@ -10,7 +10,7 @@ scores on CPU), which is the ``stock`` system.
 Per step and system: wall time of the training step (max over ranks, measured without the
 memory tracker), peak memory (max over ranks) = the peak live bytes above the start of a
 second, tracked forward+backward of the same micro-batch
-(:class:`~megatron_paradyse.parallel.memory.PeakMemory`) plus the static bytes (parameters, gradient buffers, optimizer state; measured after a
+(:class:`~megatron_paradyse.memory.PeakMemory`) plus the static bytes (parameters, gradient buffers, optimizer state; measured after a
 warm-up step), the plan, and the cost model's prediction for that plan.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from ..parallel.memory import static_bytes
+from ..memory import static_bytes
 
 
 class System:
@@ -72,7 +72,7 @@ def _measure(system, mb, memory_pass: str = "separate"):
     optimizer step (the optimizer's transient is small next to activations; its state is in the
     static bytes). ``"same"``: one tracked step gives both (half the cost, biased times).
     """
-    from ..parallel.memory import PeakMemory
+    from ..memory import PeakMemory
 
     dist.barrier()
     if memory_pass == "same":

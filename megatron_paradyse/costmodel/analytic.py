@@ -15,7 +15,7 @@ local tokens, ``e`` bytes per element, ``qw = (heads + 2*groups) * head_dim`` (Q
 the layer holds. The coefficients were read off the strategies' code (``tp_sp``: megatron's
 own linears save the local input and re-gather; the ZeRO strategies save local tokens;
 ``metp`` saves only its input) and checked against the CPU live-bytes tracker
-(:mod:`megatron_paradyse.parallel.memory`), which also found the implementation's extra
+(:mod:`megatron_paradyse.memory`), which also found the implementation's extra
 copies (contiguous copies after permutes, a bias-free row-parallel output kept by autograd,
 SwiGLU's chunked gate); ``tests/test_costmodel_analytic.py`` holds the result to 5% at
 p = 2 and 4 over several shapes. Ranks differ (colossal's dS rows reach the rank's last position);

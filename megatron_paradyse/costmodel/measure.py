@@ -2,7 +2,7 @@
 
 Used by the profiler (``profile.py``), the tests and the report. Runs on the real process
 group (gloo / NCCL ranks) or, in single-device mode, as one rank of a fake p-way group
-(:func:`init_fake`). Memory comes from :mod:`megatron_paradyse.parallel.memory` (CUDA peak
+(:func:`init_fake`). Memory comes from :mod:`megatron_paradyse.memory` (CUDA peak
 statistics, or the CPU live-tensor tracker), measured after a warm-up pass so that
 persistent buffers (megatron's global memory buffer: the communication pool) are not counted
 (they are reported separately as ``buffer_bytes``).
@@ -410,7 +410,7 @@ class LayerRunner:
         (gloo does), which now and then adds a temporary to one pass's count on one rank;
         the layer's own memory is the same every pass, so the least is the layer's.
         """
-        from megatron_paradyse.parallel.memory import pass_memory
+        from megatron_paradyse.memory import pass_memory
 
         fwd, bwd = self.pass_fn(part, s, b)
         bwd(fwd())  # warm-up: persistent buffers and parameter gradients exist from here on
@@ -480,7 +480,7 @@ class NonLayerRunner:
         return dec, saved
 
     def measure(self, s, b, warmup=1, repeats=3):
-        from megatron_paradyse.parallel.memory import pass_memory
+        from megatron_paradyse.memory import pass_memory
 
         dec, layers = self._without_layers()
         try:

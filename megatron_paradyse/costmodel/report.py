@@ -155,7 +155,7 @@ def _step_rank(rank, world, shape_d, plans, seqs, repeats):
     from megatron_paradyse.costmodel import measure as M
     from megatron_paradyse.costmodel.shape import ModelShape
     from megatron_paradyse.parallel.buffers import release_pool
-    from megatron_paradyse.parallel.memory import PeakMemory, static_bytes
+    from megatron_paradyse.memory import PeakMemory, static_bytes
 
     shape = ModelShape(**shape_d)
     spec, model = M.build(shape, max_seq=max(seqs))

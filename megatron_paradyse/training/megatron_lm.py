@@ -444,7 +444,7 @@ def _select_device(argv) -> None:
     import torch
 
     from ..device import select
-    from ..parallel.norms import install_sp_norm
+    from ..norms import install_sp_norm
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     for i, a in enumerate(argv):

@@ -214,7 +214,7 @@ class Trainer:
     def _planned_step(self):
         """One step with the planner's predictions, the measured peak (all ranks' max is not
         taken: this rank's), and the refinement's all-reduce; returns (stats, log text)."""
-        from ..parallel.memory import PeakMemory, static_bytes
+        from ..memory import PeakMemory, static_bytes
         from .run_report import pool_bytes
 
         outside = static_bytes(self.model, self.optimizer) + pool_bytes()  # live before the tracker
@@ -334,8 +334,8 @@ class Trainer:
                          budget_bytes=None if budget is None else float(budget) * (1 << 30))
 
     def _reported_step(self, report):
-        from ..parallel.memory import PeakMemory
-        from ..parallel.memory import static_bytes
+        from ..memory import PeakMemory
+        from ..memory import static_bytes
         from .run_report import max_over_ranks, pool_bytes
 
         static, held = static_bytes(self.model, self.optimizer), pool_bytes()
