@@ -1,5 +1,5 @@
-"""``python -m megatron_paradyse.plan`` (or ``-m megatron_paradyse.planner``): explain the planners'
-choice per sequence length as a table, without starting a training run.
+"""``python -m megatron_paradyse.plan`` (the command is ``megatron_paradyse/plan.py``): explain the
+planners' choice per sequence length as a table, without starting a training run.
 
     python -m megatron_paradyse.plan --cost-model M.json --seq-lens 4k,32k,256k --memory-budget 70
 
