@@ -5,7 +5,8 @@ many checks):
 
 * world A, TP=p=4: stock megatron-core TP+SP and ParaDySe train the same small GPT for 14
   steps over variable-length micro-batches; ParaDySe's plan changes per step, per
-  micro-batch and per layer. Both save at step 7.
+  micro-batch and per layer. Both save at step 7. Then the planner chooses the plans with
+  online refinement (10 steps), and again for 3 steps writing a run report.
 * world B (fresh): resume from step 7 (ParaDySe -> ParaDySe, ParaDySe -> stock,
   stock -> ParaDySe); a divergent plan planted on one rank; dp=2 x p=2 equality; padding
   invariance of loss and gradient at TP=1.
@@ -105,12 +106,23 @@ def _world_a(rank, world, ckpt_root):
     out["planned"] = _summary(hist)
     out["planned_log"] = planned_lines if rank == 0 else None
     out["planned_seconds"] = time.perf_counter() - t0
+    # the same with a run report: the same step path, so the refinement still learns
+    t0 = time.perf_counter()
+    reported_lines = []
+    hist, _, trainer = _train(4, world, ["--paradyse-memory-budget", PLANNER_BUDGET_GIB, "--paradyse-refine", "on",
+                                         "--paradyse-run-report", f"{ckpt_root}/report"],
+                              paradyse=True, steps=REPORTED_STEPS, lines=reported_lines)
+    ref = trainer.planner.refinement
+    out["reported"] = dict(steps=_summary(hist), log=reported_lines if rank == 0 else None,
+                           version=ref.version, updates=ref.updates, state=ref.state(),
+                           seconds=time.perf_counter() - t0)
     dist.barrier()
     return out
 
 
 PLANNER_STEPS = 10
 PLANNER_BUDGET_GIB = "0.001336"
+REPORTED_STEPS = 3
 
 
 class _Planted:
@@ -353,6 +365,34 @@ def test_planner_chooses_and_training_equals_stock(worlds):
     assert any("refinement v" in line and "refinement v0" not in line for line in steps)
     for r in a[1:]:
         assert [x["plans"] for x in r["planned"]] == [x["plans"] for x in pl]
+
+
+def test_run_report_keeps_the_refinement(worlds):
+    """--paradyse-run-report with the planner and --paradyse-refine on: every step is predicted,
+    measured, fed to the refinement (its factors move, the same on every rank) and recorded."""
+    import json
+
+    a, _, root = worlds
+    rep = a[0]["reported"]
+    print(f"\nreported run, {REPORTED_STEPS} steps ({rep['seconds']:.1f} s): refinement v{rep['version']} "
+          f"after {rep['updates']} updates")
+    print("\n".join(rep["log"][-2:]))
+    assert rep["updates"] == REPORTED_STEPS and rep["version"] > 0
+    state = rep["state"]
+    assert any(abs(f - 1.0) > 1e-6 for f in state["time"] + state["mem"])
+    for r in a[1:]:  # all-reduced: every rank holds the same factors and plans
+        assert r["reported"]["state"] == state
+        assert [x["plans"] for x in r["reported"]["steps"]] == [x["plans"] for x in rep["steps"]]
+    steps = [line for line in rep["log"] if "lm loss" in line]
+    assert len(steps) == REPORTED_STEPS
+    assert all("time pred/meas" in line and "peak pred/meas" in line and "refinement v" in line for line in steps)
+    assert "refinement v0" not in steps[-1]
+    assert any(line.startswith("> run summary") for line in rep["log"])
+    with open(f"{root}/report/run_report.json") as fh:
+        written = json.load(fh)["steps"]
+    assert [s_["iteration"] for s_ in written] == list(range(1, REPORTED_STEPS + 1))
+    assert all(s_["predicted_seconds"] > 0 and s_["predicted_peak_bytes"] > 0 and s_["peak_bytes"] > 0
+               for s_ in written)
 
 
 def test_resume_and_cross_loading(worlds):

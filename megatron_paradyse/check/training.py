@@ -38,7 +38,7 @@ def run(argv: list, log) -> list:
     trainer = Trainer(args, log=log)
     rows = []
     while trainer.iteration < args.train_iters:
-        stats, _ = trainer._planned_step()
+        stats, _ = trainer.measured_step()
         rows.append(dict(trainer.last_measure, loss=stats.loss, seq=list(stats.seq_lengths),
                          plans=[list(x) if x else None for x in stats.plans]))
     return _lines(rows, trainer)

@@ -1,11 +1,12 @@
 """A run's report (``--paradyse-run-report DIR``): per-step peak memory and predictions, a summary, a plot.
 
 With the flag, the trainer measures each step's peak memory (on CPU the live-tensor tracker
-of :mod:`megatron_paradyse.parallel.memory`, on GPU ``max_memory_allocated``; max over ranks)
+of :mod:`megatron_paradyse.memory`, on GPU ``max_memory_allocated``; max over ranks)
 plus the static bytes (parameters, gradient buffers, optimizer state) and the communication
 pool held at the step's start (stock Megatron's persistent ``mpu`` buffer; ParaDySe releases
-its pool between micro-batches, so its steps count the pool they allocate), asks the planner (if
-there is one) for its prediction of each micro-batch, and appends to each iteration line
+its pool between micro-batches, so its steps count the pool they allocate), takes the
+planner's predictions for the step (if there is a planner; those it made when it planned the
+micro-batches, the ones its refinement compares), and appends to each iteration line
 ``pred/meas`` time and peak against the budget. At the end it prints a summary (steps,
 tokens, plans used and how often, time, peak against budget) and writes ``DIR/run_report.json``
 and ``DIR/run_report.png`` (length and plan of each step, measured against predicted).
@@ -18,7 +19,7 @@ import os
 import torch
 import torch.distributed as dist
 
-MiB = float(1 << 20)
+from ..units import MiB
 
 
 def pool_bytes() -> int:
@@ -31,38 +32,15 @@ def pool_bytes() -> int:
 
 
 class RunReport:
-    def __init__(self, args, planner=None, budget_bytes=None):
-        self.args, self.planner, self.budget = args, planner, budget_bytes
+    def __init__(self, budget_bytes=None):
+        self.budget = budget_bytes
         self.steps: list = []
-        self._pred_cache: dict = {}
 
-    def predict(self, mb):
-        """The planner's (seconds, peak bytes) for the plan ``mb`` ran, without touching its state."""
-        pl = self.planner
-        if pl is None or mb.plan is None:
-            return None
-        key = (mb.seq_length, mb.tokens.shape[0], tuple(mb.plan))
-        if key not in self._pred_cache:
-            try:
-                if hasattr(pl, "costs") and hasattr(pl, "evaluate"):
-                    counts: dict = {}
-                    for n in mb.plan:
-                        counts[n] = counts.get(n, 0) + 1
-                    sec, peak = pl.evaluate(pl.costs(key[0], key[1]), counts)
-                else:
-                    c = getattr(pl, "choose", pl.plan)(key[0], key[1])
-                    sec, peak = c.seconds, c.peak_bytes
-                self._pred_cache[key] = (float(sec), float(peak))
-            except Exception:  # noqa: BLE001 - a report never stops training
-                self._pred_cache[key] = None
-        return self._pred_cache[key]
-
-    def record(self, stats, peak_bytes: float, static: float, micro) -> str:
-        """Store one step; returns the text appended to the iteration line."""
-        preds = [self.predict(mb) for mb in micro]
-        update = self.planner.update_seconds() if hasattr(self.planner, "update_seconds") else 0.0
-        pred_s = sum(p[0] for p in preds) + update if preds and all(preds) else None
-        pred_m = max(p[1] for p in preds) if preds and all(preds) else None
+    def record(self, stats, peak_bytes: float, static: float, micro, predicted=None) -> str:
+        """Store one step; returns the text appended to the iteration line. ``predicted``: the
+        planner's ``(seconds, peak bytes)`` of the step, made when it planned the step's
+        micro-batches (None: no planner)."""
+        pred_s, pred_m = predicted if predicted is not None else (None, None)
         peak = peak_bytes + static
         self.steps.append(dict(
             iteration=stats.iteration, seconds=stats.seconds, tokens=stats.tokens,

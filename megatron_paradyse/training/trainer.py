@@ -44,6 +44,7 @@ from ..parallel.plan_check import collective_device
 from .forward_step import forward_step
 from .iterator import PlannedIterator
 from ..parallel.plans import describe_plans, parse_plan, rule_plan_fn
+from ..units import GiB, MiB
 
 # ============================================================================ model & optimizer
 
@@ -211,38 +212,63 @@ class Trainer:
         self.planner, plan_fn = planner_from_args(self.args, self.log)
         return plan_fn
 
-    def _planned_step(self):
-        """One step with the planner's predictions, the measured peak (all ranks' max is not
-        taken: this rank's), and the refinement's all-reduce; returns (stats, log text)."""
-        from ..memory import PeakMemory, static_bytes
-        from .run_report import pool_bytes
+    # ------------------------------------------------------------------ one step, measured
+    def measured_step(self, report=None):
+        """One step as :meth:`train` runs it; returns ``(stats, text appended to its log line)``.
 
-        outside = static_bytes(self.model, self.optimizer) + pool_bytes()  # live before the tracker
+        Without a planner and without a run report: :meth:`train_step` alone. Otherwise the
+        step runs under the peak-memory tracker, to which the bytes live before it are added
+        (static: parameters, gradient buffers, optimizer state; the communication pool held).
+        With a planner: its predictions for the step's micro-batches (made when they were
+        planned), this rank's measured peak and time fed to the refinement (one all-reduce
+        over the world, every rank applies the same sum), ``self.last_measure``. With
+        ``report`` (a :class:`~.run_report.RunReport`): the step recorded, peaks the max over
+        ranks, and the report's text in the log line.
+        """
+        if self._planner_fn is None and report is None:
+            return self.train_step(), ""
+        from ..memory import PeakMemory, static_bytes
+        from .run_report import max_over_ranks, pool_bytes
+
+        static, held = static_bytes(self.model, self.optimizer), pool_bytes()  # live before the tracker
         with PeakMemory() as m:
             stats = self.train_step()
-        measured = m.peak_bytes + outside
-        choices = [self._planner_fn.choices.get(i) for i in range(len(self.data_iterator.current))]
-        pred_s = sum(c.seconds for c in choices if c is not None) + self.planner.update_seconds()
-        pred_m = max((c.peak_bytes for c in choices if c is not None), default=0.0)
-        ref = self.planner.refinement
-        if ref is not None:
-            micro = [(mb.plan, mb.seq_length) for mb in self.data_iterator.current if mb.plan is not None]
-            b = self.args.micro_batch_size
-            idx = {n: i for i, n in enumerate(self.planner.strategies)}
-            vec = ref.contribution(micro, pred_s, stats.seconds, pred_m, measured,
-                                   layer_seconds=lambda n, s: self.planner.costs(s, b).t[idx[n]])
-            ref.step(vec)  # one all-reduce over the world: every rank applies the same sum
-        MiB = float(1 << 20)
-        self.last_measure = dict(pred_seconds=pred_s, pred_peak=pred_m, peak=measured,
-                                 peak_reserved=m.peak_reserved, seconds=stats.seconds,
-                                 budget=self.planner.budget, margin=self.planner.margin)
-        reserved = "" if m.peak_reserved is None else f", reserved {m.peak_reserved / MiB:.1f} MiB"
-        text = (f"pred: {pred_s:.3f} s, peak {pred_m / MiB:.1f} MiB | measured peak (rank "
-                f"{dist.get_rank() if dist.is_initialized() else 0}): {measured / MiB:.1f} MiB{reserved} "
-                f"(budget {self.planner.budget / MiB:.1f} MiB)")
+        measured = m.peak_bytes + held + static  # this rank's
+        predicted, text = None, ""
+        if self._planner_fn is not None:
+            predicted, text = self._refine(stats, measured, m.peak_reserved)
+        if report is not None:
+            peak = max_over_ranks(measured) - static
+            text = report.record(stats, peak, max_over_ranks(static), self.data_iterator.current, predicted)
+        ref = None if self.planner is None else self.planner.refinement
         if ref is not None:
             text += f" | refinement v{ref.version}"
         return stats, text
+
+    def _refine(self, stats, measured, reserved):
+        """The planner's ``(predicted seconds, predicted peak)`` of the step just run; the
+        refinement's update from them, the measured time and this rank's ``measured`` peak; the
+        text for the log line without a report."""
+        planner = self.planner
+        choices = [self._planner_fn.choices.get(i) for i in range(len(self.data_iterator.current))]
+        pred_s = sum(c.seconds for c in choices if c is not None) + planner.update_seconds()
+        pred_m = max((c.peak_bytes for c in choices if c is not None), default=0.0)
+        ref = planner.refinement
+        if ref is not None:
+            micro = [(mb.plan, mb.seq_length) for mb in self.data_iterator.current if mb.plan is not None]
+            b = self.args.micro_batch_size
+            idx = {n: i for i, n in enumerate(planner.strategies)}
+            vec = ref.contribution(micro, pred_s, stats.seconds, pred_m, measured,
+                                   layer_seconds=lambda n, s: planner.costs(s, b).t[idx[n]])
+            ref.step(vec)  # one all-reduce over the world: every rank applies the same sum
+        self.last_measure = dict(pred_seconds=pred_s, pred_peak=pred_m, peak=measured,
+                                 peak_reserved=reserved, seconds=stats.seconds,
+                                 budget=planner.budget, margin=planner.margin)
+        res = "" if reserved is None else f", reserved {reserved / MiB:.1f} MiB"
+        text = (f"pred: {pred_s:.3f} s, peak {pred_m / MiB:.1f} MiB | measured peak (rank "
+                f"{dist.get_rank() if dist.is_initialized() else 0}): {measured / MiB:.1f} MiB{res} "
+                f"(budget {planner.budget / MiB:.1f} MiB)")
+        return (pred_s, pred_m), text
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> StepStats:
@@ -295,17 +321,11 @@ class Trainer:
         end = args.train_iters if train_iters is None else train_iters
         window: list = []
         last_saved = None
-        self.log(f"> training {describe_setup(args, custom_plan=self.plan_fn is not None, planner=self.planner if self._planner_fn else None)} "
+        self.log(f"> training {describe_setup(args, custom_plan=self.plan_fn is not None, planner=self.planner)} "
                  f"from iteration {self.iteration} to {end}")
         report = self._run_report()
         while self.iteration < end:
-            extra = ""
-            if report is None and self._planner_fn is not None:
-                stats, extra = self._planned_step()
-            elif report is None:
-                stats = self.train_step()
-            else:
-                stats, extra = self._reported_step(report)
+            stats, extra = self.measured_step(report)
             window.append(stats)
             if stats.iteration % args.log_interval == 0 or stats.iteration == end:
                 self.log(format_log_line(window, args, end) + (f" {extra} |" if extra else ""))
@@ -330,20 +350,7 @@ class Trainer:
         from .run_report import RunReport
 
         budget = getattr(args, "paradyse_memory_budget", None)
-        return RunReport(args, planner=getattr(self, "planner", None),
-                         budget_bytes=None if budget is None else float(budget) * (1 << 30))
-
-    def _reported_step(self, report):
-        from ..memory import PeakMemory
-        from ..memory import static_bytes
-        from .run_report import max_over_ranks, pool_bytes
-
-        static, held = static_bytes(self.model, self.optimizer), pool_bytes()
-        with PeakMemory() as m:
-            stats = self.train_step()
-        peak = max_over_ranks(m.peak_bytes + held + static) - static
-        static = max_over_ranks(static)
-        return stats, report.record(stats, peak, static, self.data_iterator.current)
+        return RunReport(budget_bytes=None if budget is None else float(budget) * GiB)
 
     @contextlib.contextmanager
     def _params_gathered(self):
