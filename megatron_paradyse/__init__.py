@@ -7,10 +7,17 @@ Usage::
     model = GPTModel(...)             # stock, tensor_model_parallel_size=p, sequence_parallel=True
     mp.set_plan(model, "ring")        # or one name per layer
 
-Subpackages, each depending only on those above it:
-``parallel`` (strategies, collectives, dispatch, plans) <- ``costmodel`` / ``planner``
-(planning) <- ``training`` (data, hooks, trainer, checkpoints, arguments); ``testing`` holds
-the multi-rank harness and tiny models for tests and benchmarks.
+Layers, each importing only those before it (``tests/test_layout.py`` checks):
+``device`` (the process's device) <- ``model`` (the stock GPT builder) <- ``parallel``
+(strategies, collectives, dispatch, plans) <- ``costmodel`` <- ``planner`` <- ``data``
+(datasets, the length-aware sampler, micro-batches) <- ``training`` (trainers, Megatron-LM
+hooks, checkpoints, arguments) <- ``check`` / ``bench`` (the node check, the benchmark).
+Beside them, importing only ``device`` and one another: ``launch`` (spawning ranks),
+``cpu_compat`` / ``cpu_compat_training`` (megatron-core / Megatron-LM on CPU gloo ranks),
+``memory`` (peak memory of a region), ``norms`` (the sequence-parallel torch norm), ``paths``
+and ``units``; ``plan`` is the command ``python -m megatron_paradyse.plan`` (``planner.cli``).
+``testing`` holds the multi-rank harness and tiny models for the tests (and the CPU benchmark);
+product code never imports it.
 """
 from __future__ import annotations
 

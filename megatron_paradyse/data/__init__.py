@@ -1,7 +1,7 @@
 """Data for variable-length training: preprocessing, the default corpus, documents, a length-aware
 sampler, micro-batches padded to the switching group.
 
-Lives beside ``training`` (it may import ``parallel`` and ``costmodel``, never ``training``).
+Below ``training``: it may import ``parallel``, ``costmodel`` and ``planner``, never ``training``.
 """
 from __future__ import annotations
 

@@ -1,28 +1,20 @@
-"""Training with per-batch, per-layer strategy switching on megatron-core.
+"""The megatron-core trainer of ``pretrain_gpt_paradyse.py``: a GPT trained with optional ParaDySe switching.
 
-The pieces, each usable alone:
-
-* :func:`parse_plan`: ``--paradyse-plan`` (a name, a comma list per layer, run-length
-  ``tp_sp*2+ring*2``, or a length rule ``rule:512=tp_sp,2048=ulysses,ring``) into a
-  :class:`PlanRule`, a deterministic function of a micro-batch's padded length.
-* :class:`PlannedIterator`: the data-iterator hook. megatron's schedule pulls micro-batches
-  lazily, so on the first pull of a step the wrapper prefetches the step's micro-batches,
-  decides one plan per micro-batch, and checks with one all-reduce over the world (MAX of
-  each plan's hash and of its negation) that every rank of each switching group holds the
-  same plans and shapes. A divergence, or a data or planning error on any rank, raises
-  :class:`PlanMismatchError` on every rank together, naming each rank's plan: never a hang.
-* :func:`forward_step`: megatron's ``forward_step_func``: ``mp.set_plan(model, plan)``, then
-  the stock GPT forward with labels, and megatron's per-token loss.
+* :func:`build_model`, :func:`build_optimizer`: the stock GPTModel of the flags (the builder
+  of :mod:`megatron_paradyse.model`), megatron's optimizer (``get_megatron_optimizer``:
+  ``--optimizer``, gradient clipping) and ``OptimizerParamScheduler``.
 * :class:`Trainer`: megatron-core's training path: ``DistributedDataParallel``,
-  ``get_forward_backward_func``, ``finalize_model_grads`` (sequence-parallel norm gradients
-  summed over TP, gradients divided by the step's real-token count across replicas),
-  ``get_megatron_optimizer`` (Adam, gradient clipping), ``OptimizerParamScheduler``,
-  data parallelism over replicas of the switching group (world = dp x p), Megatron-style
-  per-iteration logs, ``--save`` / ``--load``.
-* :func:`main`: ``pretrain_gpt_paradyse.py`` on megatron-core (torchrun or spawned ranks).
-* Megatron-LM hooks (:func:`paradyse_forward_step`, :func:`paradyse_datasets_provider`,
-  :func:`paradyse_model_provider`) for Megatron-LM's own ``pretrain()`` where
-  ``megatron.training`` is importable.
+  ``get_forward_backward_func``, ``finalize_model_grads``, data parallelism over replicas of
+  the switching group (world = dp x p), ``--save`` / ``--load``. Its data come from
+  :mod:`megatron_paradyse.data` through the planning iterator (``iterator.py``), the plan of
+  each micro-batch from a ``plan_fn``, ``--paradyse-plan`` or the planner (``planning.py``).
+  :meth:`Trainer.measured_step` is the one step of :meth:`Trainer.train`: with a planner it
+  adds the predictions, the measured peak and the online refinement, with
+  ``--paradyse-run-report`` the report's record (``run_report.py``).
+* :class:`StepStats`, :func:`format_log_line`, :func:`describe_setup`: a step's numbers and the
+  Megatron-LM-style iteration line.
+* :func:`init_distributed`, :func:`main`: ``pretrain_gpt_paradyse.py``'s entry point
+  (torchrun's environment or a single process; a rank's failure ends every rank, ``faults.py``).
 """
 
 
@@ -126,7 +118,7 @@ class Trainer:
 
         args = self.args
         if not dist.is_initialized():
-            raise RuntimeError("initialise torch.distributed first (megatron_paradyse.training.main does)")
+            raise RuntimeError("initialise torch.distributed first (init_distributed does)")
         if dist.get_world_size() != args.world_size:
             raise RuntimeError(f"arguments were validated for world size {args.world_size}, "
                                f"but the process group has {dist.get_world_size()} ranks")
