@@ -208,10 +208,6 @@ class FittedCostModel(CostModel):
         got = (self.meta.get("pool") or {}).get(strategy, {})
         return {n: max(0.0, c0 + c1 * b * s) for n, (c0, c1) in got.items()}
 
-    def strategy_limit(self, strategy):
-        """The smallest length at which the profile hit its memory limit (None: none hit)."""
-        return (self.meta.get("limits") or {}).get(strategy)
-
 
 def find_shipped(shape: ModelShape) -> str | None:
     """The metadata file in the package's ``models/`` whose shape equals ``shape``."""

@@ -126,11 +126,3 @@ class LengthAwareSampler:
 
     def micro_indices(self, step: int, micro: int, dp_rank: int) -> list:
         return self.step_indices(step)[dp_rank][micro]
-
-    def predicted_loads(self, step: int) -> list:
-        """Predicted work of each replica in ``step`` (the balance the sampler achieved)."""
-        out = []
-        for per in self.step_indices(step):
-            out.append(sum(self.cost_fn(padded_length(max(self._length(i) for i in mb), self.multiple),
-                                        len(mb)) for mb in per))
-        return out

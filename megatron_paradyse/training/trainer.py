@@ -165,24 +165,23 @@ class Trainer:
 
             self.iteration = checkpointing.load_checkpoint(args, self.model, self.optimizer, self.scheduler,
                                                            iteration=getattr(args, "ckpt_step", None))
-        self.planner = getattr(self, "planner", None)
-        self._planner_fn = None
+        # --paradyse without --paradyse-plan (and no plan_fn): the planner (planning.py) and its plan_fn
+        self.planner, self._planner_fn = None, None
         if args.paradyse and self.plan_fn is None and getattr(args, "paradyse_plan", None) is None:
-            self._planner_fn = self._build_planner()
-        # with a planner (self.planner, set above by the planner wiring): the longest length any
-        # plan fits in the budget; longer documents follow --paradyse-long-docs, named in a warning
-        max_fit = getattr(self, "max_fit_length", None)
-        if max_fit is None and getattr(self, "planner", None) is not None and args.paradyse:
-            max_fit = pdata.longest_fitting(self.planner, args.micro_batch_size, args.seq_length,
-                                            args.paradyse_pad_multiple)
-        self.max_fit_length = max_fit
+            from .planning import planner_from_args
+
+            self.planner, self._planner_fn = planner_from_args(args, self.log)
+        # with a planner: the longest length any plan fits in the budget; longer documents follow
+        # --paradyse-long-docs, named in a warning
+        max_fit = None if self.planner is None else pdata.longest_fitting(
+            self.planner, args.micro_batch_size, args.seq_length, args.paradyse_pad_multiple)
         self.dataset = pdata.build_dataset(args, max_length=max_fit, warn=self.log)
         self.sampler = None
         if getattr(args, "paradyse_sampler", "megatron") == "length":
             self.sampler = pdata.LengthAwareSampler(
                 self.dataset, args.micro_batch_size, args.global_batch_size, self.dp_size, seed=args.seed,
                 window_steps=args.paradyse_sampler_window, multiple=args.paradyse_pad_multiple,
-                cost_fn=pdata.make_cost_fn(planner=getattr(self, "planner", None)))
+                cost_fn=pdata.make_cost_fn(planner=self.planner))
         loader = pdata.MicroBatchLoader(
             self.dataset, args.micro_batch_size, args.global_batch_size, self.dp_rank, self.dp_size,
             args.paradyse_pad_multiple, consumed_samples=self.iteration * args.global_batch_size,
@@ -195,14 +194,6 @@ class Trainer:
         self.data_iterator = PlannedIterator(
             loader, plan_fn if args.paradyse else None, args.num_microbatches,
             group_index=self.dp_rank, num_groups=self.dp_size, start_step=self.iteration)
-
-    # ------------------------------------------------------------------ planner (megatron_paradyse.planner)
-    def _build_planner(self):
-        """The planner for ``--paradyse`` without ``--paradyse-plan``; its ``plan_fn``."""
-        from .planning import planner_from_args
-
-        self.planner, plan_fn = planner_from_args(self.args, self.log)
-        return plan_fn
 
     # ------------------------------------------------------------------ one step, measured
     def measured_step(self, report=None):
