@@ -9,10 +9,9 @@ import random
 import pytest
 import torch
 
-from megatron_paradyse.costmodel.base import CostModel, LayerCost
+from megatron_paradyse.costmodel.base import CostModel, LayerCost, plan_counts
 from megatron_paradyse.planner import (NoFitError, Refinement, build_planner, make_plan_fn, pareto,
                                        solve_counts)
-from megatron_paradyse.planner.core import counts_of
 
 NAMES = ("tp_sp", "ulysses", "ring", "colossal", "metp")
 
@@ -94,7 +93,7 @@ def test_properties_on_random_models():
         ref = brute(o, s, b)
         for c, pl in ((ch, h), (co, o)):
             assert len(c.layers) == cm.num_layers
-            sec, peak = cm.step(counts_of(c.layers), s, b)  # the cost model's own composition
+            sec, peak = cm.step(plan_counts(c.layers), s, b)  # the cost model's own composition
             assert math.isclose(sec, c.seconds, rel_tol=1e-9) and math.isclose(peak, c.peak_bytes, rel_tol=1e-9)
             # the layer order returned (largest transient first) never peaks above it
             assert cm.step(c.layers, s, b).peak_bytes <= c.peak_bytes * (1 + 1e-12)
@@ -177,7 +176,7 @@ def test_heuristic_returns_largest_fitting_mix_not_one_over():
     # budget for exactly 5 fast + 3 lean layers (u = 1 at s = 1024): 5*10 + 3*1 = 53
     h = build_planner("heuristic", cm, 53.5, margin_bytes=0)
     c = h.choose(1024, 1)
-    assert counts_of(c.layers) == {"fast": 5, "lean": 3}, c
+    assert plan_counts(c.layers) == {"fast": 5, "lean": 3}, c
     assert c.peak_bytes <= 53.5
     # the reference's aliasing replica: the candidate list for e = 1..5 all point at e = 6
     plan, stored = ["lean"] * 8, []

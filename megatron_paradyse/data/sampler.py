@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..planner.core import last_true
 from .datasets import padded_length
 
 
@@ -57,14 +58,7 @@ def longest_fitting(planner, micro_batch_size: int, upper: int, multiple: int = 
     if hasattr(planner, "longest_fit"):  # megatron_paradyse.planner: no state touched
         return int(planner.longest_fit(micro_batch_size, multiple=multiple, upper=upper))
     query = getattr(planner, "choose", planner.plan)
-    lo, hi = 0, int(upper) // multiple
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if query(mid * multiple, micro_batch_size).fits:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo * multiple
+    return last_true(lambda k: query(k * multiple, micro_batch_size).fits, int(upper) // multiple) * multiple
 
 
 class LengthAwareSampler:

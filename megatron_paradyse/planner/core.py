@@ -28,6 +28,8 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from ..costmodel.base import plan_counts, union_bytes
+
 GiB = float(1 << 30)
 MiB = float(1 << 20)
 
@@ -74,19 +76,34 @@ class Costs(NamedTuple):
         """The pool of a plan using the strategies at indices ``used``: each buffer name once."""
         if not self.pool:
             return 0.0
-        out = dict(self.pool0)
-        for i in used:
-            for k, v in self.pool[i].items():
-                if v > out.get(k, 0.0):
-                    out[k] = v
-        return float(sum(out.values()))
+        return union_bytes([self.pool0] + [self.pool[i] for i in used])
 
 
-def counts_of(layers) -> dict:
-    out: dict = {}
-    for n in layers:
-        out[n] = out.get(n, 0) + 1
-    return out
+def last_true(pred, hi: int | None = None) -> int:
+    """The largest ``k >= 1`` (at most ``hi``) with ``pred(k)``, for a ``pred`` true up to some
+    k and false beyond; 0 if ``pred(1)`` is false or ``hi < 1``. Bisection; without ``hi`` the
+    upper end is found by doubling (and 2**40 and beyond taken as unbounded)."""
+    if hi is not None and hi < 1:
+        return 0
+    if not pred(1):
+        return 0
+    if hi is not None:
+        if pred(hi):
+            return hi
+    else:
+        hi = 2
+        while pred(hi):
+            if hi > (1 << 40):
+                return hi
+            hi *= 2
+    lo = 1  # pred(lo), not pred(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if pred(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def layers_of(counts: dict, costs: "Costs") -> tuple:
@@ -248,7 +265,7 @@ class Planner:
         new = self.choose(seq_len, micro_batch)
         prior = self.prior
         if (prior is not None and new.fits and self.gamma > 0 and prior != new.layers):
-            sec, peak = self.evaluate(self.costs(int(seq_len), int(micro_batch)), counts_of(prior))
+            sec, peak = self.evaluate(self.costs(int(seq_len), int(micro_batch)), plan_counts(prior))
             if peak <= self.limit and sec <= (1.0 + self.gamma) * new.seconds:
                 new = PlanChoice(prior, sec, peak, True,
                                  f"kept the previous plan: it fits and is {100 * (sec / new.seconds - 1):.1f}% "
@@ -279,28 +296,7 @@ class Planner:
         def fits(k):
             return self.leanest(k * mult, b)[2] <= self.limit
 
-        if not fits(1):
-            return 0
-        if upper is not None:
-            hi = int(upper) // mult
-            if hi < 1:
-                return 0
-            if fits(hi):
-                return hi * mult
-        else:
-            hi = 2
-            while fits(hi):
-                if hi > (1 << 40):
-                    return hi * mult
-                hi *= 2
-        lo = 1  # fits(lo), not fits(hi)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid
-        return lo * mult
+        return last_true(fits, None if upper is None else int(upper) // mult) * mult
 
     def no_fit_message(self, s: int, b: int, choice: PlanChoice | None = None) -> str:
         name, sec, peak = self.leanest(s, b)
