@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import gc
 
-MIB = 2 ** 20
+from megatron_paradyse.units import MiB
 
 
 def measure(rank, world, spec_kw, batch, seq, names):
@@ -82,8 +82,8 @@ def main():
     print("|---|---:|---:|---:|---:|---:|---:|")
     for n, r in res.items():
         total, base_total = r["peak"] + r["buffers"], base["peak"] + base["buffers"]
-        print(f"| {n} | {r['activations'] / MIB:.1f} | {r['activations'] / base['activations']:.2f}x | "
-              f"{r['peak'] / MIB:.1f} | {r['buffers'] / MIB:.1f} | {total / MIB:.1f} | "
+        print(f"| {n} | {r['activations'] / MiB:.1f} | {r['activations'] / base['activations']:.2f}x | "
+              f"{r['peak'] / MiB:.1f} | {r['buffers'] / MiB:.1f} | {total / MiB:.1f} | "
               f"{total / base_total:.2f}x |")
 
 

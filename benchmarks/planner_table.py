@@ -19,6 +19,8 @@ import json
 import sys
 import time
 
+from megatron_paradyse.units import MiB
+
 
 def _rank(rank, world, cfg):
     import torch
@@ -105,7 +107,6 @@ def _rank(rank, world, cfg):
 def render(res, p) -> str:
     from megatron_paradyse.parallel.plans import describe  # noqa: F401
 
-    MiB = float(1 << 20)
     b = res["budget"]
     out = [f"p = {p}, budget {b / MiB:.1f} MiB per rank (planners plan against budget - margin = "
            f"{(b - res['margin']) / MiB:.1f} MiB), cost model {res['cost_model']}"
@@ -148,7 +149,7 @@ def main(argv=None):
     from megatron_paradyse.testing.spawn import run_world
 
     cfg = dict(lengths=[int(x) for x in a.lengths.split(",")], budget_at=a.budget_at, reps=a.reps,
-               budget_bytes=None if a.budget_mib is None else a.budget_mib * (1 << 20))
+               budget_bytes=None if a.budget_mib is None else a.budget_mib * MiB)
     t0 = time.time()
     res = run_world(_rank, a.p, cfg, timeout=a.timeout)[0]
     print(render(res, a.p))

@@ -17,13 +17,13 @@ import argparse
 import statistics
 import time
 
-GIB = 2 ** 30
+from megatron_paradyse.units import GiB
 
 
 def _colossal_gib(layers, heads, seq, p, batch):
     """Score rows ``[b, heads, s/p, s]`` in fp32: saved per layer, plus two more in a backward."""
     rows = batch * heads * (seq // p) * seq * 4
-    return (layers + 2) * rows / GIB
+    return (layers + 2) * rows / GiB
 
 
 def measure(rank, world, spec_kw, batch, seqs, names, repeats, max_gib):

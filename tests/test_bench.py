@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 
 from megatron_paradyse.bench import report
-
-MiB = float(1 << 20)
+from megatron_paradyse.units import MiB
 
 
 def _rec(step, length, seconds, peak, plan="p"):

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from megatron_paradyse import device
+from megatron_paradyse import device, units
 from megatron_paradyse.testing.spawn import FAKE_CUDA_ENV, run_world
 
 from .exactness import assert_exact, run_cases, stock
@@ -79,7 +79,7 @@ def test_nccl_without_cuda_is_a_clear_error(fresh_device, monkeypatch):
 
 
 def test_the_budget_is_what_the_device_can_hand_out(monkeypatch, fresh_device):
-    GiB = 1 << 30
+    GiB = int(units.GiB)
     monkeypatch.setattr(device, "current", lambda: torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (70 * GiB, 80 * GiB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 5 * GiB)

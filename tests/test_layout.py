@@ -29,6 +29,8 @@ FORBIDDEN = {
               "check"},
     "paths": {"device", "model", "launch", "parallel", "costmodel", "planner", "data", "training",
               "testing", "bench", "check"},
+    "units": {"device", "model", "launch", "memory", "norms", "paths", "parallel", "costmodel", "planner",
+              "data", "training", "testing", "bench", "check"},
 }
 
 

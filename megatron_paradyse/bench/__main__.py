@@ -14,6 +14,7 @@ import sys
 import time
 
 from ..paths import recorded, shown, shown_argv
+from ..units import MiB
 
 ALL_SYSTEMS = ("stock", "tp_sp", "ulysses", "ring", "colossal", "metp", "paradyse_heuristic",
                "paradyse_optimal")
@@ -66,7 +67,7 @@ def build_parser():
 
 def resolve_budget(a, args_argv, p):
     if a.memory_budget_mib is not None:
-        return a.memory_budget_mib * (1 << 20), "given"
+        return a.memory_budget_mib * MiB, "given"
     from ..training.arguments import parse_args
     from .systems import load_cost_model
 
@@ -101,11 +102,11 @@ def main(argv=None) -> int:
         return 2
     cfg = dict(argv=argv_, data_prefix=prefix, long_docs=a.long_docs, steps=a.steps, min_len=a.min_len,
                budget_bytes=budget, systems=systems, cost_model=a.cost_model,
-               margin_bytes=None if a.margin_mib is None else a.margin_mib * (1 << 20),
+               margin_bytes=None if a.margin_mib is None else a.margin_mib * MiB,
                search=a.max_seq_len_search, search_cap=a.search_cap, search_probes=a.search_probes,
                search_resolution=a.search_resolution, verbose=not a.quiet, memory_pass=a.memory_pass)
     print(f"> benchmark: {len(systems)} systems x {a.steps} steps on {a.p} gloo ranks, demo shape, "
-          f"data {shown(prefix)}, budget {budget / (1 << 20):.1f} MiB per rank ({why})", flush=True)
+          f"data {shown(prefix)}, budget {budget / MiB:.1f} MiB per rank ({why})", flush=True)
     t0 = time.perf_counter()
     out = run_world(bench_world, a.p, cfg, timeout=a.timeout)[0]
     wall = time.perf_counter() - t0

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import os
 
-MiB = float(1 << 20)
+from ..units import MiB
 
 
 def oracle(records: dict, budget: float, candidates) -> list:

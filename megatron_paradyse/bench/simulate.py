@@ -22,9 +22,9 @@ import os
 import numpy as np
 
 from ..costmodel.base import CostModel, LayerCost
+from ..units import GiB
 
 GB = 1e9
-GiB = float(1 << 30)
 
 
 @dataclasses.dataclass

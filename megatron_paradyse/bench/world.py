@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..memory import static_bytes
+from ..units import MiB
 
 
 class System:
@@ -190,7 +191,7 @@ def _search(spec, sysm, cfg, args, dataset, mult, rank):
         peak, sec = _probe(spec, sysm, n, mult, args.vocab_size)
         probes.append({"length": n, "peak_bytes": peak, "seconds": sec, "fits": peak <= budget})
         if rank == 0 and cfg.get("verbose", True):
-            print(f"  search {spec.name}: s={n} peak {peak / 2**20:.1f} MiB "
+            print(f"  search {spec.name}: s={n} peak {peak / MiB:.1f} MiB "
                   f"{'fits' if peak <= budget else 'over'} ({sec:.1f} s)", flush=True)
         return peak <= budget
     for _ in range(cfg["search_probes"]):

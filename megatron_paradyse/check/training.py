@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import statistics
 
+from ..units import MiB
 from .results import Line
-
-MiB = float(1 << 20)
 
 
 def trainer_argv(model_argv: list, p: int, world: int, seq: int, iters: int, backend: str,

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from ..units import GiB
 from .results import INFO, SKIP, Line, to_json
 
 SECTIONS = ("env", "kernels", "exactness", "profile", "training")
@@ -52,7 +53,7 @@ def env_lines(opts, notes) -> list:
 
     dev = current()
     lines = [Line("env", "device", INFO, f"{dev} ({torch.cuda.get_device_name(dev)}, "
-                  f"{torch.cuda.get_device_properties(dev).total_memory / 2**30:.0f} GiB)"
+                  f"{torch.cuda.get_device_properties(dev).total_memory / GiB:.0f} GiB)"
                   if dev.type == "cuda" else f"{dev}: {os.cpu_count()} cores"),
              Line("env", "world", INFO, f"{opts.world} rank(s), switching group p = {opts.p}, "
                   f"backend {opts.backend}"),

@@ -16,10 +16,9 @@ import statistics
 
 import numpy as np
 
+from ..units import MiB
 from .fitted import TARGETS
 from .profile import read_profile
-
-MIB = 2 ** 20
 
 
 def ape(pred, meas):
@@ -101,10 +100,10 @@ def plot(model, errs, train_rows, png):
             ax.set_ylabel("layer fwd+bwd (ms)"); ax.legend(fontsize=7)
         L = model.num_layers
         ax = axes[1][j]
-        ax.plot(grid, [(L * p.saved_bytes + p.transient_bytes) / MIB for p in pred], "-", color=c)
-        ax.plot([r["s"] for r in tr], [(L * r["saved_bytes"] + r["transient_bytes"]) / MIB for r in tr], "o",
+        ax.plot(grid, [(L * p.saved_bytes + p.transient_bytes) / MiB for p in pred], "-", color=c)
+        ax.plot([r["s"] for r in tr], [(L * r["saved_bytes"] + r["transient_bytes"]) / MiB for r in tr], "o",
                 mfc="none", color="k")
-        ax.plot([p["s"] for p in pts], [(L * p["meas_saved_bytes"] + p["meas_transient_bytes"]) / MIB for p in pts],
+        ax.plot([p["s"] for p in pts], [(L * p["meas_saved_bytes"] + p["meas_transient_bytes"]) / MiB for p in pts],
                 "x", color="r")
         ax.set_xscale("log"); ax.set_yscale("log"); ax.set_xlabel("s")
         if j == 0:
@@ -128,7 +127,7 @@ def plot_all(model, png):
     for st in model.strategies:
         pr = [model.layer(st, int(s), 1) for s in grid]
         a.plot(grid, [p.seconds * 1e3 for p in pr], label=st)
-        b.plot(grid, [(model.num_layers * p.saved_bytes + p.transient_bytes) / MIB for p in pr], label=st)
+        b.plot(grid, [(model.num_layers * p.saved_bytes + p.transient_bytes) / MiB for p in pr], label=st)
     for ax, yl in ((a, "layer fwd+bwd (ms)"), (b, "layers' saved + transient (MiB)")):
         ax.set_xscale("log"); ax.set_yscale("log"); ax.set_xlabel("s"); ax.set_ylabel(yl)
         if hasattr(model, "meta"):
@@ -244,7 +243,7 @@ def step_table(errs) -> str:
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for e in errs:
         lines.append(f"| {e['s']} | {describe(tuple(e['plan']))} | {e['seconds'] * 1e3:.1f} | {e['pred_seconds'] * 1e3:.1f} | "
-                     f"{e['err_time']:.1f} | {e['meas_peak'] / MIB:.2f} | {e['pred_peak'] / MIB:.2f} | "
+                     f"{e['err_time']:.1f} | {e['meas_peak'] / MiB:.2f} | {e['pred_peak'] / MiB:.2f} | "
                      f"{e['err_peak']:.1f} | {e['err_dynamic']:.1f} |")
     return "\n".join(lines)
 
@@ -266,9 +265,9 @@ def fake_table(real_rows, fake_path) -> str:
         if x is None or "saved_by_rank" not in x:
             continue
         lines.append(f"| {f['strategy']} | {f['s']} | {x['layer_seconds'] * 1e3:.0f} | {f['layer_seconds'] * 1e3:.0f} "
-                     f"| {f.get('comm_seconds', 0.0) * 1e3:.1f} | {x['saved_by_rank'][r] / MIB:.2f} / "
-                     f"{f['saved_bytes'] / MIB:.2f} | {x['transient_by_rank'][r] / MIB:.2f} / "
-                     f"{f['transient_bytes'] / MIB:.2f} |")
+                     f"| {f.get('comm_seconds', 0.0) * 1e3:.1f} | {x['saved_by_rank'][r] / MiB:.2f} / "
+                     f"{f['saved_bytes'] / MiB:.2f} | {x['transient_by_rank'][r] / MiB:.2f} / "
+                     f"{f['transient_bytes'] / MiB:.2f} |")
     return "\n".join(lines)
 
 

@@ -5,12 +5,12 @@
     choice = planner.plan(seq_len=32768, micro_batch=1)
     choice.layers, choice.seconds, choice.peak_bytes, choice.fits, choice.reason
 
-Depends only on :mod:`megatron_paradyse.costmodel.base` (the ``CostModel`` interface) and
-:mod:`megatron_paradyse.parallel.plans`. See ``README.md`` here and ``docs/planner.md``.
+Depends only on :mod:`megatron_paradyse.costmodel.base` (the ``CostModel`` interface),
+:mod:`megatron_paradyse.units` and :mod:`megatron_paradyse.parallel.plans`. See ``README.md`` here and ``docs/planner.md``.
 """
 from __future__ import annotations
 
-from .core import GiB, NoFitError, PlanChoice, Planner, default_margin_fraction, pareto
+from .core import NoFitError, PlanChoice, Planner, default_margin_fraction, pareto
 from .heuristic import HeuristicPlanner
 from .optimal import OptimalPlanner, solve_counts
 from .refine import Refinement

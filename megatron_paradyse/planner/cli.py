@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .core import GiB, MiB, fmt_bytes
+from ..units import GiB, MiB
+from .core import fmt_bytes
 
 
 def parse_length(text: str) -> int:

@@ -29,9 +29,7 @@ import math
 from typing import NamedTuple
 
 from ..costmodel.base import plan_counts, union_bytes
-
-GiB = float(1 << 30)
-MiB = float(1 << 20)
+from ..units import GiB, MiB
 
 
 def fmt_bytes(x: float) -> str:

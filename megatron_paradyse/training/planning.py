@@ -21,7 +21,8 @@ def planner_from_args(args, log=print, can_refine: bool = True):
     online refinement, whatever ``--paradyse-refine`` says.
     """
     from ..costmodel import ModelShape, build_cost_model
-    from ..planner import GiB, build_planner, make_plan_fn
+    from ..planner import build_planner, make_plan_fn
+    from ..units import GiB
     from .arguments import default_memory_budget_gib
 
     cm = build_cost_model(ModelShape.from_args(args), path=args.paradyse_cost_model)
