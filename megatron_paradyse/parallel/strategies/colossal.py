@@ -33,7 +33,7 @@ from ..attention_kernels import expand_kv, reduce_kv
 from ..buffers import block_slot
 from ..collectives import group_info
 from ..ring_comm import GradRing, ring_stream
-from . import zero3
+from .ring_base import RingStrategy
 
 
 def _ring(block, group, layout, visit, grad: bool = False):
@@ -149,7 +149,7 @@ def rsa_attention(q, k, v, group, scale, layout):
     return RingSelfAttention.apply(q, k, v, group, scale, layout)
 
 
-class Colossal(zero3.RingStrategy):
+class Colossal(RingStrategy):
     name = "colossal"
     description = ("Colossal-AI ring self-attention (full score rows, K then V ring, balanced "
                    "zig-zag split), ZeRO-3 weights")

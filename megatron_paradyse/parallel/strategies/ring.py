@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ..attention_kernels import attn_backward, attn_forward, causal_attention, merge_lse
 from ..buffers import block_slot
 from ..ring_comm import GradRing, ring_stream
-from . import zero3
+from .ring_base import RingStrategy
 
 
 def _slot(k, slot):
@@ -109,7 +109,7 @@ def ring_attention(q, k, v, group, scale, layout):
     return RingAttention.apply(q, k, v, group, scale, layout)
 
 
-class Ring(zero3.RingStrategy):
+class Ring(RingStrategy):
     name = "ring"
     description = "causal K/V ring attention (balanced zig-zag split) with log-sum-exp merge, ZeRO-3 weights"
 

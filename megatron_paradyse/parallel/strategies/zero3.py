@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-from .. import collectives, zigzag
+from .. import collectives
 from ..buffers import weight_slot
-from .base import (Strategy, apply_activation, apply_rope, bias_of, from_bhsd, geometry, rope_freqs,
-                   split_qkv, switching_group, to_bhsd, weight_grad, wgrad_fusion, zero_support)
+from .base import (apply_activation, apply_rope, bias_of, rope_freqs, row_output, split_qkv, switching_group,
+                   weight_grad, wgrad_fusion)
 
 
 class ZeroLinear(torch.autograd.Function):
@@ -69,11 +69,7 @@ def column(linear, x, group):
 
 def row(linear, x, group):
     """A stock ``RowParallelLinear`` applied to local tokens; returns (y, bias) like the stock one."""
-    y = zero_linear(linear, x, group, 1)
-    bias = bias_of(linear)
-    if bias is not None and not linear.skip_bias_add:
-        return y + bias, None
-    return y, bias
+    return row_output(linear, zero_linear(linear, x, group, 1))
 
 
 def qkv_local_tokens(attn, hidden_states, rotary_pos_emb, geo, positions=None):
@@ -97,30 +93,3 @@ def mlp(mlp_module, hidden_states):
     bias1 = gather_bias(bias1, group) if bias1 is not None else None
     act = apply_activation(mlp_module, inter, bias1, shards=torch.distributed.get_world_size(group))
     return row(mlp_module.linear_fc2, act, group)
-
-
-class RingStrategy(Strategy):
-    """A strategy that attends through a causal ring from local tokens: QKV and output
-    projection with gathered weights, the ZeRO MLP, and a ring attention core that
-    subclasses provide. The layer's tokens are re-laid out to the balanced (zig-zag) split
-    after the layer input and back after the output projection (``zigzag.py``)."""
-
-    def supports(self, config, p):
-        return zero_support(config, p)
-
-    def core(self, q, k, v, geo, layout):
-        """``q [b, n, s/p, d]``, ``k``/``v`` ``[b, kv, s/p, d]`` holding ``layout``'s tokens of
-        this rank, to the causal output like ``q``."""
-        raise NotImplementedError
-
-    def attention(self, attn, hidden_states, rotary_pos_emb):
-        geo = geometry(attn)
-        layout = zigzag.layout_for(hidden_states, geo.group)
-        x = zigzag.to_balanced(hidden_states, layout, geo.group)
-        q, k, v = qkv_local_tokens(attn, x, rotary_pos_emb, geo, layout.ranges(geo.rank))
-        ctx = self.core(to_bhsd(q), to_bhsd(k).contiguous(), to_bhsd(v).contiguous(), geo, layout)
-        y, bias = row(attn.linear_proj, from_bhsd(ctx), geo.group)
-        return zigzag.from_balanced(y, layout, geo.group), bias
-
-    def mlp(self, mlp_module, hidden_states):
-        return mlp(mlp_module, hidden_states)
