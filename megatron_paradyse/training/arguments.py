@@ -87,6 +87,7 @@ _IGNORED_SWITCHES = ("--use-mcore-models", "--transformer-impl-local", "--log-th
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The full parser of ``pretrain_gpt_paradyse.py``: Megatron-LM's flag names and defaults."""
     p = argparse.ArgumentParser(
         prog="pretrain_gpt_paradyse.py", allow_abbrev=False,
         description="Pretrain a GPT with megatron-core, optionally with ParaDySe strategy switching.")
@@ -94,7 +95,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     p.add_argument("--tokenizer-type", type=str, default="NullTokenizer",
                    help="only NullTokenizer: data is token ids")
+    _add_training_args(p)
+    _add_distributed_args(p)
+    _add_data_args(p)
+    _add_checkpointing_args(p)
+    _add_logging_args(p)
+    _add_ignored_args(p)
+    add_paradyse_args(p)
+    add_planner_args(p)
+    return p
 
+
+def _add_training_args(p: argparse.ArgumentParser) -> None:
+    """Batch, schedule, optimizer and loss flags."""
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, required=True)
     g.add_argument("--global-batch-size", type=int, default=None)
@@ -127,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--overlap-grad-reduce; not with --paradyse)")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
 
+
+def _add_distributed_args(p: argparse.ArgumentParser) -> None:
+    """Parallel sizes, backend and timeout."""
     g = p.add_argument_group("distributed")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -142,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "here last seconds (checkpoint shards hashed per rank)")
     g.add_argument("--local-rank", "--local_rank", type=int, default=None)
 
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+    """The data source, long documents and the sampler."""
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=None,
                    help="one IndexedDataset prefix (PREFIX.bin / PREFIX.idx); one document per sample")
@@ -158,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--paradyse-sampler-window", type=int, default=8,
                    help="the length-aware sampler sorts and balances within windows of this many steps")
 
+
+def _add_checkpointing_args(p: argparse.ArgumentParser) -> None:
+    """Saving and loading."""
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", type=str, default=None)
     g.add_argument("--save-interval", type=int, default=None)
@@ -172,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ckpt-format", choices=("torch_dist",), default="torch_dist")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true")
 
+
+def _add_logging_args(p: argparse.ArgumentParser) -> None:
+    """The log interval and the run report."""
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--paradyse-run-report", type=str, default=None, metavar="DIR",
@@ -179,15 +204,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "peak per iteration and a summary at the end, and write DIR/run_report.json "
                         "and DIR/run_report.png (length and plan per step)")
 
+
+def _add_ignored_args(p: argparse.ArgumentParser) -> None:
+    """Megatron-LM flags accepted and ignored (a warning names each one given)."""
     g = p.add_argument_group("accepted for compatibility, no effect")
     for flag, typ in _IGNORED.items():
         g.add_argument(flag, type=typ, default=None, help=argparse.SUPPRESS)
     for flag in _IGNORED_SWITCHES:
         g.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
-
-    add_paradyse_args(p)
-    add_planner_args(p)
-    return p
 
 
 def add_planner_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -230,12 +254,29 @@ def _err(msg: str):
 
 def validate_args(args, world_size: int | None = None) -> argparse.Namespace:
     """Check and complete ``args`` in place; every check is local (no collective)."""
-    import torch
-
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args.world_size = world_size
     tp = args.tensor_model_parallel_size
+    _check_parallel(args, world_size, tp)
+    _check_backend(args)
+    _check_batches(args, world_size, tp)
+    _check_data(args)
+    _complete_model(args, tp)
+    _check_schedule(args)
+    _complete_padding(args, tp)
+    args.calculate_per_token_loss = True
+    _warn_ignored(args)
+    # the plan: parsed and checked for this model here, before any collective
+    validate_planner_args(args, tp)
+    if args.paradyse and args.paradyse_plan is not None:
+        check_fixed_plan(args, tp)
+    return args
+
+
+def _check_parallel(args, world_size: int, tp: int) -> None:
+    """TP divides the world (the rest is data parallel); no pipeline or context parallelism;
+    the sequence-parallel layout ``--paradyse`` switches in."""
     if tp < 1 or world_size % tp:
         _err(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp}")
     args.data_parallel_size = world_size // tp
@@ -252,6 +293,12 @@ def validate_args(args, world_size: int | None = None) -> argparse.Namespace:
              "sequence-parallel layout between layers")
     if args.paradyse and args.overlap_param_gather:
         _err(OVERLAP_PARAM_GATHER_WITH_PARADYSE)
+
+
+def _check_backend(args) -> None:
+    """The backend (the device decision: gloo is the CPU) and what needs CUDA or apex/TE."""
+    import torch
+
     if args.distributed_backend is None:
         from ..device import default_backend
 
@@ -275,6 +322,11 @@ def validate_args(args, world_size: int | None = None) -> argparse.Namespace:
     if args.overlap_param_gather and not (args.use_distributed_optimizer and args.overlap_grad_reduce):
         _err("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce "
              "(as in Megatron-LM)")
+
+
+def _check_batches(args, world_size: int, tp: int) -> None:
+    """Tokenizer, learning rate and sizes; the global batch completed and split into
+    micro-batches per data-parallel replica."""
     if args.tokenizer_type != "NullTokenizer":
         _err(f"--tokenizer-type {args.tokenizer_type}: only NullTokenizer (token-id data) is "
              "supported by this trainer; use Megatron-LM's pretrain() path for text tokenizers")
@@ -289,6 +341,10 @@ def validate_args(args, world_size: int | None = None) -> argparse.Namespace:
              f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size} "
              f"(world {world_size} / TP {tp})")
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+
+
+def _check_data(args) -> None:
+    """One data source; the sampler's window; positions for the longest sequence."""
     if bool(args.mock_data) == bool(args.data_path):
         _err("give exactly one of --mock-data and --data-path PREFIX")
     if args.data_path and len(args.data_path) != 1:
@@ -301,10 +357,21 @@ def validate_args(args, world_size: int | None = None) -> argparse.Namespace:
         args.max_position_embeddings = args.seq_length
     if args.position_embedding_type == "learned_absolute" and args.seq_length > args.max_position_embeddings:
         _err(f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}")
+
+
+def _complete_model(args, tp: int) -> None:
+    """The model flags completed for the chosen device (``model.complete_model_args``)."""
+    import torch
+
+    on_cpu = args.distributed_backend == "gloo"
     try:
         args.model_notes = complete_model_args(args, tp, torch.device("cpu" if on_cpu else "cuda"))
     except ModelArgsError as e:
         _err(str(e))
+
+
+def _check_schedule(args) -> None:
+    """The learning-rate schedule, saving and logging intervals."""
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.lr_warmup_iters >= args.lr_decay_iters:
@@ -315,34 +382,44 @@ def validate_args(args, world_size: int | None = None) -> argparse.Namespace:
         _err("--save-interval needs --save DIR")
     if args.log_interval < 1:
         _err("--log-interval must be >= 1")
+
+
+def _complete_padding(args, tp: int) -> None:
+    """Micro-batches padded to a multiple of TP where the layout is split (default: TP)."""
     if args.paradyse_pad_multiple is None:
         args.paradyse_pad_multiple = tp if (args.sequence_parallel or args.paradyse) else 1
     if args.paradyse_pad_multiple < 1 or args.paradyse_pad_multiple % (tp if args.sequence_parallel else 1):
         _err(f"--paradyse-pad-multiple {args.paradyse_pad_multiple} must be a positive multiple of TP {tp}")
-    args.calculate_per_token_loss = True
+
+
+def _warn_ignored(args) -> None:
+    """Rank 0 warns of each Megatron-LM flag given that this trainer accepts and ignores."""
     for flag in list(_IGNORED) + list(_IGNORED_SWITCHES):
         dest = flag.lstrip("-").replace("-", "_")
-        if getattr(args, dest, None) not in (None, False) and int(os.environ.get("RANK", "0")) == 0:
+        if getattr(args, dest) not in (None, False) and int(os.environ.get("RANK", "0")) == 0:
             warnings.warn(f"{flag} is accepted for compatibility with Megatron-LM scripts and has "
-                          "no effect in this trainer", stacklevel=2)
-    # the plan: parsed and checked for this model here, before any collective
-    validate_planner_args(args, tp)
-    if args.paradyse and args.paradyse_plan is not None:
-        from ..parallel.plans import parse_plan
+                          "no effect in this trainer", stacklevel=3)
 
-        try:
-            rule = parse_plan(args.paradyse_plan, args.num_layers)
-        except ValueError as e:
-            _err(f"--paradyse-plan {args.paradyse_plan!r}: {e}")
+
+def check_fixed_plan(args, tp: int, error=ArgumentError, config=None) -> None:
+    """``--paradyse-plan`` parsed for ``args.num_layers``, and every strategy it names able to run
+    this model over TP = ``tp``; else ``error`` (the caller's exception type) naming the flag.
+    ``config``: the model's ``TransformerConfig`` (default: built from this parser's flags)."""
+    from ..parallel.plans import parse_plan
+
+    try:
+        rule = parse_plan(args.paradyse_plan, args.num_layers)
+    except ValueError as e:
+        raise error(f"--paradyse-plan {args.paradyse_plan!r}: {e}") from None
+    if config is None:
         config = transformer_config_from_args(args)
-        import megatron_paradyse as mp
+    import megatron_paradyse as mp
 
-        for name in rule.strategies():
-            ok, why = mp.supports(name, config, tp)
-            if not ok:
-                _err(f"--paradyse-plan uses {name!r}, which cannot run this model over "
-                     f"TP={tp}: {why}")
-    return args
+    for name in rule.strategies():
+        ok, why = mp.supports(name, config, tp)
+        if not ok:
+            raise error(f"--paradyse-plan uses {name!r}, which cannot run this model over "
+                        f"TP={tp}: {why}")
 
 
 def _apex_or_te_adam() -> bool:

@@ -1,0 +1,44 @@
+"""Megatron-LM's own, unmodified ``pretrain_gpt.py`` with ParaDySe: an entry point, no patch.
+
+    torchrun --nproc-per-node 8 -m megatron_paradyse.training.megatron_lm \\
+        /path/to/Megatron-LM/pretrain_gpt.py <Megatron-LM flags> \\
+        --transformer-impl local --sequence-parallel --paradyse --paradyse-plan "rule:4096=tp_sp,ulysses"
+
+(``--paradyse`` without ``--paradyse-plan``: the planner chooses each micro-batch's plan,
+``--paradyse-memory-budget`` and the other planner flags as in ``pretrain_gpt_paradyse.py``.)
+
+The entry point installs hooks into ``megatron.training`` and then runs the user's script
+as ``__main__`` (its directory first on ``sys.path``, as ``python
+script.py`` would). The hooks (:func:`install_hooks`, idempotent):
+
+* ``megatron.training.arguments.parse_args`` (and the copy ``initialize.py`` imported): the
+  script's ``extra_args_provider`` (ModelOpt's, or none) is composed with
+  :func:`add_megatron_lm_args`, so Megatron-LM parses the ``--paradyse*`` flags with its own.
+* ``megatron.training.arguments.validate_args``: after Megatron-LM's own validation, the
+  ParaDySe flags are checked (plan syntax and length, what each strategy supports for this
+  model), locally on every rank, before any process group exists.
+* ``megatron.training.pretrain``: the script's ``forward_step`` is wrapped by
+  :func:`paradyse_forward_step` (stock when ``--paradyse`` is absent); its datasets provider
+  is replaced by :func:`paradyse_datasets_provider` only with ``--paradyse-document-data``
+  (one document per sample, variable lengths; for stock and ParaDySe runs alike).
+
+Without ``--paradyse`` (and without ``--paradyse-document-data``) the script runs exactly as
+Megatron-LM ships it. With ``--distributed-backend gloo`` (Megatron-LM's default is nccl;
+gloo without CUDA) :mod:`megatron_paradyse.cpu_compat_training` is applied first (CPU ranks;
+this is how the repository tests it).
+
+Tested on CPU gloo ranks against Megatron-LM's unmodified files at core_v0.16.1 (with
+megatron-core 0.16.1) and core_v0.19.0 (with megatron-core 0.19.2); docs/megatron_lm.md says
+what ran, on what. On one H100 (p = 1, NCCL): core_v0.16.1's script stock and with
+``--paradyse`` gave equal losses (docs/gpu.md).
+"""
+from __future__ import annotations
+
+from .args import add_megatron_lm_args, check_paradyse_args, compose_args_providers
+from .entry import main, megatron_lm_main, megatron_training_available, run_script
+from .hooks import install_hooks, uninstall_hooks
+from .providers import paradyse_datasets_provider, paradyse_forward_step, paradyse_model_provider
+
+__all__ = ["add_megatron_lm_args", "check_paradyse_args", "compose_args_providers", "install_hooks",
+           "main", "megatron_lm_main", "megatron_training_available", "paradyse_datasets_provider",
+           "paradyse_forward_step", "paradyse_model_provider", "run_script", "uninstall_hooks"]

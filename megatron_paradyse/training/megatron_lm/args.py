@@ -1,0 +1,97 @@
+"""The entry point's flags in Megatron-LM's parser (an ``extra_args_provider``) and their checks
+inside Megatron-LM's ``validate_args``."""
+from __future__ import annotations
+
+from ..arguments import (OVERLAP_PARAM_GATHER_WITH_PARADYSE, add_paradyse_args, add_planner_args,
+                         check_fixed_plan, validate_planner_args)
+
+
+def add_megatron_lm_args(parser):
+    """Megatron-LM ``extra_args_provider``: the plugin's flags, plus the entry point's data flag."""
+    if "--paradyse" in getattr(parser, "_option_string_actions", {}):
+        return parser  # a script that already adds them (e.g. through paradyse_args_provider)
+    add_paradyse_args(parser)
+    add_planner_args(parser)
+    g = parser.add_argument_group("ParaDySe data (Megatron-LM entry point)")
+    g.add_argument("--paradyse-document-data", action="store_true",
+                   help="Replace the script's datasets with one document per sample, padded to "
+                        "--seq-length with a zero loss mask (--mock-data: synthetic documents of "
+                        "log-uniform lengths; --data-path PREFIX: an IndexedDataset's documents). "
+                        "Works with and without --paradyse; the ParaDySe forward step cuts each "
+                        "micro-batch after its last real token (rounded up to the TP size).")
+    return parser
+
+
+def compose_args_providers(first, second=add_megatron_lm_args):
+    """An ``extra_args_provider`` running ``first`` (may be None) then ``second``."""
+    if first is None:
+        return second
+
+    def provider(parser):
+        parser = first(parser) or parser
+        return second(parser) or parser
+
+    return provider
+
+
+def check_paradyse_args(args) -> None:
+    """Check the ParaDySe flags against Megatron-LM's parsed ``args``; ValueError naming the flags.
+
+    Local (no collective): runs on every rank inside Megatron-LM's ``validate_args``.
+    """
+    if getattr(args, "paradyse_document_data", False):  # absent where the script added the flags
+        _check_document_data(args)
+    if not getattr(args, "paradyse", False):
+        return
+    _check_switchable(args)
+    _check_plan_or_planner(args)
+
+
+def _check_document_data(args) -> None:
+    """``--paradyse-document-data`` reads one source: mock documents or one prefix."""
+    if bool(args.mock_data) == bool(args.data_path):
+        raise ValueError("--paradyse-document-data needs exactly one of --mock-data and "
+                         "--data-path PREFIX")
+    if args.data_path and len(args.data_path) != 1:
+        raise ValueError("--paradyse-document-data takes one --data-path prefix (no blends)")
+
+
+def _check_switchable(args) -> None:
+    """Megatron-LM's flags under which the strategies can switch: the TP+SP layout, no pipeline
+    or context parallelism, local layers, no dropout, no overlapped parameter gather."""
+    if args.overlap_param_gather:
+        raise ValueError(OVERLAP_PARAM_GATHER_WITH_PARADYSE)
+    tp = args.tensor_model_parallel_size
+    if tp > 1 and not args.sequence_parallel:
+        raise ValueError("--paradyse needs --sequence-parallel: every strategy keeps the "
+                         "[s/p, b, h] sequence-parallel layout between layers")
+    if args.pipeline_model_parallel_size != 1 or args.context_parallel_size != 1:
+        raise ValueError("--paradyse needs --pipeline-model-parallel-size 1 and "
+                         "--context-parallel-size 1 (the strategies switch inside the TP group)")
+    if args.transformer_impl != "local":
+        raise ValueError("--paradyse needs --transformer-impl local (the strategies run "
+                         "megatron-core's local layer modules; Transformer Engine layers are not "
+                         "switchable)")
+    if args.hidden_dropout or args.attention_dropout:
+        raise ValueError("--paradyse needs --hidden-dropout 0 --attention-dropout 0")
+    if args.paradyse_pad_multiple is not None and (
+            args.paradyse_pad_multiple < 1 or args.paradyse_pad_multiple % tp):
+        raise ValueError(f"--paradyse-pad-multiple {args.paradyse_pad_multiple} must be a positive "
+                         f"multiple of --tensor-model-parallel-size {tp}")
+
+
+def _check_plan_or_planner(args) -> None:
+    """The planner's flags, or ``--paradyse-plan`` checked for this model (its strategies'
+    support on Megatron-LM's own ``TransformerConfig``)."""
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    tp = args.tensor_model_parallel_size
+    config = core_transformer_config_from_args(args)
+    validate_planner_args(args, tp, config)  # the planner's flags; an error if given with a plan
+    if args.paradyse_plan is None:
+        if args.paradyse_refine == "on":
+            raise ValueError("--paradyse-refine on is not available through Megatron-LM's pretrain(): "
+                             "its step loop feeds no measured step back to the planner (use "
+                             "pretrain_gpt_paradyse.py, or leave --paradyse-refine at auto/off)")
+        return  # the planner chooses each micro-batch's plan (paradyse_planner_strategies: usable)
+    check_fixed_plan(args, tp, ValueError, config)

@@ -1,0 +1,113 @@
+"""The hooks into ``megatron.training``: ``parse_args`` and ``validate_args`` (the plugin's flags
+and their checks), ``pretrain`` (the forward step and datasets providers), and megatron-core's
+``compile_helpers`` where the compiled module ships; installed and removed together."""
+from __future__ import annotations
+
+from .args import check_paradyse_args, compose_args_providers
+from .providers import paradyse_datasets_provider, paradyse_forward_step
+
+_HOOKS: dict = {}
+
+
+def _wrap_parse_args(orig):
+    """``parse_args`` with the script's ``extra_args_provider`` composed with the plugin's flags."""
+    def parse_args(extra_args_provider=None, *args, **kwargs):
+        return orig(compose_args_providers(extra_args_provider), *args, **kwargs)
+
+    parse_args._paradyse = True
+    return parse_args
+
+
+def _wrap_validate_args(orig):
+    """``validate_args`` followed by :func:`check_paradyse_args`."""
+    def validate_args(args, *rest, **kwargs):
+        out = orig(args, *rest, **kwargs)
+        check_paradyse_args(args)
+        return out
+
+    validate_args._paradyse = True
+    return validate_args
+
+
+def _wrap_pretrain(orig):
+    """``pretrain`` with ParaDySe's forward step and, with ``--paradyse-document-data``, datasets."""
+    def pretrain(*args, **kwargs):
+        args = list(args)
+        # 0.16: pretrain(datasets_provider, model_provider, model_type, forward_step, ...);
+        # 0.19: pretrain(full_config, datasets_provider, model_type, forward_step, ...).
+        ds_index = 0 if callable(args[0]) else 1
+        ds = args[ds_index]
+
+        def datasets_provider(*a, **k):
+            from megatron.training import get_args
+
+            if getattr(get_args(), "paradyse_document_data", False):
+                return paradyse_datasets_provider(*a, **k)
+            return ds(*a, **k)
+
+        datasets_provider.is_distributed = True  # ours is; the script's sets it too
+        args[ds_index] = datasets_provider
+        if "forward_step_func" in kwargs:
+            kwargs["forward_step_func"] = paradyse_forward_step(kwargs["forward_step_func"])
+        else:
+            args[3] = paradyse_forward_step(args[3])
+        return orig(*args, **kwargs)
+
+    pretrain._paradyse = True
+    return pretrain
+
+
+def _prebuilt_dataset_helpers() -> None:
+    """megatron-core's pip wheel ships ``datasets/helpers_cpp`` compiled, without the Makefile
+    that ``compile_helpers`` (called by Megatron-LM's ``initialize_megatron`` on rank 0) runs:
+    with a wheel's megatron-core, ``make`` fails and Megatron-LM exits. Skip the build when the
+    compiled module already imports (a source checkout keeps its own ``make``)."""
+    from megatron.core.datasets import utils as dutils
+
+    orig = dutils.compile_helpers
+    if getattr(orig, "_paradyse", False):
+        return
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return
+
+    def compile_helpers():
+        return None
+
+    compile_helpers._paradyse = True
+    _HOOKS[(dutils, "compile_helpers")] = orig
+    dutils.compile_helpers = compile_helpers
+
+
+def install_hooks() -> None:
+    """Install the hooks into ``megatron.training`` (idempotent). Needs ``megatron.training``."""
+    if _HOOKS:
+        return
+    _prebuilt_dataset_helpers()
+    import megatron.training as mt
+    from megatron.training import arguments, initialize, training
+
+    for mod in (arguments, initialize):
+        if hasattr(mod, "parse_args"):
+            _HOOKS[(mod, "parse_args")] = mod.parse_args
+            mod.parse_args = _wrap_parse_args(mod.parse_args)
+        if hasattr(mod, "validate_args"):
+            _HOOKS[(mod, "validate_args")] = mod.validate_args
+            mod.validate_args = _wrap_validate_args(mod.validate_args)
+    new = _wrap_pretrain(training.pretrain)
+    for mod in (training, mt):
+        _HOOKS[(mod, "pretrain")] = mod.pretrain
+        mod.pretrain = new
+
+
+def original(module, name: str):
+    """What the hook on ``module.name`` replaced."""
+    return _HOOKS[(module, name)]
+
+
+def uninstall_hooks() -> None:
+    """Put back everything :func:`install_hooks` replaced."""
+    for (mod, name), orig in _HOOKS.items():
+        setattr(mod, name, orig)
+    _HOOKS.clear()

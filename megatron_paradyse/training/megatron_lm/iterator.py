@@ -1,0 +1,97 @@
+"""The :class:`~megatron_paradyse.training.iterator.PlannedIterator` behind Megatron-LM's
+forward step: one for training and one for evaluation, reading through Megatron-LM's
+TP-rank-0 broadcast, planned by ``--paradyse-plan`` or the planner, logged on rank 0."""
+from __future__ import annotations
+
+from ...parallel.plans import describe_plans, parse_plan, rule_plan_fn
+from ..iterator import PlannedIterator
+from ..planning import planner_from_args
+from .batches import tp_batches
+
+_MEGATRON_ITERATORS: dict = {}
+_MEGATRON_PLANNER: dict = {}
+
+
+def planned_iterator(data_iterator, model):
+    """The :class:`PlannedIterator` for training, or the one for evaluation.
+
+    Keyed by train/eval only, not by the data iterator: on TP ranks other than 0 Megatron-LM's
+    data iterators are ``None`` (the batch comes by broadcast), so their identity cannot tell
+    the validation and test sets apart there, while it does on TP rank 0. Every rank calls the
+    forward step equally often, so the step counters agree; the micro-batches are read from
+    the iterator of the current call.
+    """
+    from megatron.core import parallel_state
+    from megatron.training import get_args
+
+    import torch
+
+    args = get_args()
+    key = bool(model.training)
+    cached = _MEGATRON_ITERATORS.get(key)
+    if cached is not None:
+        holder, it = cached
+        holder[0] = data_iterator
+        return it
+    multiple = args.paradyse_pad_multiple or args.tensor_model_parallel_size
+    holder = [data_iterator]
+    if model.training:
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        nmb = get_num_microbatches
+    else:
+        nmb = 1  # evaluation: plan and check each micro-batch on its own
+    it = _LoggedPlannedIterator(tp_batches(holder, args, multiple), _plan_fn(args), nmb,
+                                group_index=parallel_state.get_data_parallel_rank(),
+                                num_groups=parallel_state.get_data_parallel_world_size(),
+                                start_step=int(getattr(args, "iteration", 0) or 0))
+    it.log = model.training and torch.distributed.get_rank() == 0
+    _MEGATRON_ITERATORS[key] = (holder, it)
+    return it
+
+
+def _plan_fn(args):
+    """Each micro-batch's plan: ``--paradyse-plan``'s, the planner's, or None (stock layers)."""
+    if args.paradyse and args.paradyse_plan is not None:
+        return rule_plan_fn(parse_plan(args.paradyse_plan, args.num_layers))
+    if args.paradyse:
+        return _megatron_planner(args)
+    return None
+
+
+def _megatron_planner(args):
+    """The planner's ``plan_fn`` (built once: training and evaluation share it and its cache)."""
+    if "planner" not in _MEGATRON_PLANNER:
+        import torch
+
+        log = print if torch.distributed.get_rank() == 0 else (lambda *a, **k: None)
+        _MEGATRON_PLANNER["planner"] = planner_from_args(args, lambda msg: log(msg, flush=True),
+                                                         can_refine=False)
+    return _MEGATRON_PLANNER["planner"][1]
+
+
+class _LoggedPlannedIterator(PlannedIterator):
+    """Prints each training step's micro-batch lengths and plans on global rank 0, one line per
+    step, next to Megatron-LM's own iteration lines (rank 0's micro-batches); with the planner,
+    also the step's predicted time (sum over micro-batches, plus the update once) and peak
+    (largest)."""
+
+    log = False
+
+    def prefetch(self):
+        fresh = not self._buffer
+        items = super().prefetch()
+        if fresh and self.log:
+            lens = ",".join(str(mb.seq_length) for mb in items)
+            line = (f" [paradyse] iteration {self.step:8d} | seq len: {lens} | plan: "
+                    f"{describe_plans([mb.plan for mb in items])}")
+            choices = getattr(self.plan_fn, "choices", None)
+            if choices:
+                got = [choices.get(i) for i in range(len(items))]
+                got = [c for c in got if c is not None]
+                if got:
+                    update = self.plan_fn.planner.update_seconds()  # once per step
+                    line += (f" | pred: {sum(c.seconds for c in got) + update:.3f} s, peak "
+                             f"{max(c.peak_bytes for c in got) / 2 ** 20:.1f} MiB")
+            print(line, flush=True)
+        return items

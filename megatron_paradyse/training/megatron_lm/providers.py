@@ -1,0 +1,105 @@
+"""The three providers Megatron-LM's ``pretrain()`` takes, ParaDySe's: the forward step, the
+document datasets and the local-spec GPT."""
+from __future__ import annotations
+
+from ... import data as pdata
+from ..forward_step import forward_step
+from .iterator import planned_iterator
+
+
+def paradyse_forward_step(stock_forward_step=None):
+    """A Megatron-LM ``forward_step`` that runs ParaDySe plans when ``--paradyse`` is given.
+
+    Without ``--paradyse`` it calls ``stock_forward_step`` (the script's own) unchanged (or,
+    with none, the same data path with every plan ``None``: stock megatron-core layers). With
+    it: installs the plugin once, reads each training step's micro-batches ahead (through
+    Megatron-LM's TP-rank-0 broadcast), cuts each after its last loss-bearing token (rounded
+    up to a multiple of the TP size), gives each its plan from ``--paradyse-plan``, checks with
+    one all-reduce that all ranks agree, and runs the stock GPT forward with Megatron-LM's loss.
+    """
+
+    def _forward_step(data_iterator, model, *unused_args, **unused_kwargs):
+        from megatron.training import get_args
+
+        args = get_args()
+        paradyse = bool(getattr(args, "paradyse", False))
+        if not paradyse and stock_forward_step is not None:
+            return stock_forward_step(data_iterator, model, *unused_args, **unused_kwargs)
+        if paradyse:
+            import megatron_paradyse as mp
+
+            mp.install()
+        it = planned_iterator(data_iterator, model)
+        return forward_step(it, model, paradyse=paradyse)
+
+    _forward_step._paradyse = True
+    return _forward_step
+
+
+def paradyse_datasets_provider(train_val_test_num_samples, vp_stage=None):
+    """Megatron-LM datasets provider: one document per sample (``--mock-data`` or one
+    ``--data-path`` prefix), padded to ``--seq-length`` with a zero loss mask, so batches
+    have variable real lengths. Built where Megatron-LM builds data (TP rank 0)."""
+    from megatron.core import parallel_state
+    from megatron.training import get_args
+
+    args = get_args()
+    if parallel_state.get_tensor_model_parallel_rank() != 0:
+        return None, None, None
+    if getattr(args, "vocab_size", None) is None:
+        args.vocab_size = args.padded_vocab_size
+    if args.mock_data:
+        ds = pdata.MockDataset(args.seq_length, args.vocab_size, seed=args.seed,
+                               min_length=args.paradyse_mock_min_length)
+    else:
+        ds = pdata.DocumentDataset(args.data_path[0], args.seq_length, seed=args.seed)
+    # train, validation, test: disjoint index ranges (mock: different synthetic documents; an
+    # IndexedDataset: later reshuffled epochs of the same documents, no held-out split)
+    views = []
+    for k, n in enumerate(train_val_test_num_samples):
+        views.append(_MaskedView(ds, args.seq_length, int(n), args.create_attention_mask_in_dataloader,
+                                 offset=k << 30) if n else None)
+    return tuple(views)
+
+
+paradyse_datasets_provider.is_distributed = True
+
+
+class _MaskedView(pdata.FixedLengthView):
+    """:class:`FixedLengthView` plus Megatron-LM's dataloader attention mask when it wants one."""
+
+    def __init__(self, dataset, seq_length, num_samples, with_mask, offset=0):
+        super().__init__(dataset, seq_length, num_samples=max(1, num_samples))
+        self.with_mask, self.offset = with_mask, offset
+
+    def __getitem__(self, i):
+        import torch
+
+        if not 0 <= int(i) < len(self):
+            raise IndexError(i)
+        out = super().__getitem__(int(i) + self.offset)
+        if self.with_mask:  # Megatron's convention: True = masked out
+            s = self.seq_length
+            out["attention_mask"] = ~torch.tril(torch.ones((1, s, s), dtype=torch.bool))
+        return out
+
+
+def paradyse_model_provider(pre_process=True, post_process=True, vp_stage=None, config=None,
+                            pg_collection=None):
+    """Megatron-LM model provider: a stock GPTModel with megatron-core's local layer spec."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.training import get_args
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    args = get_args()
+    if config is None:
+        config = core_transformer_config_from_args(args)
+    return GPTModel(
+        config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization),
+        vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process, post_process=post_process, parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
+    )
