@@ -40,7 +40,7 @@ def _fires(spec) -> bool:
 
 
 def install(spec: dict) -> None:
-    from megatron_paradyse.training import checkpointing, trainer
+    from megatron_paradyse.training import trainer
 
     STATE["rank_pid"] = os.getpid()
     original_step = trainer.Trainer.train_step
@@ -82,7 +82,9 @@ def install(spec: dict) -> None:
 
         ring.ring_stream = ring_stream
     elif kind == "save_rank0":
-        original_publish = checkpointing._publish
+        from megatron_paradyse.training.checkpointing import atomic
+
+        original_publish = atomic.publish
 
         def publish(*a, **k):
             if _fires(spec):
@@ -90,7 +92,7 @@ def install(spec: dict) -> None:
                 raise OSError(errno.ENOSPC, "No space left on device (injected)")
             return original_publish(*a, **k)
 
-        checkpointing._publish = publish
+        atomic.publish = publish
     elif kind == "kill_save":
         from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
 

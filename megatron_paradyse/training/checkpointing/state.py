@@ -1,0 +1,69 @@
+"""The state a checkpoint holds: the model's and optimizer's sharded state dicts, the
+scheduler, the iteration, the parallel layout and every rank's RNG states."""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from .rng import rng_sharded_object, rng_state
+
+CHECKPOINT_VERSION = 3.0
+
+
+def layout() -> dict:
+    """This run's TP and DP sizes (RNG states load only into the same layout)."""
+    from megatron.core import parallel_state
+
+    return {"tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+            "data_parallel_size": parallel_state.get_data_parallel_world_size()}
+
+
+def unwrap(model):
+    """The ``GPTModel`` inside DDP / Float16Module wrappers."""
+    from ...parallel.dispatch import unwrap
+
+    return unwrap(model)
+
+
+def _optimizer_metadata(args) -> dict:
+    """The distributed optimizer's checkpoint layout as Megatron-LM 0.16 saves it
+    (``_build_sharded_state_dict_metadata``: ``dp_reshardable``). megatron-core's own default,
+    ``fully_sharded_model_space``, writes ShardedTensors with ``flattened_range``, which its
+    torch_dist writer refuses (seen on an H100: "ShardedTensor.flattened_range is not
+    supported"). Nothing for the plain optimizer (its layout is unchanged)."""
+    if args is None or not args.use_distributed_optimizer:
+        return {}
+    return {"metadata": {"distrib_optim_sharding_type": "dp_reshardable"}}
+
+
+def sharded_state_dict(model, optimizer=None, scheduler=None, iteration: int = 0, args=None,
+                       with_rng: bool = True, is_loading: bool = False) -> dict:
+    """The state saved (or, with ``is_loading``, the template loaded)."""
+    from megatron.core import parallel_state
+
+    gpt = unwrap(model)
+    model_sd = gpt.sharded_state_dict()
+    sd = {"model": model_sd, "checkpoint_version": CHECKPOINT_VERSION, "iteration": int(iteration),
+          "paradyse_layout": layout()}
+    if args is not None:
+        sd["consumed_train_samples"] = int(iteration) * int(args.global_batch_size)
+        # flags a loading run may want to check (primitives only: common.pt is read with weights_only)
+        sd["paradyse_args"] = {k: getattr(args, k) for k in (
+            "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+            "padded_vocab_size", "swiglu", "seq_length", "global_batch_size") if hasattr(args, k)}
+    if optimizer is not None:
+        sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                       **_optimizer_metadata(args))
+    if scheduler is not None:
+        sd["opt_param_scheduler"] = scheduler.state_dict()
+    if with_rng:
+        if is_loading:
+            sd["rng_state"] = rng_sharded_object(None)
+        else:
+            local = rng_state()
+            states = [local]
+            dp = parallel_state.get_data_parallel_world_size()
+            if dp > 1:
+                states = [None] * dp
+                dist.all_gather_object(states, local, group=parallel_state.get_data_parallel_group())
+            sd["rng_state"] = rng_sharded_object(states)
+    return sd
