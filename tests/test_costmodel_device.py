@@ -94,10 +94,9 @@ def test_fake_mode_builds_through_the_trainers_builder(tmp_path, monkeypatch):
     pargs = P.build_parser().parse_args(flags + ["--p", "4", "-o", "unused"])
     model_args = {k: getattr(pargs, k) for k in M.model_flag_names()}
     shape = P.shape_from_args(pargs, 4)
-    cfg = dict(seqs=[64], batches=[1], strategies=["tp_sp", "ulysses"], parts=["layer"], warmup=0,
-               repeats=1, memory_limit=None, nonlayer=False, pool_only=False, fake_world=4, fake_rank=0,
-               interconnect="nvlink4", interconnect_path=None, command="test", model_args=model_args,
-               backend="gloo")  # the CPU plays the rank (on a GPU host the default is its GPU)
+    cfg = P.ProfileConfig(seqs=[64], strategies=["tp_sp", "ulysses"], parts=["layer"], warmup=0, repeats=1,
+                          nonlayer=False, fake_world=4, fake_rank=0, command="test", model_args=model_args,
+                          backend="gloo")  # the CPU plays the rank (on a GPU host the default is its GPU)
     rows = P.run_profile(shape, cfg, out=str(tmp_path / "fake.jsonl"), timeout=180)
     head = rows[0]
     assert head["mode"] == "fake" and head["hardware"]["device"] == "cpu"
@@ -112,10 +111,10 @@ OOM_SEQS = [32, 64, 128]
 OOM_STRATS = ["tp_sp", "ulysses", "ring", "metp"]
 
 
-def _oom_world(rank, world, cfg):
+def _oom_world(rank, world, shape_d, cfg):
     """A profiler rank whose measurements run out of memory where the test says."""
     from megatron_paradyse.costmodel import measure
-    from megatron_paradyse.costmodel.profile import rank_sweep
+    from megatron_paradyse.costmodel.sweep import rank_sweep
 
     current = {}
     set_strategy, memory, timed = measure.set_strategy, measure.LayerRunner.memory, measure.LayerRunner.time
@@ -144,19 +143,18 @@ def _oom_world(rank, world, cfg):
     measure.set_strategy = set_strategy_
     measure.LayerRunner.memory = memory_
     measure.LayerRunner.time = time_
-    return rank_sweep(rank, world, cfg["shape"], cfg)
+    return rank_sweep(rank, world, shape_d, cfg)
 
 
 def test_out_of_memory_is_skipped_by_every_rank_together():
     from megatron_paradyse.costmodel import demo_shape
-    from megatron_paradyse.costmodel.profile import merge_ranks
+    from megatron_paradyse.costmodel.profile import ProfileConfig, merge_ranks
     from megatron_paradyse.costmodel.ranks import run_ranks
 
     shape = demo_shape(2)
-    cfg = dict(shape=shape.key(), seqs=OOM_SEQS, batches=[1], strategies=OOM_STRATS, parts=["layer"],
-               warmup=1, repeats=1, memory_limit=None, nonlayer=False, pool_only=False, fake_world=None,
-               fake_rank=None, interconnect="nvlink4", interconnect_path=None, log=False)
-    per_rank = run_ranks(_oom_world, 2, cfg, timeout=150)  # a hang would end here as RankError
+    cfg = ProfileConfig(seqs=OOM_SEQS, strategies=OOM_STRATS, parts=["layer"], warmup=1, repeats=1,
+                        nonlayer=False, log=False)
+    per_rank = run_ranks(_oom_world, 2, shape.key(), cfg, timeout=150)  # a hang would end here as RankError
 
     def cells(rows):
         return [(r["type"], r.get("strategy"), r.get("s"), r.get("b")) for r in rows]

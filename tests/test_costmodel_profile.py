@@ -14,13 +14,12 @@ import pytest
 
 from megatron_paradyse.costmodel import build_cost_model, demo_shape
 from megatron_paradyse.costmodel.fit import fit_profile
-from megatron_paradyse.costmodel.profile import run_profile
+from megatron_paradyse.costmodel.profile import ProfileConfig, run_profile
 from megatron_paradyse.costmodel.report import measure_steps, step_errors
 
 SHAPE = demo_shape(2)
-CFG = dict(seqs=[128, 256, 512], batches=[1], strategies=["tp_sp", "ring", "metp"], parts=["layer", "attn"],
-           warmup=1, repeats=1, memory_limit=None, nonlayer=True, pool_only=False, fake_world=None,
-           fake_rank=None, interconnect="nvlink4", interconnect_path=None, command="test")
+CFG = ProfileConfig(seqs=[128, 256, 512], batches=[1], strategies=["tp_sp", "ring", "metp"], parts=["layer", "attn"],
+                    warmup=1, repeats=1, command="test")
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +37,7 @@ def test_profile_writes_every_row_the_fit_needs(fitted):
     head = rows[0]
     assert head["p"] == 2 and head["shape"] == SHAPE.key() and head["versions"]["torch"]
     layers = {(r["strategy"], r["s"]) for r in rows if r["type"] == "layer"}
-    assert layers == {(st, s) for st in CFG["strategies"] for s in CFG["seqs"]}
+    assert layers == {(st, s) for st in CFG.strategies for s in CFG.seqs}
     for r in rows:
         if r["type"] == "layer":
             # the timed repeats ran in rounds over every cell: one per round, parts alike
@@ -47,7 +46,7 @@ def test_profile_writes_every_row_the_fit_needs(fitted):
     upd = [r for r in rows if r["type"] == "optimizer"]
     assert len(upd) == 1 and upd[0]["grad_sync_seconds"] > 0 and upd[0]["optimizer_seconds"] > 0
     assert cm.update_seconds() == pytest.approx(upd[0]["grad_sync_seconds"] + upd[0]["optimizer_seconds"])
-    assert {r["strategy"] for r in rows if r["type"] == "pool"} == set(CFG["strategies"]) | {"nonlayer"}
+    assert {r["strategy"] for r in rows if r["type"] == "pool"} == set(CFG.strategies) | {"nonlayer"}
     saved = json.loads((d / "m.json").read_text())
     assert saved["nonlayer"]["update_seconds"] == pytest.approx(cm.update_seconds())
 

@@ -1,0 +1,318 @@
+"""One rank's profiling sweep (``profile.rank_sweep``): the rows of every (strategy, s, b) that
+this rank measured, the same sequence on every rank.
+
+Phases: the communication pool at three (s, b) per strategy; then, per (strategy, b), memory
+and a warm-up at every length up to the memory limit; then the timed repeats in rounds over
+every cell; then the non-layer part and the step's update. Whether a cell fits is decided by
+all ranks together (each reports, one all-reduce MAX): a cell that ran out of memory on any
+rank is skipped on every rank, with a ``limit`` row, and its strategy goes no longer.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+from . import analytic
+from . import measure as M
+from .shape import ModelShape
+
+
+def repeats_for(repeats: int, tokens: int) -> int:
+    """More repeats for short passes (the same on every rank: collectives stay in step)."""
+    return repeats * max(1, min(4, 1024 // max(tokens, 1)))
+
+
+def pool_lengths(seqs, p: int) -> list:
+    """The (s, b) at which the pool is measured: the two shortest profiled lengths at b = 1, the
+    shortest at b = 2 (pool buffers are deterministic: constant or proportional to b * s)."""
+    ok = [s for s in sorted(seqs) if s % p == 0]
+    if not ok:
+        return []
+    two = ok[:2] if len(ok) > 1 else [ok[0], 2 * ok[0]]
+    return [(two[0], 1), (two[1], 1), (two[0], 2)]
+
+
+def oom_reason(bad: list) -> str:
+    """A ``limit`` row's reason for an out-of-memory pass on the ranks ``bad``."""
+    return f"out of memory on rank(s) {bad}"
+
+
+class Sweep:
+    """One rank's sweep: the one-layer model and its runner, the rows so far, progress (rank 0
+    prints it), and the decisions every rank takes together (one all-reduce each)."""
+
+    def __init__(self, rank: int, shape: ModelShape, cfg):
+        import torch
+        import torch.distributed as dist
+
+        from .. import device
+
+        self.log = cfg.log and rank == 0  # the process that prints (also in fake mode)
+        if cfg.fake_world:
+            M.init_fake(cfg.fake_rank, cfg.fake_world)
+            rank = cfg.fake_rank
+        self.rank, self.shape, self.cfg = rank, shape, cfg
+        self.fake = M.is_fake()
+        self.dev = device.current()
+        torch.manual_seed(0)
+        _, self.model = M.build(shape, num_layers=1, max_seq=max(cfg.seqs), args=cfg.model_args)
+        self.runner = M.LayerRunner(self.model, shape)
+        self.net = (analytic.load_config("interconnects.json", cfg.interconnect_path)[cfg.interconnect]
+                    if self.fake else None)
+        self.rows = []
+        self.groups = [(st, b) for st in cfg.strategies for b in cfg.batches]
+        # rough cost of a cell, once for its memory passes and warm-up and once for its timed passes
+        self.weights = {(st, s, b): s * b * (1 + s / 2048) for st, b in self.groups for s in cfg.seqs}
+        self.total_w, self.done_w, self.t0 = 2 * sum(self.weights.values()), 0.0, time.time()
+        self.collective = dist.is_initialized() and not self.fake
+        self.me, self.n_ranks = (dist.get_rank(), dist.get_world_size()) if self.collective else (0, 1)
+
+    def progress(self, msg: str) -> None:
+        """A progress line with the time spent and the estimated time left (rank 0)."""
+        if self.log:
+            el = time.time() - self.t0
+            eta = el / self.done_w * (self.total_w - self.done_w) if self.done_w else float("nan")
+            print(f"[profile {el:6.0f}s, ETA {eta:5.0f}s] {msg}", file=sys.stderr, flush=True)
+
+    def failed_ranks(self, failed: bool) -> list:
+        """The ranks on which ``failed`` is true, known to every rank: one all-reduce (MAX) of a
+        one-hot vector on this rank's device (every rank calls it at the same point)."""
+        import torch
+        import torch.distributed as dist
+
+        flags = torch.zeros(self.n_ranks, device=self.dev)
+        if failed:
+            flags[self.me] = 1.0
+        if self.collective:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return [i for i, v in enumerate(flags.tolist()) if v > 0]
+
+    def agree(self, over: bool) -> bool:
+        """True on every rank if it is true on any (every rank must stop at the same length)."""
+        return bool(self.failed_ranks(over))
+
+    def attempt(self, fn, what: str, net_model=None):
+        """``fn()`` on every rank; ``(result, [])`` where it fit on all of them, else ``(None,
+        ranks that ran out of memory)`` on every rank, the failed pass's memory freed first."""
+        err, out = None, None
+        try:
+            out = fn()
+        except Exception as exc:  # noqa: BLE001 - only an OOM is agreed on; anything else is raised
+            if not M.is_oom(exc):
+                raise
+            err = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            # leaving this block drops the exception and its traceback: the frames that held
+            # the failed pass's inputs, outputs and gradients
+        if err is not None:
+            print(f"[profile rank {self.me}] out of memory at {what}: {err}", file=sys.stderr, flush=True)
+            M.free_after_oom(net_model if net_model is not None else self.model)
+        bad = self.failed_ranks(err is not None)
+        if bad:
+            out = None
+            if err is None:  # a peer failed: this rank's pass succeeded, start the next cell alike
+                M.free_after_oom(net_model if net_model is not None else self.model)
+        return out, bad
+
+    def stop(self, st: str, s: int, b: int, reason: str, **extra) -> None:
+        """A ``limit`` row: ``st`` at ``b`` goes no longer than ``s`` (its cells from ``s`` on
+        count as done)."""
+        self.done_w += 2 * sum(w for (st_, s_, b_), w in self.weights.items() if st_ == st and b_ == b and s_ >= s)
+        self.rows.append({"type": "limit", "strategy": st, "s": s, "b": b, "rank": self.rank, "reason": reason,
+                          **extra})
+        self.progress(f"{st} s={s} b={b}: {reason.split(':')[0]}, sweep stops")
+
+
+def rank_sweep(rank, world, shape_d, cfg):
+    """Runs on every rank: the whole sweep; returns the per-rank rows (rank 0 prints progress).
+
+    ``cfg`` (a ``profile.ProfileConfig``): ``cfg.model_args`` are the model flags (uncompleted;
+    completed here for this rank's device), default the profiler's flags for the shape. Every
+    rank returns the same sequence of rows: each skip (memory limit, out of memory) is agreed by
+    all of them."""
+    sw = Sweep(rank, ModelShape(**shape_d), cfg)
+    pool_points = pool_lengths(cfg.seqs, sw.shape.p)
+    _pool_rows(sw, pool_points)
+    cells = [] if cfg.pool_only else [row for st, b in sw.groups for row in _memory_cells(sw, st, b)]
+    dropped = _timed_rounds(sw, cells)
+    _layer_rows(sw, [row for i, row in enumerate(cells) if i not in dropped])
+    if cfg.nonlayer:
+        _nonlayer_rows(sw, pool_points)
+    return sw.rows
+
+
+def _pool_rows(sw: Sweep, points: list) -> None:
+    """The communication pool (released before every micro-batch in training): per strategy,
+    its buffers at three (s, b), enough to fit each buffer as c0 + c1 * b * s and to check that
+    form on a third point. A point that runs out of memory on any rank is left out on every
+    rank: its layer pass does not fit, and the memory phase finds that length's limit."""
+    for st in sw.cfg.strategies:
+        M.set_strategy(sw.model, st)
+        for s, b in points:
+            got, bad = sw.attempt(lambda: sw.runner.pool(s, b), f"{st} pool s={s} b={b}")
+            if bad:
+                sw.progress(f"{st} pool at s={s} b={b}: {oom_reason(bad)}, left out")
+                continue
+            sw.rows.append({"type": "pool", "strategy": st, "s": s, "b": b, "rank": sw.rank, "buffers": got})
+    sw.progress(f"communication pool measured at (s, b) = {points}")
+
+
+def _memory_cells(sw: Sweep, st: str, b: int) -> list:
+    """Memory and warm-up of ``st`` at every length, up to the memory limit; the rows to time."""
+    cfg, shape, limit = sw.cfg, sw.shape, sw.cfg.memory_limit
+    M.set_strategy(sw.model, st)
+    todo, prev = [], None
+    for s in cfg.seqs:
+        if s % shape.p:
+            continue
+        if prev is not None and _predicted_stop(sw, st, s, b, prev):
+            break
+        row = {"type": "layer", "strategy": st, "s": s, "b": b, "rank": sw.rank}
+        got, bad = sw.attempt(lambda: sw.runner.memory("layer", s, b), f"{st} s={s} b={b} (memory)")
+        if bad:
+            sw.stop(st, s, b, oom_reason(bad), oom_ranks=bad)
+            break
+        saved, trans = got
+        row.update(saved_bytes=saved, transient_bytes=trans, buffer_bytes=M.buffer_bytes())
+        if sw.agree(limit is not None and saved * shape.num_layers + trans > limit):
+            sw.stop(st, s, b, f"memory limit {limit} bytes: {shape.num_layers} layers' saved "
+                              f"+ transient = {saved * shape.num_layers + trans:.0f} bytes")
+            break
+        _, bad = sw.attempt(lambda: [sw.runner.time(part, s, b, cfg.warmup, 0) for part in cfg.parts],
+                            f"{st} s={s} b={b} (warm-up)")
+        if bad:
+            sw.stop(st, s, b, oom_reason(bad), oom_ranks=bad)
+            break
+        for part in cfg.parts:
+            row[f"{part}_times"] = []
+        if sw.fake:
+            row["comm_seconds"] = analytic.comm_seconds(st, shape, s, b, sw.net)
+        todo.append(row)
+        prev = (s, saved, trans)
+        sw.done_w += sw.weights[(st, s, b)]
+    sw.progress(f"{st} b={b}: memory measured at {len(todo)} lengths")
+    return todo
+
+
+def _predicted_stop(sw: Sweep, st: str, s: int, b: int, prev: tuple) -> bool:
+    """Whether ``s`` is not even run (a ``limit`` row then): the analytic form scaled to the
+    last measured length predicts it over the memory limit, or over a rank's free device
+    memory (on a CPU host running it could exhaust the machine; on a GPU it would run out of
+    memory)."""
+    shape, limit = sw.shape, sw.cfg.memory_limit
+    ps, psaved, ptrans = prev
+    a_prev, a_now = analytic.layer_memory(st, shape, ps, b), analytic.layer_memory(st, shape, s, b)
+    saved1 = psaved * a_now[0] / max(a_prev[0], 1.0)
+    trans1 = ptrans * a_now[1] / max(a_prev[1], 1.0)
+    if limit is not None:
+        guess = saved1 * shape.num_layers + trans1
+        if sw.agree(guess > limit):
+            sw.stop(st, s, b, f"memory limit {limit} bytes: {shape.num_layers} layers' saved + "
+                              f"transient predicted {guess:.0f} bytes from s={ps}")
+            return True
+    free = M.free_device_bytes()
+    if sw.agree(free is not None and saved1 + trans1 > free):
+        sw.stop(st, s, b, f"predicted out of memory: one layer's saved + transient "
+                          f"{saved1 + trans1:.0f} bytes from s={ps} exceed a rank's free device memory")
+        return True
+    return False
+
+
+def _timed_rounds(sw: Sweep, cells: list) -> set:
+    """The timed passes, in rounds over every (strategy, s, b), alternating direction; returns
+    the indices of the cells dropped (out of memory, with the longer lengths of their strategy).
+
+    On a shared machine whose speed drifts over minutes, each cell's repeats spread over the
+    whole sweep instead of one strategy's stretch of it (the pool is reset at each switch, as
+    in the memory phase, so a GPU holds no other strategy's buffers beside the one being
+    timed). Each visit first runs one untimed pass of its cell, so the timed one follows a
+    pass of its own size, as a training step's layers and micro-batches do: without it a pass
+    after a smaller cell paid for memory the machine had handed back (on this VM the
+    hypervisor reclaims freed guest memory within seconds; docs/costmodel.md), after a larger
+    one not."""
+    cfg = sw.cfg
+    reps = [repeats_for(cfg.repeats, row["s"] * row["b"]) for row in cells]
+    n_rounds = max(reps, default=0)
+    dropped, current = set(), None
+    for rnd in range(n_rounds):
+        for i in (range(len(cells)) if rnd % 2 == 0 else reversed(range(len(cells)))):
+            row = cells[i]
+            if rnd >= reps[i] or i in dropped:
+                continue
+            if row["strategy"] != current:
+                current = row["strategy"]
+                M.set_strategy(sw.model, current)
+            if not _timed_visit(sw, cells, i, dropped):
+                continue
+            sw.done_w += sw.weights[(row["strategy"], row["s"], row["b"])] / reps[i]
+        sw.progress(f"round {rnd + 1}/{n_rounds} of timed passes")
+    return dropped
+
+
+def _timed_visit(sw: Sweep, cells: list, i: int, dropped: set) -> bool:
+    """One untimed and one timed pass of ``cells[i]``, its times appended; False (and the cell
+    and its strategy's longer ones dropped, a ``limit`` row) where any rank ran out of memory."""
+    row, parts = cells[i], sw.cfg.parts
+    got, bad = sw.attempt(lambda: [sw.runner.time(part, row["s"], row["b"], 1 if j == 0 else 0, 1)
+                                   for j, part in enumerate(parts)],
+                          f"{row['strategy']} s={row['s']} b={row['b']} (timed)")
+    if bad:
+        for j, other in enumerate(cells):
+            if (other["strategy"], other["b"]) == (row["strategy"], row["b"]) and other["s"] >= row["s"]:
+                dropped.add(j)
+        sw.stop(row["strategy"], row["s"], row["b"], oom_reason(bad), oom_ranks=bad)
+        return False
+    for part, times in zip(parts, got):
+        row[f"{part}_times"] += times
+    return True
+
+
+def _layer_rows(sw: Sweep, cells: list) -> None:
+    """The timed cells as ``layer`` rows, each with a progress line."""
+    for row in cells:
+        sw.rows.append(row)
+        times = sorted(row["layer_times"])
+        sw.progress(f"{row['strategy']:8s} s={row['s']:5d} b={row['b']}: {times[len(times) // 2] * 1e3:8.1f} ms, "
+                    f"saved {row['saved_bytes'] / 2**20:7.2f} MiB, transient {row['transient_bytes'] / 2**20:7.2f} MiB")
+
+
+def _nonlayer_rows(sw: Sweep, pool_points: list) -> None:
+    """The whole model's non-layer part (embedding, output layer, loss): its pool at
+    ``pool_points``, then (unless pool-only) its time and memory per (s, b) and the step's
+    update."""
+    cfg, shape = sw.cfg, sw.shape
+    sw.runner = sw.model = None
+    M.free_after_oom()  # the one-layer model's memory back before the whole model is built
+    spec, full = M.build(shape, num_layers=shape.num_layers, max_seq=max(cfg.seqs), args=cfg.model_args)
+    nl = M.NonLayerRunner(full, spec, shape)
+    for s, b in pool_points:
+        got, bad = sw.attempt(lambda: nl.pool(s, b), f"nonlayer pool s={s} b={b}", net_model=full)
+        if bad:
+            sw.progress(f"nonlayer pool at s={s} b={b}: {oom_reason(bad)}, left out")
+            continue
+        sw.rows.append({"type": "pool", "strategy": "nonlayer", "s": s, "b": b, "rank": sw.rank, "buffers": got})
+    if cfg.pool_only:
+        return
+    for b in cfg.batches:
+        for s in cfg.seqs:
+            if s % shape.p:
+                continue
+            got, bad = sw.attempt(lambda: nl.measure(s, b, cfg.warmup, cfg.repeats),
+                                  f"nonlayer s={s} b={b}", net_model=full)
+            if bad:
+                sw.stop("nonlayer", s, b, oom_reason(bad), oom_ranks=bad)
+                break
+            times, saved, trans = got
+            sw.rows.append({"type": "nonlayer", "s": s, "b": b, "rank": sw.rank, "nonlayer_times": times,
+                            "saved_bytes": saved, "transient_bytes": trans})
+    sw.rows.append(_update_row(sw, nl, full))
+    sw.progress("non-layer costs done")
+
+
+def _update_row(sw: Sweep, nl, full) -> dict:
+    """The ``optimizer`` row: a training step's gradient reduction and optimizer step."""
+    upd = nl.update_times(sw.cfg.warmup, sw.cfg.repeats)
+    row = {"type": "optimizer", "rank": sw.rank, "grad_sync_times": upd["grad_sync"],
+           "optimizer_times": upd["optimizer"], "param_bytes": M.param_bytes(full)}
+    if sw.fake:
+        row["comm_seconds"] = analytic.update_comm_seconds(sw.shape, sw.net)
+    return row
