@@ -200,16 +200,31 @@ def fit_profile(profile_path, out_path: str, use_xgb: bool = False, time_stat: s
     and the pool rows of ``profile --pool-only``)."""
     paths = [profile_path] if isinstance(profile_path, str) else list(profile_path)
     header, rows = read_profiles(paths)
-    profile_path = paths[0]
     shape = ModelShape.from_dict(header["shape"])
-    stem = os.path.splitext(os.path.basename(out_path))[0]
-    base = os.path.dirname(os.path.abspath(out_path))
-    os.makedirs(base, exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     strategies = [st for st in header["strategies"]
                   if any(r.get("type") == "layer" and r["strategy"] == st for r in rows)]
     if not strategies:
-        raise ValueError(f"profile {profile_path!r} has no layer measurements")
-    meta = {"format": FORMAT, "shape": shape.key(), "strategies": strategies,
+        raise ValueError(f"profile {paths[0]!r} has no layer measurements")
+    meta = _metadata(header, shape, strategies, rows, paths, time_stat)
+    for st in strategies:
+        skip = held_out(rows, st, holdout_seqs, holdout_largest)
+        _fit_strategy(meta, rows, st, shape, skip, use_xgb, out_path, paths[0])
+    nonlayer = _fit_nonlayer(rows)
+    if nonlayer is not None:
+        meta["nonlayer"] = nonlayer
+    tmp = out_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(meta, f, indent=1)
+    os.replace(tmp, out_path)
+    return meta
+
+
+def _metadata(header: dict, shape: ModelShape, strategies: list, rows: list, paths: list, time_stat: str) -> dict:
+    """The model file's head: shape, strategies, the profiles it came from (with their SHA-256),
+    the pool's fit; the per-strategy tables to fill."""
+    profile_path = paths[0]
+    return {"format": FORMAT, "shape": shape.key(), "strategies": strategies,
             "profile": {"path": os.path.basename(profile_path), "sha256": sha256(profile_path),
                         "hardware": header.get("hardware"), "versions": header.get("versions"),
                         "mode": header.get("mode"), "interconnect": header.get("interconnect")},
@@ -217,81 +232,96 @@ def fit_profile(profile_path, out_path: str, use_xgb: bool = False, time_stat: s
             "fit_residuals": {}, "fitted": {}, "held_out": {},
             "extra_profiles": [{"path": os.path.basename(p), "sha256": sha256(p)} for p in paths[1:]],
             "pool": fit_pool(rows, strategies, profile_path)}
-    for st in strategies:
-        skip = held_out(rows, st, holdout_seqs, holdout_largest)
-        s, b, ys = layer_table(rows, st, time_stat, exclude=skip)
-        if not len(s):
-            raise ValueError(f"profile {profile_path!r}: nothing left to fit for {st!r} after holding out {sorted(skip)}")
-        meta["fitted"][st] = sorted([int(x), int(y)] for x, y in zip(s, b))
-        meta["held_out"][st] = sorted(skip)
-        meta["s_max"][st] = int(s.max())
-        meta["s_min"][st] = int(s.min())
-        lim = [r["s"] for r in rows if r.get("type") == "limit" and r["strategy"] == st]
-        if lim:
-            meta["limits"][st] = int(min(lim))
-        meta["targets"][st] = {}
-        meta["fit_residuals"][st] = {}
-        for tg in TARGETS:
-            y = ys[tg]
-            if tg == "seconds":
-                deg, coef, aic = fit_time_physics(s, b, y)
-                phys = {"kind": "poly", "degree": deg, "coef": [float(c) for c in coef],
-                        "aic": {str(k): v for k, v in aic.items()}}
-                phi = time_features(s, b, deg) @ coef
-            else:
-                deg, coef = fit_memory_physics(st, shape, s, b, y, tg)
-                phys = {"kind": "poly", "degree": deg, "coef": coef, "form": "analytic order"}
-                phi = time_features(s, b, deg) @ np.asarray(coef)
-            spec = {"physics": phys, "xgb": None, "ratio_clip": [-0.5, 0.5]}
-            ratio = np.where(phi > 0, y / np.maximum(phi, 1e-30) - 1.0, 0.0)
-            if tg == "seconds" and use_xgb and len(y) >= 3 and np.max(np.abs(ratio)) > 1e-6:
-                bst = fit_xgb_residual(s, b, np.clip(ratio, -0.5, 0.5))
-                name = f"{stem}.{st}.{tg}.xgb.json"
-                fpath = os.path.join(base, name)
-                bst.save_model(fpath)
-                meta["files"][name] = sha256(fpath)
-                spec["xgb"] = name
-            elif tg == "seconds":
-                # the residual ratio interpolated piecewise-linearly in log s between the profiled
-                # lengths (trees would make steps), each inner point's the median of it and its two
-                # neighbours, so one noisy length does not bend the curve
-                r_pts = running_median3(ratio, b)
-                spec["residual_points"] = [[float(a), float(c), float(r)] for a, c, r in zip(s, b, r_pts)]
-            else:
-                # memory is deterministic and piecewise linear in s (the larger of a few phases,
-                # each linear; colossal's quadratic), so the difference to the physics curve is
-                # interpolated linearly in s: exact between two lengths where one phase holds
-                spec["residual"] = "difference"
-                spec["residual_points"] = [[float(a), float(c), float(r)] for a, c, r in zip(s, b, y - phi)]
-            meta["targets"][st][tg] = spec
-            meta["fit_residuals"][st][tg] = float(np.max(np.abs(ratio))) if len(ratio) else 0.0
-    # non-layer (embedding, output layer, loss): linear in tokens
+
+
+def _fit_strategy(meta: dict, rows: list, st: str, shape: ModelShape, skip: set, use_xgb: bool,
+                  out_path: str, profile_path: str) -> None:
+    """``meta``'s entries for ``st``: the lengths fitted and held out, their range, where its
+    sweep stopped, each target's prediction and its largest relative residual."""
+    s, b, ys = layer_table(rows, st, meta["time_stat"], exclude=skip)
+    if not len(s):
+        raise ValueError(f"profile {profile_path!r}: nothing left to fit for {st!r} after holding out {sorted(skip)}")
+    meta["fitted"][st] = sorted([int(x), int(y)] for x, y in zip(s, b))
+    meta["held_out"][st] = sorted(skip)
+    meta["s_max"][st] = int(s.max())
+    meta["s_min"][st] = int(s.min())
+    lim = [r["s"] for r in rows if r.get("type") == "limit" and r["strategy"] == st]
+    if lim:
+        meta["limits"][st] = int(min(lim))
+    meta["targets"][st] = {}
+    meta["fit_residuals"][st] = {}
+    for tg in TARGETS:
+        y = ys[tg]
+        phys, phi = _physics(st, tg, shape, s, b, y)
+        spec = {"physics": phys, "xgb": None, "ratio_clip": [-0.5, 0.5]}
+        ratio = np.where(phi > 0, y / np.maximum(phi, 1e-30) - 1.0, 0.0)
+        if tg == "seconds" and use_xgb and len(y) >= 3 and np.max(np.abs(ratio)) > 1e-6:
+            spec["xgb"] = _save_xgb(fit_xgb_residual(s, b, np.clip(ratio, -0.5, 0.5)), out_path, st, tg,
+                                    meta["files"])
+        elif tg == "seconds":
+            # the residual ratio interpolated piecewise-linearly in log s between the profiled
+            # lengths (trees would make steps), each inner point's the median of it and its two
+            # neighbours, so one noisy length does not bend the curve
+            r_pts = running_median3(ratio, b)
+            spec["residual_points"] = [[float(a), float(c), float(r)] for a, c, r in zip(s, b, r_pts)]
+        else:
+            # memory is deterministic and piecewise linear in s (the larger of a few phases,
+            # each linear; colossal's quadratic), so the difference to the physics curve is
+            # interpolated linearly in s: exact between two lengths where one phase holds
+            spec["residual"] = "difference"
+            spec["residual_points"] = [[float(a), float(c), float(r)] for a, c, r in zip(s, b, y - phi)]
+        meta["targets"][st][tg] = spec
+        meta["fit_residuals"][st][tg] = float(np.max(np.abs(ratio))) if len(ratio) else 0.0
+
+
+def _physics(st: str, tg: str, shape: ModelShape, s, b, y) -> tuple:
+    """``(spec, values at the fitted points)`` of a target's physics curve: time by AICc degree,
+    memory in the analytic order."""
+    if tg == "seconds":
+        deg, coef, aic = fit_time_physics(s, b, y)
+        phys = {"kind": "poly", "degree": deg, "coef": [float(c) for c in coef],
+                "aic": {str(k): v for k, v in aic.items()}}
+        return phys, time_features(s, b, deg) @ coef
+    deg, coef = fit_memory_physics(st, shape, s, b, y, tg)
+    phys = {"kind": "poly", "degree": deg, "coef": coef, "form": "analytic order"}
+    return phys, time_features(s, b, deg) @ np.asarray(coef)
+
+
+def _save_xgb(bst, out_path: str, st: str, tg: str, files: dict) -> str:
+    """The residual trees saved beside the model (``files``: name -> SHA-256); their name."""
+    stem = os.path.splitext(os.path.basename(out_path))[0]
+    name = f"{stem}.{st}.{tg}.xgb.json"
+    fpath = os.path.join(os.path.dirname(os.path.abspath(out_path)), name)
+    bst.save_model(fpath)
+    files[name] = sha256(fpath)
+    return name
+
+
+def _fit_nonlayer(rows: list) -> dict | None:
+    """The non-layer part (embedding, output layer, loss), linear in tokens, and the step's
+    update; None for a profile without non-layer rows."""
     nl = [r for r in rows if r.get("type") == "nonlayer"]
     opt = [r for r in rows if r.get("type") == "optimizer"]
-    if nl:
-        T = np.array([r["b"] * r["s"] for r in nl], float)
-        A = np.stack([np.ones_like(T), T], axis=1)
-        out = {}
-        for tg in TARGETS:
-            y = np.array([float(r[tg]) for r in nl])
-            if len(y) >= 2:
-                c = _nnls(A, y, 1.0 / np.maximum(y, 1e-30))
-            else:
-                c = np.array([float(y[0]), 0.0])
-            out[tg] = [float(v) for v in c]
-        if opt:
-            # the update after a step's last backward, once per step: gradient reduction
-            # (profiles from before it was measured have the optimizer step only) and, in
-            # single-device mode, its modelled collectives
-            o = opt[0]
-            parts = {k: float(o.get(k, 0.0)) for k in ("grad_sync_seconds", "optimizer_seconds", "comm_seconds")}
-            out.update(parts, update_seconds=sum(parts.values()), param_bytes=int(o["param_bytes"]))
-        meta["nonlayer"] = out
-    tmp = out_path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(meta, f, indent=1)
-    os.replace(tmp, out_path)
-    return meta
+    if not nl:
+        return None
+    T = np.array([r["b"] * r["s"] for r in nl], float)
+    A = np.stack([np.ones_like(T), T], axis=1)
+    out = {}
+    for tg in TARGETS:
+        y = np.array([float(r[tg]) for r in nl])
+        if len(y) >= 2:
+            c = _nnls(A, y, 1.0 / np.maximum(y, 1e-30))
+        else:
+            c = np.array([float(y[0]), 0.0])
+        out[tg] = [float(v) for v in c]
+    if opt:
+        # the update after a step's last backward, once per step: gradient reduction
+        # (profiles from before it was measured have the optimizer step only) and, in
+        # single-device mode, its modelled collectives
+        o = opt[0]
+        parts = {k: float(o.get(k, 0.0)) for k in ("grad_sync_seconds", "optimizer_seconds", "comm_seconds")}
+        out.update(parts, update_seconds=sum(parts.values()), param_bytes=int(o["param_bytes"]))
+    return out
 
 
 def main(argv=None):
