@@ -68,6 +68,9 @@ def _lp(hull, r, c):
     return r * hull[-1][1]
 
 
+_EPS = 1e-12  # relative margin: a plan must beat the best so far by more than rounding
+
+
 def solve_counts(t, m, L, C, upper=math.inf):
     """Exact ``min sum k_i t_i`` s.t. ``sum k_i = L``, ``sum k_i m_i <= C``, ``k_i >= 0`` integers.
 
@@ -75,77 +78,98 @@ def solve_counts(t, m, L, C, upper=math.inf):
     memory of the allowed strategies. ``upper``: only a plan faster than this is of interest
     (a bound from another subproblem; (inf, None) if none is).
     """
-    n = len(t)
-    order = sorted(range(n), key=lambda i: (t[i], m[i], i))
-    front = []
-    best_m = math.inf
-    for i in order:
-        if m[i] < best_m:
-            front.append(i)
-            best_m = m[i]
+    front = _front(t, m)
     if not front:
         return math.inf, None
     mt = [t[i] for i in front]
     mm = [m[i] for i in front]
-    q = len(front)
-    if L * mm[0] <= C:
+    if L * mm[0] <= C:  # the fastest fits alone
         if L * mt[0] >= upper:
             return math.inf, None
-        counts = [0] * n
-        counts[front[0]] = L
-        return L * mt[0], counts
-    if L * mm[-1] > C:
+        return L * mt[0], _counts(len(t), front, [L] + [0] * (len(front) - 1))
+    if L * mm[-1] > C:  # not even the leanest fits
         return math.inf, None
-    hulls = [_hull([(mm[j], mt[j]) for j in range(s, q)]) for s in range(q)]
-    m_last, t_last = mm[-1], mt[-1]
-    eps = 1e-12
-    if _lp(hulls[0], L, C) >= upper * (1 - eps):
+    hulls = [_hull(list(zip(mm[s:], mt[s:]))) for s in range(len(front))]
+    if _lp(hulls[0], L, C) >= upper * (1 - _EPS):
         return math.inf, None
+    best = _best_pair(mt, mm, L, C, upper)
+    if len(front) >= 3 and _lp(hulls[0], L, C) < best[0] * (1 - _EPS):
+        _branch_and_bound(mt, mm, hulls, L, C, best)
+    if best[1] is None:
+        return math.inf, None
+    return best[0], _counts(len(t), front, best[1])
 
-    def pair(j, r, c):
-        """Two strategies left (j and the leanest): as many layers on j as fit. (k, time) or None."""
-        dm = mm[j] - m_last
-        k = min(r, int(math.floor((c - r * m_last) / dm))) if dm > 0 else r
-        while k > 0 and k * mm[j] + (r - k) * m_last > c:
-            k -= 1  # float rounding
-        if k < 0 or (k == 0 and r * m_last > c):
-            return None
-        return k, k * mt[j] + (r - k) * t_last
 
-    # incumbent: the best plan of at most two strategies (closed form per pair)
+def _front(t, m) -> list:
+    """The strategies worth using, fastest first, each leaner than every faster one (a strategy
+    at least as slow and as large as another is never needed)."""
+    front, best_m = [], math.inf
+    for i in sorted(range(len(t)), key=lambda i: (t[i], m[i], i)):
+        if m[i] < best_m:
+            front.append(i)
+            best_m = m[i]
+    return front
+
+
+def _counts(n: int, front: list, ks: list) -> list:
+    """Counts over all ``n`` strategies from counts over the front."""
+    counts = [0] * n
+    for j, k in enumerate(ks):
+        counts[front[j]] = k
+    return counts
+
+
+def _most_on(m_a, m_b, r, c) -> int:
+    """The most of ``r`` layers on a strategy of memory ``m_a`` with the rest on a leaner one of
+    ``m_b``, within ``c`` (negative: not even all on the leaner one fit)."""
+    dm = m_a - m_b
+    k = min(r, int(math.floor((c - r * m_b) / dm))) if dm > 0 else r
+    while k > 0 and k * m_a + (r - k) * m_b > c:
+        k -= 1  # float rounding
+    return k
+
+
+def _best_pair(mt, mm, L, C, upper) -> list:
+    """The incumbent ``[time, counts over the front]``: the best plan of at most two strategies
+    (closed form per pair), or ``[upper, None]``."""
     best = [upper, None]
+    q = len(mt)
     for a in range(q - 1):
         for bb in range(a + 1, q):
-            dm = mm[a] - mm[bb]
-            k = min(L, int(math.floor((C - L * mm[bb]) / dm))) if dm > 0 else L
-            while k > 0 and k * mm[a] + (L - k) * mm[bb] > C:
-                k -= 1
+            k = _most_on(mm[a], mm[bb], L, C)
             if k < 0 or (k == 0 and L * mm[bb] > C):
                 continue
             tot = k * mt[a] + (L - k) * mt[bb]
-            if tot < best[0] * (1 - eps):
+            if tot < best[0] * (1 - _EPS):
                 ks = [0] * q
                 ks[a], ks[bb] = k, L - k
                 best = [tot, ks]
+    return best
+
+
+def _branch_and_bound(mt, mm, hulls, L, C, best) -> None:
+    """Depth first over the front, most layers on the faster strategy first, pruned by the LP
+    bound, the last two strategies in closed form; improves ``best`` in place."""
+    q = len(mt)
+    m_last, t_last = mm[-1], mt[-1]
     ks = [0] * q
 
     def rec(j, r, c, acc):
-        if j == q - 2:
-            got = pair(j, r, c)
-            if got is not None and acc + got[1] < best[0] * (1 - eps):
-                ks[j], ks[q - 1] = got[0], r - got[0]
-                best[0], best[1] = acc + got[1], list(ks)
+        if j == q - 2:  # two strategies left (j and the leanest): as many layers on j as fit
+            k = _most_on(mm[j], m_last, r, c)
+            if k < 0 or (k == 0 and r * m_last > c):
+                return
+            tot = acc + (k * mt[j] + (r - k) * t_last)
+            if tot < best[0] * (1 - _EPS):
+                ks[j], ks[q - 1] = k, r - k
+                best[0], best[1] = tot, list(ks)
                 ks[j] = ks[q - 1] = 0
             return
-        dm = mm[j] - m_last
-        kmax = r if dm <= 0 else min(r, int(math.floor((c - r * m_last) / dm)))
-        while kmax > 0 and kmax * mm[j] + (r - kmax) * m_last > c:
-            kmax -= 1
         prev = None
-        for k in range(kmax, -1, -1):
+        for k in range(_most_on(mm[j], m_last, r, c), -1, -1):
             rest_c = c - k * mm[j]
             bound = acc + k * mt[j] + _lp(hulls[j + 1], r - k, rest_c)
-            if bound >= best[0] * (1 - eps):
+            if bound >= best[0] * (1 - _EPS):
                 if prev is not None and bound >= prev:
                     break  # the bound is convex in k: past its minimum it only grows
                 prev = bound
@@ -155,14 +179,7 @@ def solve_counts(t, m, L, C, upper=math.inf):
             rec(j + 1, r - k, rest_c, acc + k * mt[j])
             ks[j] = 0
 
-    if q >= 3 and _lp(hulls[0], L, C) < best[0] * (1 - eps):
-        rec(0, L, C, 0.0)
-    if best[1] is None:
-        return math.inf, None
-    counts = [0] * n
-    for j, k in enumerate(best[1]):
-        counts[front[j]] = k
-    return best[0], counts
+    rec(0, L, C, 0.0)
 
 
 def _sets(costs: Costs) -> list:
