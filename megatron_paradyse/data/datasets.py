@@ -76,6 +76,51 @@ class MockDataset:
 LONG_DOC_POLICIES = ("split", "truncate", "skip", "error")
 
 
+def _check_source(prefix: str, seq_length: int, long_docs: str) -> None:
+    """The policy and length are valid and the ``.bin``/``.idx`` pair exists."""
+    if long_docs not in LONG_DOC_POLICIES:
+        raise ValueError(f"long_docs must be one of {LONG_DOC_POLICIES}, got {long_docs!r}")
+    if seq_length < 1:
+        raise ValueError(f"seq_length must be >= 1, got {seq_length}")
+    for suffix in (".idx", ".bin"):
+        if not os.path.exists(prefix + suffix):
+            raise FileNotFoundError(
+                f"{prefix}{suffix} not found: --data-path takes the prefix of a .bin/.idx pair "
+                "(python -m megatron_paradyse.data preprocess writes one)")
+
+
+def _open_index(prefix: str):
+    """megatron-core's ``IndexedDataset`` of ``prefix`` (a clear error for a bad index)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    try:
+        return IndexedDataset(prefix)
+    except Exception as e:  # noqa: BLE001 - megatron asserts on a bad index
+        raise ValueError(f"{prefix}.idx is not a megatron-core index ({type(e).__name__}: {e})") from e
+
+
+def _token_memmap(prefix: str, index, seq_lens, vocab_size: int | None):
+    """The ``.bin``'s tokens, memory-mapped, once the index is checked to describe them and
+    (with ``vocab_size``) every id to be inside the vocabulary."""
+    pointers = np.asarray(index.sequence_pointers, dtype=np.int64)
+    itemsize = np.dtype(index.dtype).itemsize
+    bin_bytes = os.path.getsize(prefix + ".bin")
+    want = int(pointers[-1] + seq_lens[-1] * itemsize) if len(seq_lens) else 0
+    if want != bin_bytes or (len(seq_lens) > 1 and np.any(pointers[1:] != pointers[:-1] + seq_lens[:-1] * itemsize)):
+        raise ValueError(
+            f"{prefix}.idx does not match {prefix}.bin: the index describes {want} bytes of "
+            f"{np.dtype(index.dtype).name} tokens, the .bin has {bin_bytes} (rewrite both together)")
+    tokens = np.memmap(prefix + ".bin", dtype=index.dtype, mode="r") if bin_bytes else np.zeros(0, np.int64)
+    if vocab_size is not None and len(tokens):
+        top = int(tokens.max())
+        if top >= vocab_size:
+            bad = int(np.argmax(tokens >= vocab_size))
+            raise ValueError(
+                f"{prefix}: token id {top} is outside the vocabulary (--vocab-size {vocab_size}); "
+                f"first at token offset {bad}. Preprocess with the model's tokenizer or raise --vocab-size")
+    return tokens
+
+
 class DocumentDataset:
     """One document of megatron-core's ``IndexedDataset`` per sample, at its natural length.
 
@@ -102,17 +147,7 @@ class DocumentDataset:
     def __init__(self, prefix: str, seq_length: int, seed: int = 1234, shuffle: bool = True,
                  long_docs: str = "truncate", max_length: int | None = None,
                  vocab_size: int | None = None, warn=None):
-        from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-        if long_docs not in LONG_DOC_POLICIES:
-            raise ValueError(f"long_docs must be one of {LONG_DOC_POLICIES}, got {long_docs!r}")
-        if seq_length < 1:
-            raise ValueError(f"seq_length must be >= 1, got {seq_length}")
-        for suffix in (".idx", ".bin"):
-            if not os.path.exists(prefix + suffix):
-                raise FileNotFoundError(
-                    f"{prefix}{suffix} not found: --data-path takes the prefix of a .bin/.idx pair "
-                    "(python -m megatron_paradyse.data preprocess writes one)")
+        _check_source(prefix, seq_length, long_docs)
         self.prefix = prefix
         self.seq_length = seq_length
         self.seed = seed
@@ -122,28 +157,9 @@ class DocumentDataset:
         if self.limit < 1:
             raise ValueError(f"no plan fits even the shortest sequence in the memory budget (the longest "
                              f"trainable length is {self.limit}): raise the budget")
-        try:
-            self.indexed = IndexedDataset(prefix)
-        except Exception as e:  # noqa: BLE001 - megatron asserts on a bad index
-            raise ValueError(f"{prefix}.idx is not a megatron-core index ({type(e).__name__}: {e})") from e
-        index = self.indexed.index
-        seq_lens = np.asarray(index.sequence_lengths, dtype=np.int64)
-        pointers = np.asarray(index.sequence_pointers, dtype=np.int64)
-        itemsize = np.dtype(index.dtype).itemsize
-        bin_bytes = os.path.getsize(prefix + ".bin")
-        want = int(pointers[-1] + seq_lens[-1] * itemsize) if len(seq_lens) else 0
-        if want != bin_bytes or (len(seq_lens) > 1 and np.any(pointers[1:] != pointers[:-1] + seq_lens[:-1] * itemsize)):
-            raise ValueError(
-                f"{prefix}.idx does not match {prefix}.bin: the index describes {want} bytes of "
-                f"{np.dtype(index.dtype).name} tokens, the .bin has {bin_bytes} (rewrite both together)")
-        self._tokens = np.memmap(prefix + ".bin", dtype=index.dtype, mode="r") if bin_bytes else np.zeros(0, np.int64)
-        if vocab_size is not None and len(self._tokens):
-            top = int(self._tokens.max())
-            if top >= vocab_size:
-                bad = int(np.argmax(self._tokens >= vocab_size))
-                raise ValueError(
-                    f"{prefix}: token id {top} is outside the vocabulary (--vocab-size {vocab_size}); "
-                    f"first at token offset {bad}. Preprocess with the model's tokenizer or raise --vocab-size")
+        self.indexed = _open_index(prefix)
+        seq_lens = np.asarray(self.indexed.index.sequence_lengths, dtype=np.int64)
+        self._tokens = _token_memmap(prefix, self.indexed.index, seq_lens, vocab_size)
         bounds = np.asarray(self.indexed.document_indices, dtype=np.int64)
         csum = np.concatenate([[0], np.cumsum(seq_lens)])
         doc_start = csum[bounds[:-1]]
@@ -159,26 +175,29 @@ class DocumentDataset:
         long = usable[train > self.limit]
         if len(long):
             self._report_long(long, doc_tokens, max_length, warn)
-        # samples: (start token offset in the .bin, number of ids)
+        self._start, self._count, self.sample_docs = self._samples(usable, doc_start, doc_tokens)
+        self.num_documents = int(len(doc_tokens))
+        self._perms: dict = {}
+
+    def _samples(self, usable, doc_start, doc_tokens) -> tuple:
+        """``(start token offset in the .bin, number of ids, document)`` arrays of the samples:
+        each usable document whole, or under the long-document policy."""
         starts, counts, docs = [], [], []
         lim = self.limit
         for d in usable:
             n, a = int(doc_tokens[d]), int(doc_start[d])
             if n - 1 <= lim:
                 starts.append(a), counts.append(n), docs.append(d)
-            elif long_docs == "truncate":
+            elif self.long_docs == "truncate":
                 starts.append(a), counts.append(lim + 1), docs.append(d)
-            elif long_docs == "split":
+            elif self.long_docs == "split":
                 for j in range(0, n - 1, lim):
                     starts.append(a + j), counts.append(min(lim + 1, n - j)), docs.append(d)
         if not starts:
-            raise ValueError(f"{prefix}: every document is longer than {lim} tokens and "
+            raise ValueError(f"{self.prefix}: every document is longer than {lim} tokens and "
                              f"long documents are skipped: empty dataset")
-        self._start = np.asarray(starts, dtype=np.int64)
-        self._count = np.asarray(counts, dtype=np.int64)
-        self.sample_docs = np.asarray(docs, dtype=np.int64)
-        self.num_documents = int(len(doc_tokens))
-        self._perms: dict = {}
+        return (np.asarray(starts, dtype=np.int64), np.asarray(counts, dtype=np.int64),
+                np.asarray(docs, dtype=np.int64))
 
     def _report_long(self, long, doc_tokens, max_length, warn):
         fit = max_length is not None and max_length < self.seq_length
@@ -266,7 +285,7 @@ def build_dataset(args, max_length: int | None = None, warn=None):
     if len(paths) != 1:
         raise ValueError(f"--data-path: give one IndexedDataset prefix, got {paths}")
     return DocumentDataset(paths[0], args.seq_length, seed=args.seed,
-                           long_docs=getattr(args, "paradyse_long_docs", None) or "split",
+                           long_docs=args.paradyse_long_docs,
                            max_length=max_length, vocab_size=args.vocab_size, warn=warn)
 
 
