@@ -249,3 +249,12 @@ def apply_activation(mlp, x, bias, shards: int):
 def bias_of(linear):
     """A linear layer's bias parameter, or None."""
     return getattr(linear, "bias", None)
+
+
+def row_output(linear, y):
+    """``(y, bias)`` exactly as the stock row-parallel ``linear`` returns its output ``y``: the
+    bias added, or, with ``skip_bias_add``, returned for the bias-dropout-add."""
+    bias = bias_of(linear)
+    if bias is not None and not linear.skip_bias_add:
+        return y + bias, None
+    return y, bias

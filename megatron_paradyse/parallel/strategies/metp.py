@@ -50,18 +50,11 @@ from ..buffers import weight_slot
 from ..collectives import broadcast_start, reduce_to, wait
 from ..ring_comm import GradRing, ring_stream
 from .base import (Strategy, apply_activation, apply_rope, bias_of, from_bhsd, geometry, rope_freqs,
-                   split_qkv, switching_group, to_bhsd, weight_grad, wgrad_fusion, zero_support)
+                   row_output, split_qkv, switching_group, to_bhsd, weight_grad, wgrad_fusion,
+                   zero_support)
 from .ring import ring_attention
 
 _ACC = torch.float32  # dtype of every sum over shards or ranks
-
-
-def _output_bias(linear, y):
-    """``(y, bias)`` exactly as a stock row-parallel linear returns them (cf. ``zero3.row``)."""
-    bias = bias_of(linear)
-    if bias is not None and not linear.skip_bias_add:
-        return y + bias, None
-    return y, bias
 
 
 def _flat(t):
@@ -251,11 +244,11 @@ class METP(Strategy):
         x = zigzag.to_balanced(hidden_states, layout, geo.group)
         out = METPAttention.apply(x, qkv.weight, b, attn.linear_proj.weight, geo, qf, kf,
                                   attn.config, layout, (wgrad_fusion(qkv), wgrad_fusion(attn.linear_proj)))
-        return _output_bias(attn.linear_proj, zigzag.from_balanced(out, layout, geo.group))
+        return row_output(attn.linear_proj, zigzag.from_balanced(out, layout, geo.group))
 
     def mlp(self, mlp, hidden_states):
         group = switching_group(mlp)
         out = METPMLP.apply(hidden_states, mlp.linear_fc1.weight, bias_of(mlp.linear_fc1),
                             mlp.linear_fc2.weight, mlp, group,
                             (wgrad_fusion(mlp.linear_fc1), wgrad_fusion(mlp.linear_fc2)))
-        return _output_bias(mlp.linear_fc2, out)
+        return row_output(mlp.linear_fc2, out)
