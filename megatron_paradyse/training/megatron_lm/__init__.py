@@ -36,9 +36,9 @@ from __future__ import annotations
 
 from .args import add_megatron_lm_args, check_paradyse_args, compose_args_providers
 from .entry import main, megatron_lm_main, megatron_training_available, run_script
-from .hooks import install_hooks, uninstall_hooks
+from .hooks import install_hooks
 from .providers import paradyse_datasets_provider, paradyse_forward_step, paradyse_model_provider
 
 __all__ = ["add_megatron_lm_args", "check_paradyse_args", "compose_args_providers", "install_hooks",
            "main", "megatron_lm_main", "megatron_training_available", "paradyse_datasets_provider",
-           "paradyse_forward_step", "paradyse_model_provider", "run_script", "uninstall_hooks"]
+           "paradyse_forward_step", "paradyse_model_provider", "run_script"]

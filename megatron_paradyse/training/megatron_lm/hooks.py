@@ -104,10 +104,3 @@ def install_hooks() -> None:
 def original(module, name: str):
     """What the hook on ``module.name`` replaced."""
     return _HOOKS[(module, name)]
-
-
-def uninstall_hooks() -> None:
-    """Put back everything :func:`install_hooks` replaced."""
-    for (mod, name), orig in _HOOKS.items():
-        setattr(mod, name, orig)
-    _HOOKS.clear()
