@@ -44,6 +44,7 @@ def test_measured_world_small(tmp_path):
     """2 gloo ranks, a 2-layer model: stock, tp_sp and metp on the same 2 batches, plus a search."""
     from megatron_paradyse import data
     from megatron_paradyse.bench.__main__ import demo_argv
+    from megatron_paradyse.bench.config import BenchConfig
     from megatron_paradyse.bench.world import bench_world
     from megatron_paradyse.testing.spawn import run_world
 
@@ -54,9 +55,9 @@ def test_measured_world_small(tmp_path):
     for k, v in (("--num-layers", "2"), ("--hidden-size", "64"), ("--num-attention-heads", "4"),
                  ("--ffn-hidden-size", "128")):
         argv[argv.index(k) + 1] = v
-    cfg = dict(argv=argv, data_prefix=prefix, long_docs="skip", steps=2, budget_bytes=4 * MiB,
-               systems=["stock", "tp_sp", "metp"], search=True, search_cap=1024, search_probes=2,
-               search_resolution=128, verbose=False)
+    cfg = BenchConfig(argv=argv, data_prefix=prefix, long_docs="skip", steps=2, budget_bytes=4 * MiB,
+                      systems=["stock", "tp_sp", "metp"], search=True, search_cap=1024, search_probes=2,
+                      search_resolution=128, verbose=False)
     out = run_world(bench_world, 2, cfg, timeout=240)[0]
     rec = out["records"]
     lens = [r["length"] for r in rec["tp_sp"]]
@@ -69,7 +70,7 @@ def test_measured_world_small(tmp_path):
     assert all(r["seconds"] > 0 and np.isfinite(r["loss"]) for n in rec for r in rec[n])
     srch = out["search"]
     for n, v in srch.items():
-        assert all(p["fits"] == (p["peak_bytes"] <= cfg["budget_bytes"]) for p in v["probes"])
+        assert all(p["fits"] == (p["peak_bytes"] <= cfg.budget_bytes) for p in v["probes"])
         if v["longest_fitting"]:
             assert any(p["length"] == v["longest_fitting"] and p["fits"] for p in v["probes"])
     assert srch["metp"]["longest_fitting"] >= srch["tp_sp"]["longest_fitting"] >= srch["stock"]["longest_fitting"]

@@ -15,9 +15,7 @@ import time
 
 from ..paths import recorded, shown, shown_argv
 from ..units import MiB
-
-ALL_SYSTEMS = ("stock", "tp_sp", "ulysses", "ring", "colossal", "metp", "paradyse_heuristic",
-               "paradyse_optimal")
+from .config import ALL_SYSTEMS, BenchConfig
 
 
 def demo_argv(p: int, seq_length: int, seed: int, extra=()) -> list:
@@ -96,15 +94,15 @@ def main(argv=None) -> int:
     argv_ = demo_argv(a.p, a.seq_length, a.seed)
     budget, why = resolve_budget(a, argv_, a.p)
     systems = [s.strip() for s in a.systems.split(",") if s.strip()]
-    bad = [s for s in systems if s not in ALL_SYSTEMS]
-    if bad:
-        print(f"error: unknown systems {bad}; choose from {ALL_SYSTEMS}", file=sys.stderr)
+    try:
+        cfg = BenchConfig(argv=argv_, data_prefix=prefix, long_docs=a.long_docs, steps=a.steps, min_len=a.min_len,
+                          budget_bytes=budget, systems=systems, cost_model=a.cost_model,
+                          margin_bytes=None if a.margin_mib is None else a.margin_mib * MiB,
+                          search=a.max_seq_len_search, search_cap=a.search_cap, search_probes=a.search_probes,
+                          search_resolution=a.search_resolution, verbose=not a.quiet, memory_pass=a.memory_pass)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    cfg = dict(argv=argv_, data_prefix=prefix, long_docs=a.long_docs, steps=a.steps, min_len=a.min_len,
-               budget_bytes=budget, systems=systems, cost_model=a.cost_model,
-               margin_bytes=None if a.margin_mib is None else a.margin_mib * MiB,
-               search=a.max_seq_len_search, search_cap=a.search_cap, search_probes=a.search_probes,
-               search_resolution=a.search_resolution, verbose=not a.quiet, memory_pass=a.memory_pass)
     print(f"> benchmark: {len(systems)} systems x {a.steps} steps on {a.p} gloo ranks, demo shape, "
           f"data {shown(prefix)}, budget {budget / MiB:.1f} MiB per rank ({why})", flush=True)
     t0 = time.perf_counter()

@@ -104,7 +104,8 @@ def load_cost_model(args, path=None):
 
 
 def build_systems(cfg, args):
-    """``(specs, notes)`` for ``cfg['systems']`` (names as in the module docstring)."""
+    """``(specs, notes)`` for ``cfg.systems`` (a ``config.BenchConfig``; names as in the module
+    docstring)."""
     import megatron_paradyse as mp
 
     from ..training.arguments import transformer_config_from_args
@@ -112,12 +113,12 @@ def build_systems(cfg, args):
     notes = []
     config = transformer_config_from_args(args)
     p = args.tensor_model_parallel_size
-    cost_model, note = load_cost_model(args, cfg.get("cost_model"))
+    cost_model, note = load_cost_model(args, cfg.cost_model)
     if note:
         notes.append(note)
-    budget = float(cfg["budget_bytes"])
+    budget = float(cfg.budget_bytes)
     specs = []
-    for name in cfg["systems"]:
+    for name in cfg.systems:
         if name == "stock":
             specs.append(SystemSpec("stock", "stock", args.num_layers, cost_model=None, budget=budget))
         elif name in UNIFORM:
@@ -137,7 +138,7 @@ def build_systems(cfg, args):
             except ImportError as e:
                 notes.append(f"{name} left out: no planner package yet ({e})")
                 continue
-            kw = {} if cfg.get("margin_bytes") is None else {"margin_bytes": cfg["margin_bytes"]}
+            kw = {} if cfg.margin_bytes is None else {"margin_bytes": cfg.margin_bytes}
             planner = build_planner(kind, cost_model, budget, **kw)
             specs.append(SystemSpec(name, "planner", args.num_layers, planner=planner, cost_model=cost_model,
                                     budget=budget))

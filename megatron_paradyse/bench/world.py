@@ -107,17 +107,17 @@ def bench_world(rank, world, cfg):
 
     torch.set_num_threads(1)
     cpu_compat.apply()
-    args = parse_args(cfg["argv"], world_size=world)
+    args = parse_args(cfg.argv, world_size=world)
     init_megatron(args.tensor_model_parallel_size, seed=args.seed)
     mp.install()
-    dataset = pdata.DocumentDataset(cfg["data_prefix"], args.seq_length, seed=args.seed,
-                                    long_docs=cfg["long_docs"], vocab_size=args.vocab_size,
+    dataset = pdata.DocumentDataset(cfg.data_prefix, args.seq_length, seed=args.seed,
+                                    long_docs=cfg.long_docs, vocab_size=args.vocab_size,
                                     warn=lambda m: None)
     mult = args.tensor_model_parallel_size
     # the batches: the dataset's seeded order, lengths in [min_len, seq_length]
-    batches, g = [], cfg.get("first_sample", 0)
-    while len(batches) < cfg["steps"]:
-        if dataset.length(g) >= cfg.get("min_len", 1):
+    batches, g = [], cfg.first_sample
+    while len(batches) < cfg.steps:
+        if dataset.length(g) >= cfg.min_len:
             batches.append(pdata.pad_to_multiple([dataset[g]], mult))
         g += 1
     specs, notes = build_systems(cfg, args)
@@ -135,7 +135,7 @@ def bench_world(rank, world, cfg):
         order = systems[k % len(systems):] + systems[:k % len(systems)]
         for spec, sysm in order:
             mb.plan = spec.plan_for(mb.seq_length, 1)
-            sec, peak, loss = _measure(sysm, mb, cfg.get("memory_pass", "separate"))
+            sec, peak, loss = _measure(sysm, mb, cfg.memory_pass)
             sec, peak = _max_over_ranks([sec, peak])
             pred = spec.predict(mb.plan, mb.seq_length, 1)
             records[spec.name].append(dict(
@@ -145,13 +145,13 @@ def bench_world(rank, world, cfg):
                 predicted_seconds=None if pred is None else pred[0],
                 predicted_peak_bytes=None if pred is None else pred[1],
                 planner_fits=spec.last_fits))
-        if rank == 0 and cfg.get("verbose", True):
+        if rank == 0 and cfg.verbose:
             line = "  ".join(f"{spec.name}={records[spec.name][-1]['seconds']:.2f}s" for spec, _ in systems)
             print(f"  step {k + 1:3d}/{len(batches)} s={mb.lengths[0]:5d} | {line}", flush=True)
     out = {"records": records, "static_bytes": {spec.name: s.static for spec, s in systems},
            "notes": notes, "seconds": time.perf_counter() - t_start,
            "systems": [spec.describe() for spec, _ in systems]}
-    if cfg.get("search"):
+    if cfg.search:
         out["search"] = {}
         for spec, sysm in systems:
             try:
@@ -179,9 +179,9 @@ def _search(spec, sysm, cfg, args, dataset, mult, rank):
 
     Starts from the cost model's prediction where there is one (``spec.predicted_max``), else
     from ``seq_length / 4``; doubles or halves to bracket, then bisects; at most
-    ``cfg['search_probes']`` measured steps; lengths above ``cfg['search_cap']`` are not tried.
+    ``cfg.search_probes`` measured steps; lengths above ``cfg.search_cap`` are not tried.
     """
-    budget, res, cap = cfg["budget_bytes"], cfg["search_resolution"], cfg["search_cap"]
+    budget, res, cap = cfg.budget_bytes, cfg.search_resolution, cfg.search_cap
     probes = []
     guess = spec.predicted_max(cap, res) or args.seq_length // 4
     s = max(res, min(cap, guess // res * res))
@@ -190,11 +190,11 @@ def _search(spec, sysm, cfg, args, dataset, mult, rank):
     def fits(n):
         peak, sec = _probe(spec, sysm, n, mult, args.vocab_size)
         probes.append({"length": n, "peak_bytes": peak, "seconds": sec, "fits": peak <= budget})
-        if rank == 0 and cfg.get("verbose", True):
+        if rank == 0 and cfg.verbose:
             print(f"  search {spec.name}: s={n} peak {peak / MiB:.1f} MiB "
                   f"{'fits' if peak <= budget else 'over'} ({sec:.1f} s)", flush=True)
         return peak <= budget
-    for _ in range(cfg["search_probes"]):
+    for _ in range(cfg.search_probes):
         if fits(s):
             lo = s
         else:

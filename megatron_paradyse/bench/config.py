@@ -1,0 +1,45 @@
+"""What one benchmark world runs: :class:`BenchConfig`, checked once, pickled to the ranks."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ALL_SYSTEMS = ("stock", "tp_sp", "ulysses", "ring", "colossal", "metp", "paradyse_heuristic",
+               "paradyse_optimal")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """The systems, the data and the budget of one measured world.
+
+    ``argv``: ``pretrain_gpt_paradyse.py`` flags of the model (``__main__.demo_argv``);
+    ``data_prefix``: an IndexedDataset prefix whose documents, from ``first_sample`` on and no
+    shorter than ``min_len``, are the ``steps`` batches; ``budget_bytes``: the per-rank budget
+    the planners plan for and the summary judges by; ``cost_model``: a fitted model file (None:
+    shipped or analytic); ``margin_bytes``: the planners' margin (None: their default);
+    ``search``: also find each system's longest fitting length (``search_*``: its cap, number
+    of measured probes and resolution); ``memory_pass``: ``"separate"`` or ``"same"``
+    (``world._measure``)."""
+
+    argv: tuple
+    data_prefix: str
+    steps: int
+    budget_bytes: float
+    systems: tuple
+    long_docs: str = "skip"
+    min_len: int = 1
+    first_sample: int = 0
+    cost_model: str | None = None
+    margin_bytes: float | None = None
+    search: bool = False
+    search_cap: int = 16384
+    search_probes: int = 5
+    search_resolution: int = 256
+    verbose: bool = True
+    memory_pass: str = "separate"
+
+    def __post_init__(self):
+        object.__setattr__(self, "argv", tuple(self.argv))
+        object.__setattr__(self, "systems", tuple(self.systems))
+        bad = [s for s in self.systems if s not in ALL_SYSTEMS]
+        if bad:
+            raise ValueError(f"unknown systems {bad}; choose from {ALL_SYSTEMS}")
