@@ -140,14 +140,14 @@ class Trainer:
         tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
 
         self.config = transformer_config_from_args(args)
-        for note in getattr(args, "model_notes", ()):
+        for note in args.model_notes:
             self.log(f"> {note}")
         model = build_model(args, self.config)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
             overlap_grad_reduce=args.overlap_grad_reduce,
             use_distributed_optimizer=args.use_distributed_optimizer,
-            overlap_param_gather=getattr(args, "overlap_param_gather", False),
+            overlap_param_gather=args.overlap_param_gather,
         )
         self.model = DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=model)
         self.optimizer, self.scheduler = build_optimizer(args, self.model)
@@ -164,10 +164,10 @@ class Trainer:
             from . import checkpointing
 
             self.iteration = checkpointing.load_checkpoint(args, self.model, self.optimizer, self.scheduler,
-                                                           iteration=getattr(args, "ckpt_step", None))
+                                                           iteration=args.ckpt_step)
         # --paradyse without --paradyse-plan (and no plan_fn): the planner (planning.py) and its plan_fn
         self.planner, self._planner_fn = None, None
-        if args.paradyse and self.plan_fn is None and getattr(args, "paradyse_plan", None) is None:
+        if args.paradyse and self.plan_fn is None and args.paradyse_plan is None:
             from .planning import planner_from_args
 
             self.planner, self._planner_fn = planner_from_args(args, self.log)
@@ -177,7 +177,7 @@ class Trainer:
             self.planner, args.micro_batch_size, args.seq_length, args.paradyse_pad_multiple)
         self.dataset = pdata.build_dataset(args, max_length=max_fit, warn=self.log)
         self.sampler = None
-        if getattr(args, "paradyse_sampler", "megatron") == "length":
+        if args.paradyse_sampler == "length":
             self.sampler = pdata.LengthAwareSampler(
                 self.dataset, args.micro_batch_size, args.global_batch_size, self.dp_size, seed=args.seed,
                 window_steps=args.paradyse_sampler_window, multiple=args.paradyse_pad_multiple,
@@ -328,11 +328,11 @@ class Trainer:
     # ------------------------------------------------------------------ run report (run_report.py)
     def _run_report(self):
         args = self.args
-        if not getattr(args, "paradyse_run_report", None):
+        if not args.paradyse_run_report:
             return None
         from .run_report import RunReport
 
-        budget = getattr(args, "paradyse_memory_budget", None)
+        budget = args.paradyse_memory_budget
         return RunReport(budget_bytes=None if budget is None else float(budget) * GiB)
 
     @contextlib.contextmanager
