@@ -22,10 +22,12 @@ import contextlib
 import dataclasses
 import datetime
 import os
+import random
 import sys
 import time
 from functools import partial
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -109,12 +111,23 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def _setup(self):
+        """The phases of a run's start, in order; each sets the attributes the next ones read."""
+        self._init_parallel()
+        self._build_model_and_optimizer()
+        if self.args.load:
+            from . import checkpointing
+
+            self.iteration = checkpointing.load_checkpoint(self.args, self.model, self.optimizer,
+                                                           self.scheduler, iteration=self.args.ckpt_step)
+        self._build_planner()
+        self._build_data()
+
+    def _init_parallel(self):
+        """The CPU shims where the CPU was chosen, the plugin, megatron's parallel state, seeds."""
         from megatron.core import parallel_state, tensor_parallel
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.distributed import finalize_model_grads
 
         from .. import cpu_compat
-        from .arguments import transformer_config_from_args
+        from ..parallel.dispatch import install
 
         args = self.args
         if not dist.is_initialized():
@@ -124,55 +137,57 @@ class Trainer:
                                f"but the process group has {dist.get_world_size()} ranks")
         cpu_compat.apply()
         if args.paradyse:
-            import megatron_paradyse as mp
-
-            mp.install()
+            install()
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size)
-        import random
-
-        import numpy as np
-
         random.seed(args.seed)
         np.random.seed(args.seed)
         torch.manual_seed(args.seed)
         tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.dp_group = parallel_state.get_data_parallel_group()
 
+    def _build_model_and_optimizer(self):
+        """The stock GPT in megatron-core's DDP, its optimizer and scheduler, the grad hooks."""
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads
+
+        from .arguments import transformer_config_from_args
+
+        args = self.args
         self.config = transformer_config_from_args(args)
         for note in args.model_notes:
             self.log(f"> {note}")
-        model = build_model(args, self.config)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
             overlap_grad_reduce=args.overlap_grad_reduce,
             use_distributed_optimizer=args.use_distributed_optimizer,
             overlap_param_gather=args.overlap_param_gather,
         )
-        self.model = DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=model)
+        self.model = DistributedDataParallel(config=self.config, ddp_config=ddp_config,
+                                             module=build_model(args, self.config))
         self.optimizer, self.scheduler = build_optimizer(args, self.model)
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.no_sync_func = self.model.no_sync
         self.config.grad_scale_func = self.optimizer.scale_loss
 
-        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        self.dp_rank = parallel_state.get_data_parallel_rank()
-        self.dp_size = parallel_state.get_data_parallel_world_size()
-        self.dp_group = parallel_state.get_data_parallel_group()
-
-        if args.load:
-            from . import checkpointing
-
-            self.iteration = checkpointing.load_checkpoint(args, self.model, self.optimizer, self.scheduler,
-                                                           iteration=args.ckpt_step)
-        # --paradyse without --paradyse-plan (and no plan_fn): the planner (planning.py) and its plan_fn
+    def _build_planner(self):
+        """``--paradyse`` without ``--paradyse-plan`` (and no ``plan_fn``): the planner
+        (planning.py) and its plan_fn; else none."""
+        args = self.args
         self.planner, self._planner_fn = None, None
         if args.paradyse and self.plan_fn is None and args.paradyse_plan is None:
             from .planning import planner_from_args
 
             self.planner, self._planner_fn = planner_from_args(args, self.log)
-        # with a planner: the longest length any plan fits in the budget; longer documents follow
-        # --paradyse-long-docs, named in a warning
+
+    def _build_data(self):
+        """The dataset (documents longer than any plan fits follow --paradyse-long-docs), the
+        sampler, the loader and the planned iterator that gives each micro-batch its plan."""
+        args = self.args
         max_fit = None if self.planner is None else pdata.longest_fitting(
             self.planner, args.micro_batch_size, args.seq_length, args.paradyse_pad_multiple)
         self.dataset = pdata.build_dataset(args, max_length=max_fit, warn=self.log)
@@ -186,10 +201,8 @@ class Trainer:
             self.dataset, args.micro_batch_size, args.global_batch_size, self.dp_rank, self.dp_size,
             args.paradyse_pad_multiple, consumed_samples=self.iteration * args.global_batch_size,
             sampler=self.sampler)
-        plan_fn = self.plan_fn
-        if plan_fn is None and self._planner_fn is not None:
-            plan_fn = self._planner_fn
-        elif plan_fn is None and args.paradyse:
+        plan_fn = self.plan_fn or self._planner_fn
+        if plan_fn is None and args.paradyse:
             plan_fn = rule_plan_fn(parse_plan(args.paradyse_plan, args.num_layers))
         self.data_iterator = PlannedIterator(
             loader, plan_fn if args.paradyse else None, args.num_microbatches,
