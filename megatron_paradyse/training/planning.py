@@ -1,5 +1,5 @@
 """The planner built from the parsed ``--paradyse*`` flags, shared by both trainers
-(``trainer.py`` and Megatron-LM's ``pretrain()`` through ``megatron_lm.py``).
+(``trainer.py`` and Megatron-LM's ``pretrain()`` through the ``megatron_lm`` package).
 """
 from __future__ import annotations
 
