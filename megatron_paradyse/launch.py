@@ -9,8 +9,9 @@ returns, with a timeout instead of a hang.
   forces the CPU); ``fn`` joins torch's fake group itself (``costmodel.measure.init_fake``).
 
 A failing rank is reported with its traceback; a world that does not finish is killed at the
-deadline. Used by the profiler (``--nproc``), the cost-model report and calibration, and,
-through ``testing.spawn.run_world``, the tests and benchmarks.
+deadline. Each rank logs as the process that started it (``logs.current``). Used by the
+profiler (``--nproc``), the cost-model report and calibration, and, through
+``testing.spawn.run_world``, the tests and benchmarks.
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ import queue
 import tempfile
 import time
 import traceback
+
+from . import logs
 
 
 class WorldError(RuntimeError):
@@ -45,10 +48,12 @@ def process_env(env: dict):
 
 
 def _worker(fn, rank, world_size, init_file, backend, fake_device, args, kwargs, results, env, coll_timeout,
-            setup):
+            setup, log_setup):
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
     try:
+        if log_setup is not None:
+            logs.setup(**log_setup)
         if setup is not None:
             setup()
         import torch
@@ -108,7 +113,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, backend: str =
         init_file = os.path.join(tmpdir, "store")
         procs = [ctx.Process(target=_worker, daemon=False,
                              args=(fn, r, world_size, init_file, backend, fake_device, args, kwargs,
-                                   results, env, max(timeout, 1.0), setup))
+                                   results, env, max(timeout, 1.0), setup, logs.current()))
                  for r in range(world_size)]
         with process_env(env):
             for p in procs:

@@ -1,5 +1,8 @@
+import logging
 import os
 import warnings
+
+import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("PYTHONWARNINGS", "ignore")
@@ -16,3 +19,16 @@ device.select("gloo")  # this process measures and builds on the CPU too, also o
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: extra multi-process worlds, run with -m slow")
+
+
+@pytest.fixture(autouse=True)
+def _package_logging():
+    """A command line's ``main`` called in a test sets up the package's logging
+    (``megatron_paradyse.logs.setup``: handlers, level, no propagation to the root logger);
+    the next test gets it back as it was (``caplog`` reads the root logger)."""
+    logger = logging.getLogger("megatron_paradyse")
+    handlers, level, propagate = list(logger.handlers), logger.level, logger.propagate
+    yield
+    logger.handlers[:] = handlers
+    logger.setLevel(level)
+    logger.propagate = propagate
