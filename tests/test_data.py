@@ -3,6 +3,7 @@
 Single-process and fast (no spawned world).
 """
 import json
+import logging
 import os
 import warnings
 
@@ -25,7 +26,7 @@ def test_preprocess_folder_and_jsonl(tmp_path):
     texts = {"a.txt": "hello", "sub/b.txt": "é" * 40, "sub/skip.md": "not matched", "empty.txt": ""}
     _write_texts(tmp_path / "in", texts)
     prefix = str(tmp_path / "out" / "docs")
-    meta = data.preprocess(str(tmp_path / "in"), prefix, patterns=("*.txt",), log=lambda m: None)
+    meta = data.preprocess(str(tmp_path / "in"), prefix, patterns=("*.txt",))
     assert meta["documents"] == ["a.txt", "sub/b.txt"] and meta["skipped_empty"] == 1
     assert meta["vocab_size"] == 258 and meta["eod"] == 256
     ds = data.DocumentDataset(prefix, seq_length=1000, shuffle=False, vocab_size=258)
@@ -37,10 +38,10 @@ def test_preprocess_folder_and_jsonl(tmp_path):
     # JSONL: one document per line, the text under --json-key
     jl = tmp_path / "docs.jsonl"
     jl.write_text("\n".join(json.dumps({"content": t}) for t in ("abc", "defgh")) + "\n")
-    meta = data.preprocess(str(jl), str(tmp_path / "j"), json_key="content", histogram=False, log=lambda m: None)
+    meta = data.preprocess(str(jl), str(tmp_path / "j"), json_key="content", histogram=False)
     assert meta["lengths"] == [4, 6]
     with pytest.raises(ValueError, match="no 'text' field"):
-        data.preprocess(str(jl), str(tmp_path / "j2"), histogram=False, log=lambda m: None)
+        data.preprocess(str(jl), str(tmp_path / "j2"), histogram=False)
     # the CLI (and scripts/preprocess_data.py's entry) report errors with exit code 2
     from megatron_paradyse.data.__main__ import main
 
@@ -67,7 +68,7 @@ def test_named_megatron_core_tokenizer(tmp_path):
         data.build_tokenizer(str(tmp_path / "missing"))
 
 
-def test_natural_lengths_split_skip_error(tmp_path):
+def test_natural_lengths_split_skip_error(tmp_path, caplog):
     docs = [np.arange(n) % 50 for n in (3, 1, 40, 200, 7)]
     prefix = str(tmp_path / "docs")
     data.write_indexed_dataset(prefix, docs, 50)
@@ -79,13 +80,15 @@ def test_natural_lengths_split_skip_error(tmp_path):
     labels = np.concatenate([c[1:] for c in chunks])
     assert labels.tolist() == (np.arange(1, 200) % 50).tolist()
     assert [split.length(i) for i in range(len(split))] == [len(split[i]) - 1 for i in range(len(split))]
-    skip = data.DocumentDataset(prefix, seq_length=64, shuffle=False, long_docs="skip", warn=lambda m: None)
+    skip = data.DocumentDataset(prefix, seq_length=64, shuffle=False, long_docs="skip")
     assert sorted(len(skip[i]) for i in range(len(skip))) == [3, 7, 40]
     with pytest.raises(ValueError, match=r"document 3 \(199 tokens\)"):
         data.DocumentDataset(prefix, seq_length=64, long_docs="error")
     # a planner limit below --seq-length: the documents above it are named in a warning
-    msgs = []
-    fit = data.DocumentDataset(prefix, seq_length=64, long_docs="split", max_length=32, warn=msgs.append)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megatron_paradyse"):
+        fit = data.DocumentDataset(prefix, seq_length=64, long_docs="split", max_length=32)
+    msgs = [r.getMessage() for r in caplog.records if r.name.startswith("megatron_paradyse")]
     assert max(fit.length(i) for i in range(len(fit))) == 32
     assert len(msgs) == 1 and "document 2 (39 tokens)" in msgs[0] and "memory budget" in msgs[0]
     with pytest.raises(ValueError, match="long_docs"):
@@ -116,14 +119,14 @@ def test_bad_data_errors(tmp_path):
         data.DocumentDataset(e, 16)
     os.makedirs(tmp_path / "emptydir")
     with pytest.raises(ValueError, match="no non-empty document"):
-        data.preprocess(str(tmp_path / "emptydir"), str(tmp_path / "f"), log=lambda m: None)
+        data.preprocess(str(tmp_path / "emptydir"), str(tmp_path / "f"))
 
 
 def test_stdlib_corpus(tmp_path, monkeypatch):
     cache = str(tmp_path / "cache")
-    prefix = data.stdlib_corpus(cache, log=lambda m: None)
+    prefix = data.stdlib_corpus(cache)
     stamp = os.path.getmtime(prefix + ".bin")
-    assert data.stdlib_corpus(cache, log=lambda m: None) == prefix  # cached: not rebuilt
+    assert data.stdlib_corpus(cache) == prefix  # cached: not rebuilt
     assert os.path.getmtime(prefix + ".bin") == stamp
     ds = data.DocumentDataset(prefix, 4096, long_docs="split", vocab_size=258)
     docs = np.asarray(data.DocumentDataset(prefix, 1 << 40, shuffle=False).sample_lengths()) + 1

@@ -75,7 +75,7 @@ def _trainer(argv, load=None):
         i = argv.index("--save-interval")
         argv = argv[:i] + argv[i + 2:]
     args = arguments.parse_args(argv + (["--load", load] if load else []))
-    return trainer.Trainer(args, log=lambda m: None)
+    return trainer.Trainer(args)
 
 
 def _case_fault(rank, world, argv, save, spec):

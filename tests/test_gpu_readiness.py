@@ -36,7 +36,7 @@ def _gpu_host_world(rank, world):
             "--hidden-dropout", "0", "--attention-dropout", "0", "--position-embedding-type", "rope",
             "--paradyse", "--paradyse-memory-budget", "1"]
     args = arguments.parse_args(argv, world_size=world)
-    tr = trainer.Trainer(args, log=lambda m: None)
+    tr = trainer.Trainer(args)
     tr.train()
     return got, args.distributed_backend, [h.loss for h in tr.history]
 

@@ -3,6 +3,7 @@ the reference code's bugs, refinement agreement, the no-fit policies, the CLI.""
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import random
 
@@ -284,20 +285,25 @@ class _MB:
         self.lengths = tuple(lengths or (s,))
 
 
-def test_no_fit_policies():
+def test_no_fit_policies(caplog):
     cm = TableModel({"fast": (1.0, 10.0, 0.0, 0.0), "lean": (2.0, 1.0, 0.0, 0.0)}, num_layers=4)
     pl = build_planner("heuristic", cm, 45.0, margin_bytes=0)
     with pytest.raises(NoFitError, match=r"needs .* GiB.*longest length that fits .* 11520"):
         make_plan_fn(pl, "error")(_MB(16384), 3, 0)
-    warned = []
-    fn = make_plan_fn(pl, "truncate", multiple=4, warn=warned.append)
+
+    def warned():
+        return [r.getMessage() for r in caplog.records
+                if r.name == "megatron_paradyse.planner" and r.levelno == logging.WARNING]
+
+    caplog.set_level(logging.WARNING, logger="megatron_paradyse")
+    fn = make_plan_fn(pl, "truncate", multiple=4)
     mb = _MB(16384)
     assert fn(mb, 0, 0) == ("lean",) * 4 and mb.tokens.shape == (1, 11520) and mb.lengths == (11520,)
-    assert "truncated to 11520" in warned[-1] and "16384" in warned[-1]
-    fn = make_plan_fn(pl, "skip", multiple=4, warn=warned.append)
+    assert "truncated to 11520" in warned()[-1] and "16384" in warned()[-1]
+    fn = make_plan_fn(pl, "skip", multiple=4)
     mb = _MB(16384)
     fn(mb, 0, 1)
-    assert mb.tokens.shape == (1, 4) and float(mb.loss_mask.sum()) == 0 and "skipped" in warned[-1]
+    assert mb.tokens.shape == (1, 4) and float(mb.loss_mask.sum()) == 0 and "skipped" in warned()[-1]
     mb = _MB(1024)
     assert fn(mb, 0, 2) == ("fast",) * 4 and mb.tokens.shape == (1, 1024)  # fitting ones untouched
 

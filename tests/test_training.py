@@ -15,6 +15,8 @@ The comparisons run in this process on what the worlds return.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import time
 
@@ -54,6 +56,25 @@ def _cycling_plan_fn(config, p):
     return plan_fn
 
 
+@contextlib.contextmanager
+def _logged(lines):
+    """The package's log records of this rank (INFO and above) appended to ``lines`` (None: none)."""
+    if lines is None:
+        yield
+        return
+    logger = logging.getLogger("megatron_paradyse")
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 def _train(tp, world, extra, paradyse, plan_fn_factory=None, steps=None, lines=None):
     """One Trainer run inside a world; returns (history, full params on rank 0, trainer)."""
     import megatron_paradyse as mp
@@ -66,9 +87,9 @@ def _train(tp, world, extra, paradyse, plan_fn_factory=None, steps=None, lines=N
     plan_fn = None
     if plan_fn_factory is not None:
         plan_fn = plan_fn_factory(arguments.transformer_config_from_args(args), tp)
-    log = (lambda m: lines.append(m)) if lines is not None else (lambda m: None)
-    trainer = training.Trainer(args, plan_fn=plan_fn, log=log)
-    trainer.train(steps)
+    with _logged(lines):
+        trainer = training.Trainer(args, plan_fn=plan_fn)
+        trainer.train(steps)
     params = gather_full(mp.unwrap(trainer.model))
     return trainer.history, params, trainer
 
@@ -171,8 +192,7 @@ def _world_b(rank, world, ckpt_root):
     from megatron_paradyse.training import arguments
 
     args_div = arguments.parse_args(_argv(4, ["--paradyse"]), world_size=world)
-    trainer = training.Trainer(args_div, plan_fn=_Planted(rank)(arguments.transformer_config_from_args(args_div), 4),
-                               log=lambda m: None)
+    trainer = training.Trainer(args_div, plan_fn=_Planted(rank)(arguments.transformer_config_from_args(args_div), 4))
     trainer.train(2)
     t0 = time.perf_counter()
     try:

@@ -9,10 +9,12 @@ See docs/benchmark.md for what is measured and how to read it.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
 
+from .. import logs
 from ..paths import recorded, shown, shown_argv
 from ..units import MiB
 from .config import ALL_SYSTEMS, BenchConfig
@@ -80,6 +82,7 @@ def resolve_budget(a, args_argv, p):
 
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
+    logs.setup(logging.WARNING if a.quiet else logging.INFO)
     os.makedirs(a.out, exist_ok=True)
     if a.simulate:
         from .simulate import main as sim_main

@@ -15,6 +15,7 @@ warm-up step), the plan, and the cost model's prediction for that plan.
 """
 from __future__ import annotations
 
+import logging
 import time
 from functools import partial
 
@@ -23,6 +24,8 @@ import torch.distributed as dist
 
 from ..memory import static_bytes
 from ..units import MiB
+
+log = logging.getLogger(__name__)
 
 
 class System:
@@ -111,8 +114,7 @@ def bench_world(rank, world, cfg):
     init_megatron(args.tensor_model_parallel_size, seed=args.seed)
     mp.install()
     dataset = pdata.DocumentDataset(cfg.data_prefix, args.seq_length, seed=args.seed,
-                                    long_docs=cfg.long_docs, vocab_size=args.vocab_size,
-                                    warn=lambda m: None)
+                                    long_docs=cfg.long_docs, vocab_size=args.vocab_size)
     mult = args.tensor_model_parallel_size
     # the batches: the dataset's seeded order, lengths in [min_len, seq_length]
     batches, g = [], cfg.first_sample
@@ -147,7 +149,7 @@ def bench_world(rank, world, cfg):
                 planner_fits=spec.last_fits))
         if rank == 0 and cfg.verbose:
             line = "  ".join(f"{spec.name}={records[spec.name][-1]['seconds']:.2f}s" for spec, _ in systems)
-            print(f"  step {k + 1:3d}/{len(batches)} s={mb.lengths[0]:5d} | {line}", flush=True)
+            log.info(f"  step {k + 1:3d}/{len(batches)} s={mb.lengths[0]:5d} | {line}")
     out = {"records": records, "static_bytes": {spec.name: s.static for spec, s in systems},
            "notes": notes, "seconds": time.perf_counter() - t_start,
            "systems": [spec.describe() for spec, _ in systems]}
@@ -191,8 +193,8 @@ def _search(spec, sysm, cfg, args, dataset, mult, rank):
         peak, sec = _probe(spec, sysm, n, mult, args.vocab_size)
         probes.append({"length": n, "peak_bytes": peak, "seconds": sec, "fits": peak <= budget})
         if rank == 0 and cfg.verbose:
-            print(f"  search {spec.name}: s={n} peak {peak / MiB:.1f} MiB "
-                  f"{'fits' if peak <= budget else 'over'} ({sec:.1f} s)", flush=True)
+            log.info(f"  search {spec.name}: s={n} peak {peak / MiB:.1f} MiB "
+                     f"{'fits' if peak <= budget else 'over'} ({sec:.1f} s)")
         return peak <= budget
     for _ in range(cfg.search_probes):
         if fits(s):

@@ -18,11 +18,13 @@ file (``--out``); exits 1 if any line fails, 2 on bad flags, 124 when the world 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import subprocess
 import sys
 import time
 
+from .. import logs
 from .results import FAIL, Line, failed, from_json, table, to_json
 from .worker import SECTIONS
 
@@ -200,6 +202,7 @@ def main(argv=None) -> int:
 def _main(argv=None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
     opts, rest = build_parser().parse_known_args(raw)
+    logs.setup(logging.INFO if opts.verbose else logging.WARNING)
     if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:  # under torchrun
         complete(opts, int(os.environ.get("WORLD_SIZE", "1")))
         return worker_main(opts, rest)

@@ -26,15 +26,16 @@ def trainer_argv(model_argv: list, p: int, world: int, seq: int, iters: int, bac
     return argv
 
 
-def run(argv: list, log) -> list:
-    """Train ``argv``'s steps; the section's lines (every rank returns the same verdicts)."""
+def run(argv: list) -> list:
+    """Train ``argv``'s steps; the section's lines (every rank returns the same verdicts). The
+    trainer logs as the check's ``--verbose`` set up (``__main__``)."""
     import torch.distributed as dist
 
     from ..training.arguments import parse_args
     from ..training.trainer import Trainer
 
     args = parse_args(argv, world_size=dist.get_world_size())
-    trainer = Trainer(args, log=log)
+    trainer = Trainer(args)
     rows = []
     while trainer.iteration < args.train_iters:
         stats, _ = trainer.measured_step()

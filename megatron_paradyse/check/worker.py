@@ -129,7 +129,7 @@ def run(opts, model_argv: list, model_args, notes: list) -> list:
         argv = training.trainer_argv(model_argv, opts.p, opts.world, opts.train_seq, opts.train_iters,
                                      opts.backend, cost_model, bf16=on_gpu)
         t0 = time.perf_counter()
-        new = training.run(argv, log=_rank0_log(opts))
+        new = training.run(argv)
         new[-1].detail += f"; {time.perf_counter() - t0:.0f} s"
         emit(new)
     return lines
@@ -144,15 +144,6 @@ def _kernel_settings() -> list:
     if K.FLASH_ATTN_VERSION:
         settings.append((f"flash-attn {K.FLASH_ATTN_VERSION}", K.default_kernels))
     return settings
-
-
-def _rank0_log(opts):
-    import torch.distributed as dist
-
-    def log(msg):
-        if dist.get_rank() == 0 and opts.verbose:
-            print(msg, flush=True)
-    return log
 
 
 def init_world(backend: str, timeout_s: float) -> None:

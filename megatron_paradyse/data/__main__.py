@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .. import logs
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m megatron_paradyse.data", allow_abbrev=False)
@@ -40,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    logs.setup(stream="stderr" if args.cmd == "corpus" else "stdout")  # corpus: stdout is the prefix
     try:
         if args.cmd == "preprocess":
             from .preprocess import preprocess
@@ -51,7 +54,7 @@ def main(argv=None) -> int:
         elif args.cmd == "corpus":
             from .corpus import stdlib_corpus
 
-            print(stdlib_corpus(args.cache_dir, log=lambda m: print(m, file=sys.stderr)))
+            print(stdlib_corpus(args.cache_dir))
         elif args.cmd == "stats":
             import numpy as np
 

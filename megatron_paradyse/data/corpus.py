@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import sys
 import sysconfig
 
 from .preprocess import preprocess
+
+log = logging.getLogger(__name__)
 
 EXCLUDE_DIRS = ("test", "tests", "site-packages", "dist-packages", "idlelib", "__pycache__")
 NAME = "stdlib_py"
@@ -58,7 +61,7 @@ def _manifest(root: str) -> dict:
             "bytes": sum(s for _, s in files), "digest": digest, "tokenizer": "byte"}
 
 
-def stdlib_corpus(cache_dir: str | None = None, log=print) -> str:
+def stdlib_corpus(cache_dir: str | None = None) -> str:
     """The corpus's ``IndexedDataset`` prefix, preprocessing it first if the cache is missing or stale."""
     cache_dir = cache_dir or default_cache_dir()
     root = stdlib_root()
@@ -75,9 +78,9 @@ def stdlib_corpus(cache_dir: str | None = None, log=print) -> str:
     if manifest["files"] == 0:
         raise ValueError(f"no .py files under the standard library {root}; give --data-path")
     os.makedirs(cache_dir, exist_ok=True)
-    log(f"> building the default corpus (the standard library's .py files under {root}) "
-        f"into {cache_dir}")
-    preprocess(root, prefix, tokenizer="byte", patterns=("*.py",), exclude_dirs=EXCLUDE_DIRS, log=log)
+    log.info(f"> building the default corpus (the standard library's .py files under {root}) "
+             f"into {cache_dir}")
+    preprocess(root, prefix, tokenizer="byte", patterns=("*.py",), exclude_dirs=EXCLUDE_DIRS)
     with open(mpath + ".tmp", "w") as fh:
         json.dump(manifest, fh)
     os.replace(mpath + ".tmp", mpath)

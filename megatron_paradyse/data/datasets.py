@@ -27,12 +27,14 @@ does its gradient.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
-import warnings
 
 import numpy as np
 import torch
+
+log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- datasets
@@ -146,7 +148,7 @@ class DocumentDataset:
 
     def __init__(self, prefix: str, seq_length: int, seed: int = 1234, shuffle: bool = True,
                  long_docs: str = "truncate", max_length: int | None = None,
-                 vocab_size: int | None = None, warn=None):
+                 vocab_size: int | None = None):
         _check_source(prefix, seq_length, long_docs)
         self.prefix = prefix
         self.seq_length = seq_length
@@ -174,7 +176,7 @@ class DocumentDataset:
         train = doc_tokens[usable] - 1           # training tokens of each document
         long = usable[train > self.limit]
         if len(long):
-            self._report_long(long, doc_tokens, max_length, warn)
+            self._report_long(long, doc_tokens, max_length)
         self._start, self._count, self.sample_docs = self._samples(usable, doc_start, doc_tokens)
         self.num_documents = int(len(doc_tokens))
         self._perms: dict = {}
@@ -199,7 +201,11 @@ class DocumentDataset:
         return (np.asarray(starts, dtype=np.int64), np.asarray(counts, dtype=np.int64),
                 np.asarray(docs, dtype=np.int64))
 
-    def _report_long(self, long, doc_tokens, max_length, warn):
+    def _report_long(self, long, doc_tokens, max_length):
+        """Documents above the limit: an error (``long_docs="error"``), else a warning on rank 0
+        (every rank builds the same dataset) where they are cut for the budget or skipped."""
+        from megatron.core.utils import log_single_rank
+
         fit = max_length is not None and max_length < self.seq_length
         why = (f"longer than {self.limit} tokens, the longest sequence any plan fits in the memory budget"
                if fit else f"longer than --seq-length {self.seq_length}")
@@ -211,7 +217,7 @@ class DocumentDataset:
         if fit or self.long_docs == "skip":
             action = {"split": f"split into chunks of {self.limit}", "truncate": f"truncated to {self.limit}",
                       "skip": "skipped"}[self.long_docs]
-            (warn or _warn)(msg + f": {action}")
+            log_single_rank(log, logging.WARNING, msg + f": {action}")
 
     def doc_name(self, d: int) -> str:
         return f"document {d}" + (f" [{self.names[d]}]" if self.names else "")
@@ -257,10 +263,6 @@ def _read_meta(prefix: str):
         return None
 
 
-def _warn(msg: str) -> None:
-    warnings.warn(msg, stacklevel=3)
-
-
 def write_indexed_dataset(prefix: str, documents, vocab_size: int) -> None:
     """Write ``documents`` (iterables of token ids) as megatron-core ``PREFIX.bin`` / ``PREFIX.idx``."""
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
@@ -272,7 +274,7 @@ def write_indexed_dataset(prefix: str, documents, vocab_size: int) -> None:
     builder.finalize(get_idx_path(prefix))
 
 
-def build_dataset(args, max_length: int | None = None, warn=None):
+def build_dataset(args, max_length: int | None = None):
     """The training dataset the parsed arguments name (``--mock-data`` or ``--data-path``).
 
     ``max_length``: the longest sequence the planner fits in the memory budget (documents
@@ -286,7 +288,7 @@ def build_dataset(args, max_length: int | None = None, warn=None):
         raise ValueError(f"--data-path: give one IndexedDataset prefix, got {paths}")
     return DocumentDataset(paths[0], args.seq_length, seed=args.seed,
                            long_docs=args.paradyse_long_docs,
-                           max_length=max_length, vocab_size=args.vocab_size, warn=warn)
+                           max_length=max_length, vocab_size=args.vocab_size)
 
 
 # --------------------------------------------------------------------------- batches

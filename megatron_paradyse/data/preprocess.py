@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import logging
 import os
 import time
 
 import numpy as np
 
 from .tokenizers import build_tokenizer
+
+log = logging.getLogger(__name__)
 
 META_SUFFIX = ".meta.json"
 HIST_SUFFIX = ".lengths.png"
@@ -72,7 +75,7 @@ def iter_documents(source: str, patterns=("*.txt",), exclude_dirs=(), json_key: 
 
 def preprocess(source: str, output_prefix: str, tokenizer: str = "byte", patterns=("*.txt",),
                exclude_dirs=(), json_key: str = "text", append_eod: bool = True,
-               histogram: bool = True, documents=None, log=print) -> dict:
+               histogram: bool = True, documents=None) -> dict:
     """Tokenize ``source`` into ``output_prefix.bin`` / ``.idx`` (+ ``.meta.json``, ``.lengths.png``).
 
     ``documents`` (an iterable of ``(name, bytes)``) replaces reading ``source``. Returns the
@@ -122,10 +125,10 @@ def preprocess(source: str, output_prefix: str, tokenizer: str = "byte", pattern
     if histogram:
         plot_length_histogram(lens, output_prefix + HIST_SUFFIX,
                               f"{os.path.basename(output_prefix)}: {len(lens)} documents, "
-                              f"{int(lens.sum()):,} tokens ({tok.name})", log=log)
-    log(f"> preprocessed {len(lengths)} documents ({int(lens.sum()):,} tokens, lengths "
-        f"{int(lens.min())} .. median {int(np.median(lens))} .. {int(lens.max())}) from {source} "
-        f"into {output_prefix}.bin/.idx in {time.perf_counter() - t0:.1f} s")
+                              f"{int(lens.sum()):,} tokens ({tok.name})")
+    log.info(f"> preprocessed {len(lengths)} documents ({int(lens.sum()):,} tokens, lengths "
+             f"{int(lens.min())} .. median {int(np.median(lens))} .. {int(lens.max())}) from {source} "
+             f"into {output_prefix}.bin/.idx in {time.perf_counter() - t0:.1f} s")
     return meta
 
 
@@ -138,7 +141,7 @@ def read_meta(prefix: str) -> dict | None:
         return json.load(fh)
 
 
-def plot_length_histogram(lengths, path: str, title: str = "", log=print) -> str | None:
+def plot_length_histogram(lengths, path: str, title: str = "") -> str | None:
     """A histogram of ``lengths`` (log-spaced bins, log x) saved as ``path``; None without matplotlib."""
     try:
         import matplotlib
@@ -146,7 +149,7 @@ def plot_length_histogram(lengths, path: str, title: str = "", log=print) -> str
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        log(f"  (matplotlib is not installed: no histogram {path})")
+        log.info(f"  (matplotlib is not installed: no histogram {path})")
         return None
     lens = np.asarray(lengths, dtype=np.float64)
     lens = lens[lens > 0]

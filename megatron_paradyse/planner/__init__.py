@@ -10,6 +10,8 @@ Depends only on :mod:`megatron_paradyse.costmodel.base` (the ``CostModel`` inter
 """
 from __future__ import annotations
 
+import logging
+
 from .core import NoFitError, PlanChoice, Planner, default_margin_fraction, pareto
 from .heuristic import HeuristicPlanner
 from .optimal import OptimalPlanner, solve_counts
@@ -17,6 +19,8 @@ from .refine import Refinement
 
 KINDS = {"heuristic": HeuristicPlanner, "optimal": OptimalPlanner}
 ON_NO_FIT = ("error", "skip", "truncate")
+
+log = logging.getLogger(__name__)
 
 __all__ = ["build_planner", "Planner", "PlanChoice", "NoFitError", "HeuristicPlanner", "OptimalPlanner",
            "Refinement", "KINDS", "ON_NO_FIT", "make_plan_fn", "default_margin_fraction", "pareto",
@@ -47,7 +51,7 @@ def build_planner(kind: str, cost_model, memory_budget_bytes: float, gamma: floa
                        strategies=strategies, refinement=refinement, device_kind=device_kind)
 
 
-def make_plan_fn(planner: Planner, on_no_fit: str = "error", multiple: int = 1, warn=None):
+def make_plan_fn(planner: Planner, on_no_fit: str = "error", multiple: int = 1):
     """The trainer's ``plan_fn(mb, step, index)``: the planner's plan for the micro-batch.
 
     When nothing fits, ``on_no_fit`` decides, identically on every rank (the planner and its
@@ -61,12 +65,15 @@ def make_plan_fn(planner: Planner, on_no_fit: str = "error", multiple: int = 1, 
     * ``skip``: cut it to ``multiple`` tokens with an all-zero loss mask (it contributes
       nothing to loss or gradients, and the step keeps its micro-batch count), with a warning.
 
+    Rank 0 logs the warnings (this module's logger; its switching group decides the same).
+
     The returned function records the last choices in ``plan_fn.choices`` (index -> PlanChoice).
     """
     if on_no_fit not in ON_NO_FIT:
         raise ValueError(f"on_no_fit must be one of {ON_NO_FIT}, got {on_no_fit!r}")
+    from megatron.core.utils import log_single_rank
+
     mult = max(1, int(multiple))
-    warn = warn or (lambda msg: None)
 
     def plan_fn(mb, step, index):
         b, s = int(mb.tokens.shape[0]), int(mb.tokens.shape[1])
@@ -81,8 +88,9 @@ def make_plan_fn(planner: Planner, on_no_fit: str = "error", multiple: int = 1, 
                 raise NoFitError(f"{what}: {choice.reason}; nothing to truncate to (--paradyse-on-no-fit truncate)")
             new_s = keep if on_no_fit == "truncate" else mult
             _cut(mb, new_s, zero_loss=(on_no_fit == "skip"))
-            warn(f"WARNING: {what}: {choice.reason}; "
-                 + (f"truncated to {new_s} tokens" if on_no_fit == "truncate" else "skipped (no loss, no gradient)"))
+            log_single_rank(log, logging.WARNING, f"WARNING: {what}: {choice.reason}; "
+                            + (f"truncated to {new_s} tokens" if on_no_fit == "truncate"
+                               else "skipped (no loss, no gradient)"))
             choice = planner.plan(new_s, b)
             if not choice.fits:  # cannot happen for truncate (longest_fit); for skip the minimum
                 raise NoFitError(f"{what}: even {new_s} tokens do not fit: {choice.reason}")

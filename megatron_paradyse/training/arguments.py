@@ -11,10 +11,12 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
-import warnings
 
 from ..model import ModelArgsError, add_model_args, complete_model_args, transformer_config
+
+log = logging.getLogger(__name__)
 
 
 class ArgumentError(ValueError):
@@ -397,8 +399,8 @@ def _warn_ignored(args) -> None:
     for flag in list(_IGNORED) + list(_IGNORED_SWITCHES):
         dest = flag.lstrip("-").replace("-", "_")
         if getattr(args, dest) not in (None, False) and int(os.environ.get("RANK", "0")) == 0:
-            warnings.warn(f"{flag} is accepted for compatibility with Megatron-LM scripts and has "
-                          "no effect in this trainer", stacklevel=3)
+            log.warning(f"{flag} is accepted for compatibility with Megatron-LM scripts and has "
+                        "no effect in this trainer")
 
 
 def check_fixed_plan(args, tp: int, error=ArgumentError, config=None) -> None:

@@ -3,13 +3,16 @@
 """
 from __future__ import annotations
 
+import logging
 import os
 
 from ..device import current as current_device
 from ..device import is_cpu
 
+log = logging.getLogger(__name__)
 
-def planner_from_args(args, log=print, can_refine: bool = True):
+
+def planner_from_args(args, can_refine: bool = True):
     """``(planner, plan_fn)`` for ``--paradyse`` without ``--paradyse-plan``.
 
     The cost model is ``--paradyse-cost-model`` or the one shipped for the model's shape (else
@@ -18,8 +21,11 @@ def planner_from_args(args, log=print, can_refine: bool = True):
     device (10% on GPU, 5% on CPU) unless ``--paradyse-memory-margin``. ``plan_fn`` is the iterator's
     ``plan_fn(mb, step, index)`` and keeps the last choices in ``plan_fn.choices``.
     ``can_refine=False``: a step loop that feeds no measurements back (Megatron-LM's) gets no
-    online refinement, whatever ``--paradyse-refine`` says.
+    online refinement, whatever ``--paradyse-refine`` says. Logs the planner (every rank: the
+    command line's handler shows rank 0's) and, on rank 0, a cost model profiled elsewhere.
     """
+    from megatron.core.utils import log_single_rank
+
     from ..costmodel import ModelShape, build_cost_model
     from ..planner import build_planner, make_plan_fn
     from ..units import GiB
@@ -34,14 +40,14 @@ def planner_from_args(args, log=print, can_refine: bool = True):
     planner = build_planner(args.paradyse_planner, cm, budget * GiB, gamma=args.paradyse_gamma,
                             margin_bytes=margin, strategies=args.paradyse_planner_strategies,
                             refinement=True if refine else None, device_kind=current_device().type)
-    log(f"> planner: {planner.describe()}; cost model {type(cm).__name__}"
-        + (f" ({args.paradyse_cost_model})" if args.paradyse_cost_model else "")
-        + f"; on no fit: {args.paradyse_on_no_fit}; refinement {'on' if refine else 'off'}")
+    log.info(f"> planner: {planner.describe()}; cost model {type(cm).__name__}"
+             + (f" ({args.paradyse_cost_model})" if args.paradyse_cost_model else "")
+             + f"; on no fit: {args.paradyse_on_no_fit}; refinement {'on' if refine else 'off'}")
     note = allocator_mismatch(cm)
     if note:
-        log(f"> warning: {note}")
+        log_single_rank(log, logging.WARNING, f"> warning: {note}")
     multiple = args.paradyse_pad_multiple or args.tensor_model_parallel_size
-    plan_fn = make_plan_fn(planner, args.paradyse_on_no_fit, multiple=multiple, warn=log)
+    plan_fn = make_plan_fn(planner, args.paradyse_on_no_fit, multiple=multiple)
     return planner, plan_fn
 
 

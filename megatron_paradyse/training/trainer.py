@@ -21,6 +21,7 @@
 import contextlib
 import dataclasses
 import datetime
+import logging
 import os
 import random
 import sys
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .. import data as pdata
+from .. import logs
 from ..device import select as select_device
 from ..device import synchronize
 from ..parallel.plan_check import collective_device
@@ -39,6 +41,8 @@ from .forward_step import forward_step
 from .iterator import PlannedIterator
 from ..parallel.plans import describe_plans, parse_plan, rule_plan_fn
 from ..units import GiB, MiB
+
+log = logging.getLogger(__name__)
 
 # ============================================================================ model & optimizer
 
@@ -101,9 +105,8 @@ class Trainer:
     data every rank of the switching group has.
     """
 
-    def __init__(self, args, plan_fn=None, log=None):
+    def __init__(self, args, plan_fn=None):
         self.args = args
-        self.log = log if log is not None else _print_rank0
         self.plan_fn = plan_fn
         self.history: list = []
         self.iteration = 0
@@ -160,7 +163,7 @@ class Trainer:
         args = self.args
         self.config = transformer_config_from_args(args)
         for note in args.model_notes:
-            self.log(f"> {note}")
+            log.info(f"> {note}")
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
             overlap_grad_reduce=args.overlap_grad_reduce,
@@ -182,7 +185,7 @@ class Trainer:
         if args.paradyse and self.plan_fn is None and args.paradyse_plan is None:
             from .planning import planner_from_args
 
-            self.planner, self._planner_fn = planner_from_args(args, self.log)
+            self.planner, self._planner_fn = planner_from_args(args)
 
     def _build_data(self):
         """The dataset (documents longer than any plan fits follow --paradyse-long-docs), the
@@ -190,7 +193,7 @@ class Trainer:
         args = self.args
         max_fit = None if self.planner is None else pdata.longest_fitting(
             self.planner, args.micro_batch_size, args.seq_length, args.paradyse_pad_multiple)
-        self.dataset = pdata.build_dataset(args, max_length=max_fit, warn=self.log)
+        self.dataset = pdata.build_dataset(args, max_length=max_fit)
         self.sampler = None
         if args.paradyse_sampler == "length":
             self.sampler = pdata.LengthAwareSampler(
@@ -317,14 +320,14 @@ class Trainer:
         end = args.train_iters if train_iters is None else train_iters
         window: list = []
         last_saved = None
-        self.log(f"> training {describe_setup(args, custom_plan=self.plan_fn is not None, planner=self.planner)} "
+        log.info(f"> training {describe_setup(args, custom_plan=self.plan_fn is not None, planner=self.planner)} "
                  f"from iteration {self.iteration} to {end}")
         report = self._run_report()
         while self.iteration < end:
             stats, extra = self.measured_step(report)
             window.append(stats)
             if stats.iteration % args.log_interval == 0 or stats.iteration == end:
-                self.log(format_log_line(window, args, end) + (f" {extra} |" if extra else ""))
+                log.info(format_log_line(window, args, end) + (f" {extra} |" if extra else ""))
                 window = []
             if args.save and args.save_interval and stats.iteration % args.save_interval == 0:
                 self.save()
@@ -333,9 +336,9 @@ class Trainer:
             self.save()
         self.finish_param_gather()
         if report is not None:
-            self.log(report.summary())
+            log.info(report.summary())
             if not dist.is_initialized() or dist.get_rank() == 0:
-                self.log(f"  wrote {' '.join(report.write(args.paradyse_run_report))}")
+                log.info(f"  wrote {' '.join(report.write(args.paradyse_run_report))}")
         return self.history
 
     # ------------------------------------------------------------------ run report (run_report.py)
@@ -376,7 +379,7 @@ class Trainer:
         with self._params_gathered():
             path = checkpointing.save_checkpoint(self.args, self.iteration, self.model, self.optimizer,
                                                  self.scheduler)
-        self.log(f"  saved checkpoint at iteration {self.iteration:8d} to {path} "
+        log.info(f"  saved checkpoint at iteration {self.iteration:8d} to {path} "
                  f"({time.perf_counter() - t0:.2f} s)")
 
 
@@ -416,11 +419,6 @@ def format_log_line(window: list, args, train_iters: int) -> str:
     return " | ".join(parts) + " |"
 
 
-def _print_rank0(msg: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(msg, flush=True)
-
-
 # ============================================================================ entry point
 
 
@@ -443,6 +441,7 @@ def main(argv=None) -> int:
     """``pretrain_gpt_paradyse.py`` on megatron-core: parse, validate (before any collective), train."""
     from .arguments import ArgumentError, parse_args
 
+    logs.setup()
     try:
         args = parse_args(argv)
     except ArgumentError as e:

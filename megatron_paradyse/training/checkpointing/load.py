@@ -3,6 +3,7 @@ manifest, then megatron-core's ``dist_checkpointing.load`` (RNG states only wher
 sizes match the saving run's)."""
 from __future__ import annotations
 
+import logging
 import os
 
 import torch.distributed as dist
@@ -12,6 +13,8 @@ from .collective import CheckpointError, agree, decide, world
 from .manifest import MANIFEST, check_files, read_manifest
 from .rng import set_rng_state
 from .state import layout, sharded_state_dict, unwrap
+
+log = logging.getLogger(__name__)
 
 
 def _complete_iterations(root: str) -> list:
@@ -97,7 +100,7 @@ def load_checkpoint(args, model, optimizer=None, scheduler=None, iteration: int 
     what = _restore(args, path, iteration, info, model, optimizer, scheduler)
     if dist.get_rank() == 0:
         verified = "verified" if where["manifest"] is not None else "unverified"
-        print(f"  loaded checkpoint {path} ({', '.join(what)}; {verified}) at iteration {iteration}", flush=True)
+        log.info(f"  loaded checkpoint {path} ({', '.join(what)}; {verified}) at iteration {iteration}")
     return 0 if args.finetune else int(info["iteration"] if info["iteration"] is not None else iteration)
 
 
@@ -109,14 +112,13 @@ def _find_verified(args, iteration: int | None) -> dict | None:
                    f"finding a checkpoint under --load {root}")
     if where is None:
         if dist.get_rank() == 0:
-            print(f"WARNING: --load {root}: no checkpoint found, training from scratch", flush=True)
+            log.warning(f"WARNING: --load {root}: no checkpoint found, training from scratch")
         return None
     path = where["path"]
     if where["manifest"] is not None:
         verify_checkpoint(path, where["manifest"])
     elif dist.get_rank() == 0:
-        print(f"WARNING: {path} has no {MANIFEST} (not saved by megatron_paradyse): loading it unverified",
-              flush=True)
+        log.warning(f"WARNING: {path} has no {MANIFEST} (not saved by megatron_paradyse): loading it unverified")
     return where
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 
+from ... import logs
 from .hooks import install_hooks, original
 from .providers import paradyse_datasets_provider, paradyse_model_provider
 
@@ -79,6 +80,7 @@ def main(argv=None) -> None:
     if not argv or argv[0] in ("-h", "--help") or not argv[0].endswith(".py"):
         print(sys.modules[__package__].__doc__)
         raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    logs.setup()  # the plugin's lines (rank 0's [paradyse] iteration lines) beside Megatron-LM's
     run_script(argv[0], argv[1:])
 
 
@@ -89,6 +91,7 @@ def megatron_lm_main() -> None:
     ``pretrain_gpt.py``). For 0.19 and later, use :func:`main` with Megatron-LM's script."""
     from megatron.core.enums import ModelType
 
+    logs.setup()
     _select_device(sys.argv[1:])
     install_hooks()
     import inspect

@@ -3,6 +3,8 @@ forward step: one for training and one for evaluation, reading through Megatron-
 TP-rank-0 broadcast, planned by ``--paradyse-plan`` or the planner, logged on rank 0."""
 from __future__ import annotations
 
+import logging
+
 from ...parallel.plans import describe_plans, parse_plan, rule_plan_fn
 from ..iterator import PlannedIterator
 from ..planning import planner_from_args
@@ -10,6 +12,8 @@ from .batches import tp_batches
 
 _MEGATRON_ITERATORS: dict = {}
 _MEGATRON_PLANNER: dict = {}
+
+log = logging.getLogger(__name__)
 
 
 def planned_iterator(data_iterator, model):
@@ -45,7 +49,7 @@ def planned_iterator(data_iterator, model):
                                 group_index=parallel_state.get_data_parallel_rank(),
                                 num_groups=parallel_state.get_data_parallel_world_size(),
                                 start_step=int(getattr(args, "iteration", 0) or 0))
-    it.log = model.training and torch.distributed.get_rank() == 0
+    it.log_steps = model.training and torch.distributed.get_rank() == 0
     _MEGATRON_ITERATORS[key] = (holder, it)
     return it
 
@@ -62,26 +66,22 @@ def _plan_fn(args):
 def _megatron_planner(args):
     """The planner's ``plan_fn`` (built once: training and evaluation share it and its cache)."""
     if "planner" not in _MEGATRON_PLANNER:
-        import torch
-
-        log = print if torch.distributed.get_rank() == 0 else (lambda *a, **k: None)
-        _MEGATRON_PLANNER["planner"] = planner_from_args(args, lambda msg: log(msg, flush=True),
-                                                         can_refine=False)
+        _MEGATRON_PLANNER["planner"] = planner_from_args(args, can_refine=False)
     return _MEGATRON_PLANNER["planner"][1]
 
 
 class _LoggedPlannedIterator(PlannedIterator):
-    """Prints each training step's micro-batch lengths and plans on global rank 0, one line per
+    """Logs each training step's micro-batch lengths and plans on global rank 0, one line per
     step, next to Megatron-LM's own iteration lines (rank 0's micro-batches); with the planner,
     also the step's predicted time (sum over micro-batches, plus the update once) and peak
     (largest)."""
 
-    log = False
+    log_steps = False
 
     def prefetch(self):
         fresh = not self._buffer
         items = super().prefetch()
-        if fresh and self.log:
+        if fresh and self.log_steps:
             lens = ",".join(str(mb.seq_length) for mb in items)
             line = (f" [paradyse] iteration {self.step:8d} | seq len: {lens} | plan: "
                     f"{describe_plans([mb.plan for mb in items])}")
@@ -93,5 +93,5 @@ class _LoggedPlannedIterator(PlannedIterator):
                     update = self.plan_fn.planner.update_seconds()  # once per step
                     line += (f" | pred: {sum(c.seconds for c in got) + update:.3f} s, peak "
                              f"{max(c.peak_bytes for c in got) / 2 ** 20:.1f} MiB")
-            print(line, flush=True)
+            log.info(line)
         return items
