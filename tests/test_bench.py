@@ -77,14 +77,14 @@ def test_measured_world_small(tmp_path):
 
 
 def test_simulation(tmp_path):
-    from megatron_paradyse.bench.simulate import H100Roofline, simulate
+    from megatron_paradyse.bench.simulate import H100Roofline, simulate, summary
 
     cm = H100Roofline()
     big = 256 * 1024
     peaks = {n: cm.step({n: cm.num_layers}, big, 1).peak_bytes for n in cm.strategies}
     assert peaks["metp"] < peaks["ring"] < peaks["tp_sp"] < peaks["colossal"]
-    lines = []
-    r = simulate(str(tmp_path), log=lines.append)
+    r = simulate(str(tmp_path))
+    lines = summary(r).splitlines()
     assert "SIMULATION" in r["label"] and any("SIMULATION" in x for x in lines)
     assert os.path.exists(tmp_path / "simulation.json")
     sysm = r["systems"]

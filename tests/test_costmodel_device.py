@@ -153,7 +153,7 @@ def test_out_of_memory_is_skipped_by_every_rank_together():
 
     shape = demo_shape(2)
     cfg = ProfileConfig(seqs=OOM_SEQS, strategies=OOM_STRATS, parts=["layer"], warmup=1, repeats=1,
-                        nonlayer=False, log=False)
+                        nonlayer=False)
     per_rank = run_ranks(_oom_world, 2, shape.key(), cfg, timeout=150)  # a hang would end here as RankError
 
     def cells(rows):

@@ -170,7 +170,7 @@ def _mix_planner(cm, budget):
     return plan
 
 
-def simulate(out_dir: str, log=print) -> dict:
+def simulate(out_dir: str) -> dict:
     hw, m = Hardware(), Model7B()
     cm = H100Roofline(hw, m)
     budget = hw.memory_bytes
@@ -243,35 +243,37 @@ def simulate(out_dir: str, log=print) -> dict:
     result["headline"] = h
     with open(os.path.join(out_dir, "simulation.json"), "w") as fh:
         json.dump(result, fh, indent=1)
-    _print(result, log)
     return result
 
 
-def _print(r, log):
+def summary(r) -> str:
+    """The simulation's result as the command prints it."""
+    out = []
     hw, m = r["hardware"], r["model"]
-    log("=" * 100)
-    log(f"{r['label']}")
-    log(f"  hardware: {m['p']} x {hw['name']}: {hw['bf16_flops'] / 1e12:.0f} TFLOP/s bf16 "
-        f"(x{hw['mfu_matmul']} GEMM, x{hw['mfu_attention']} attention), NVLink "
-        f"{hw['nvlink_bytes_per_s'] / GB:.0f} GB/s per direction (x{hw['comm_efficiency']}), "
-        f"{hw['memory_bytes'] / GB:.0f} GB (minus {hw['reserved_bytes'] / GB:.0f} GB reserved)")
-    log(f"  model: {m['name']}: {m['num_layers']} layers, h {m['hidden']}, {m['heads']} heads, "
-        f"SwiGLU ffn {m['ffn']}, vocab {m['vocab']}, bf16, one switching group of p = {m['p']}, "
-        f"micro-batch 1, {m['bytes_per_param_state']} bytes of state per parameter")
+    out.append("=" * 100)
+    out.append(f"{r['label']}")
+    out.append(f"  hardware: {m['p']} x {hw['name']}: {hw['bf16_flops'] / 1e12:.0f} TFLOP/s bf16 "
+               f"(x{hw['mfu_matmul']} GEMM, x{hw['mfu_attention']} attention), NVLink "
+               f"{hw['nvlink_bytes_per_s'] / GB:.0f} GB/s per direction (x{hw['comm_efficiency']}), "
+               f"{hw['memory_bytes'] / GB:.0f} GB (minus {hw['reserved_bytes'] / GB:.0f} GB reserved)")
+    out.append(f"  model: {m['name']}: {m['num_layers']} layers, h {m['hidden']}, {m['heads']} heads, "
+               f"SwiGLU ffn {m['ffn']}, vocab {m['vocab']}, bf16, one switching group of p = {m['p']}, "
+               f"micro-batch 1, {m['bytes_per_param_state']} bytes of state per parameter")
     d = r["distribution"]
-    log(f"  lengths: {d['n']} sequences, log-normal, median {d['median']:.0f}, p90 {d['p90']}, max {d['max']}")
-    log(f"  ParaDySe: {r['planner_source']}")
-    log(f"  {'system':20s} {'OOM steps':>9s} {'tokens/s':>10s} {'long-step s':>12s} {'longest':>9s}  plans")
+    out.append(f"  lengths: {d['n']} sequences, log-normal, median {d['median']:.0f}, p90 {d['p90']}, max {d['max']}")
+    out.append(f"  ParaDySe: {r['planner_source']}")
+    out.append(f"  {'system':20s} {'OOM steps':>9s} {'tokens/s':>10s} {'long-step s':>12s} {'longest':>9s}  plans")
     for n, s in r["systems"].items():
         long = f"{s['long_steps_seconds']:.0f}" if s["long_steps_fitting"] == d["long_steps"] else \
             f"{s['long_steps_fitting']}/{d['long_steps']} fit"
-        log(f"  {n:20s} {s['oom_steps']:9d} {s['throughput_tokens_per_s']:10.0f} {long:>12s} "
-            f"{s['longest_trainable']:9d}  {s['plans']}")
+        out.append(f"  {n:20s} {s['oom_steps']:9d} {s['throughput_tokens_per_s']:10.0f} {long:>12s} "
+                   f"{s['longest_trainable']:9d}  {s['plans']}")
     for k, v in r["headline"].items():
-        log(f"  {k}: {v:.3f}")
-    log("=" * 100)
+        out.append(f"  {k}: {v:.3f}")
+    out.append("=" * 100)
+    return "\n".join(out)
 
 
 def main(a) -> int:
-    simulate(a.out)
+    print(summary(simulate(a.out)))
     return 0

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import sys
 
+from .. import logs
+
 USAGE = """usage: python -m megatron_paradyse.costmodel COMMAND ...
 
 commands:
@@ -18,6 +20,7 @@ def main(argv=None):
         print(USAGE)
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
+    logs.setup(stream="stderr")  # progress; the commands' results go to stdout
     if cmd == "profile":
         from .profile import main as run
     elif cmd == "fit":

@@ -26,6 +26,7 @@ import os
 
 import numpy as np
 
+from .. import logs
 from .fit import _nnls
 
 STRATS = ("tp_sp", "ulysses", "ring", "colossal", "metp")
@@ -154,6 +155,7 @@ def main(argv=None):
     ap.add_argument("--measurements", default=None, help="write the measurements here (JSON)")
     ap.add_argument("--refit", action="store_true", help="fit the --measurements file again, measure nothing")
     args = ap.parse_args(argv)
+    logs.setup(stream="stderr")  # the ranks' warnings; the results go to stdout
     if args.refit:
         if not args.measurements:
             raise SystemExit("error: --refit needs --measurements FILE")

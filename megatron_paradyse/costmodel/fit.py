@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 
@@ -39,6 +40,8 @@ import numpy as np
 from .fitted import FORMAT, TARGETS, XGB_FEATURES, sha256, time_features, xgb_features
 from .profile import read_profile
 from .shape import ModelShape
+
+log = logging.getLogger(__name__)
 
 
 def _nnls(X, y, w):
@@ -351,8 +354,8 @@ def main(argv=None):
     shape = ModelShape.from_dict(meta["shape"])
     print(f"wrote {args.output} for {shape.describe()}: strategies {', '.join(meta['strategies'])}")
     if meta["pool"] is None:
-        print("  warning: no pool rows in the profile: the communication pool is not modelled (run "
-              "`profile --pool-only` with the same shape and give its file as a second PROFILE)")
+        log.warning("warning: no pool rows in the profile: the communication pool is not modelled (run "
+                    "`profile --pool-only` with the same shape and give its file as a second PROFILE)")
     for st in meta["strategies"]:
         t = meta["targets"][st]["seconds"]["physics"]
         print(f"  {st:9s} time: degree {t['degree']} in s (AIC {t['aic']}); s profiled "

@@ -65,8 +65,8 @@ class ProfileConfig:
     saved + one transient would exceed it), or None. ``backend``: the ranks' (None: the
     machine's default, gloo for spawned ranks). ``fake_world``/``fake_rank``: one process
     plays a rank of a fake group, its communication time from ``interconnect`` (a key of
-    ``configs/interconnects.json``, or of ``interconnect_path``). ``log``: rank 0 prints
-    progress."""
+    ``configs/interconnects.json``, or of ``interconnect_path``). Rank 0 logs the progress
+    (``sweep``'s logger; spawned ranks log as the process that started them)."""
 
     seqs: tuple
     strategies: tuple
@@ -84,7 +84,6 @@ class ProfileConfig:
     interconnect_path: str | None = None
     command: str | None = None
     model_args: dict | None = None
-    log: bool = True
 
     def __post_init__(self):
         import megatron_paradyse as mp

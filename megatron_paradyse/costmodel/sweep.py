@@ -9,12 +9,14 @@ rank is skipped on every rank, with a ``limit`` row, and its strategy goes no lo
 """
 from __future__ import annotations
 
-import sys
+import logging
 import time
 
 from . import analytic
 from . import measure as M
 from .shape import ModelShape
+
+log = logging.getLogger(__name__)
 
 
 def repeats_for(repeats: int, tokens: int) -> int:
@@ -39,7 +41,7 @@ def oom_reason(bad: list) -> str:
 
 class Sweep:
     """One rank's sweep: the one-layer model and its runner, the rows so far, progress (rank 0
-    prints it), and the decisions every rank takes together (one all-reduce each)."""
+    logs it), and the decisions every rank takes together (one all-reduce each)."""
 
     def __init__(self, rank: int, shape: ModelShape, cfg):
         import torch
@@ -47,7 +49,7 @@ class Sweep:
 
         from .. import device
 
-        self.log = cfg.log and rank == 0  # the process that prints (also in fake mode)
+        self.logs_progress = rank == 0  # the process that logs it (also in fake mode)
         if cfg.fake_world:
             M.init_fake(cfg.fake_rank, cfg.fake_world)
             rank = cfg.fake_rank
@@ -69,10 +71,10 @@ class Sweep:
 
     def progress(self, msg: str) -> None:
         """A progress line with the time spent and the estimated time left (rank 0)."""
-        if self.log:
+        if self.logs_progress:
             el = time.time() - self.t0
             eta = el / self.done_w * (self.total_w - self.done_w) if self.done_w else float("nan")
-            print(f"[profile {el:6.0f}s, ETA {eta:5.0f}s] {msg}", file=sys.stderr, flush=True)
+            log.info(f"[profile {el:6.0f}s, ETA {eta:5.0f}s] {msg}")
 
     def failed_ranks(self, failed: bool) -> list:
         """The ranks on which ``failed`` is true, known to every rank: one all-reduce (MAX) of a
@@ -104,7 +106,7 @@ class Sweep:
             # leaving this block drops the exception and its traceback: the frames that held
             # the failed pass's inputs, outputs and gradients
         if err is not None:
-            print(f"[profile rank {self.me}] out of memory at {what}: {err}", file=sys.stderr, flush=True)
+            log.warning(f"[profile rank {self.me}] out of memory at {what}: {err}")
             M.free_after_oom(net_model if net_model is not None else self.model)
         bad = self.failed_ranks(err is not None)
         if bad:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .. import logs
 from ..units import GiB, MiB
 from .core import fmt_bytes
 
@@ -75,7 +76,8 @@ def load_model(a):
     return build_cost_model(shape)
 
 
-def explain(planners: dict, s: int, b: int, out=print) -> None:
+def explain(planners: dict, s: int, b: int) -> str:
+    """The table of every candidate plan at ``(s, b)`` and what each planner chose (the command's output)."""
     from ..parallel.plans import describe
 
     any_pl = next(iter(planners.values()))
@@ -95,21 +97,23 @@ def explain(planners: dict, s: int, b: int, out=print) -> None:
         c = pl.choose(s, b)
         chosen[kind] = c
         rows.setdefault(c.layers, [c.seconds, c.peak_bytes, c.fits, "exact search"])
-    out(f"\n== s = {s}, micro-batch {b}: budget {fmt_bytes(h.budget)} - margin {fmt_bytes(h.margin)} "
-        f"= {fmt_bytes(h.limit)} per rank")
+    out = [f"\n== s = {s}, micro-batch {b}: budget {fmt_bytes(h.budget)} - margin {fmt_bytes(h.margin)} "
+           f"= {fmt_bytes(h.limit)} per rank"]
     w = max(len(describe(k)) for k in rows) + 2
     unit, div = ("GiB", GiB) if h.budget >= GiB else ("MiB", MiB)
-    out(f"  {'plan':<{w}} {'pred s':>12} {'peak ' + unit:>12}  fits  candidate / chosen by")
+    out.append(f"  {'plan':<{w}} {'pred s':>12} {'peak ' + unit:>12}  fits  candidate / chosen by")
     for layers, (sec, peak, fits, note) in sorted(rows.items(), key=lambda kv: kv[1][0]):
         by = [k for k, c in chosen.items() if c.layers == layers and c.fits]
         mark = ("  <== chosen by " + ", ".join(by)) if by else ""
-        out(f"  {describe(layers):<{w}} {sec:12.4f} {peak / div:12.4f}  {'yes ' if fits else 'no  '}  {note}{mark}")
+        out.append(f"  {describe(layers):<{w}} {sec:12.4f} {peak / div:12.4f}  {'yes ' if fits else 'no  '}  {note}{mark}")
     for kind, c in chosen.items():
-        out(f"  {kind}: {describe(c.layers)}: {c.reason}")
+        out.append(f"  {kind}: {describe(c.layers)}: {c.reason}")
+    return "\n".join(out)
 
 
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
+    logs.setup(stream="stderr")  # the tables are the output (stdout)
     try:
         lens = [parse_length(x) for x in a.seq_lens.split(",") if x.strip()]
     except argparse.ArgumentTypeError as e:
@@ -128,7 +132,7 @@ def main(argv=None) -> int:
     print(f"cost model: {type(cm).__name__}" + (f" for {shape.describe()}" if shape is not None else "")
           + f"; {next(iter(planners.values())).describe()}")
     for s in lens:
-        explain(planners, s, a.micro_batch)
+        print(explain(planners, s, a.micro_batch))
     return 0
 
 
