@@ -214,21 +214,25 @@ NONLAYER_TRANSIENT = {"T*V/p": 1.0, "t*h": 0.0, "T": 0.0, "T*h": 0.5}
 # time: roofline + alpha-beta collectives
 
 
-def layer_flops(strategy: str, shape: ModelShape, s: int, b: int) -> float:
-    """fwd+bwd FLOPs of one layer on the busiest rank."""
+def flops_parts(strategy: str, shape: ModelShape, s: int, b: int) -> tuple[float, float]:
+    """``(GEMM, attention)`` fwd+bwd FLOPs of one layer on the busiest rank.
+
+    GEMM: the four linears, linear in ``b*s``. Attention: QK^T and PV, causal (half of s*s per
+    head), split evenly over the ranks (the ring strategies by their balanced zig-zag layout):
+    the only term in ``s**2``. Backward is twice the forward; ``metp`` recomputes the forward
+    of attention and fc1 in backward (counted as one more forward)."""
     p, h, f, qw = shape.p, shape.hidden, shape.ffn, shape.qkv_width
     f1 = 2 * f if shape.swiglu else f
     T = s * b
-    t = T / p
-    lin = 2 * T * (h * qw + h * h + h * f1 + f * h) / p
-    # causal attention, QK^T and PV: half of s*s per head, split evenly (the ring strategies
-    # by their balanced zig-zag layout)
-    att = 2 * 2 * T * s * h / p / 2
-    fwd = lin + att
-    total = 3 * fwd
-    if strategy == "metp":  # recomputes the forward of attention and fc1 in backward
-        total += fwd
-    return total
+    lin = 2 * T * (h * qw + h * shape.heads * shape.head_dim + h * f1 + f * h) / p
+    att = 2 * 2 * T * s * shape.heads * shape.head_dim / p / 2
+    passes = 4 if strategy == "metp" else 3
+    return float(passes * lin), float(passes * att)
+
+
+def layer_flops(strategy: str, shape: ModelShape, s: int, b: int) -> float:
+    """fwd+bwd FLOPs of one layer on the busiest rank (GEMM + attention, :func:`flops_parts`)."""
+    return sum(flops_parts(strategy, shape, s, b))
 
 
 def comm_ops(strategy: str, shape: ModelShape, s: int, b: int) -> list:
@@ -285,6 +289,38 @@ def collective_seconds(kind: str, nbytes: float, p: int, net: dict) -> float:
 
 def comm_seconds(strategy: str, shape: ModelShape, s: int, b: int, net: dict) -> float:
     return sum(c * collective_seconds(k, nb, shape.p, net) for k, nb, c in comm_ops(strategy, shape, s, b))
+
+
+# The kernel class of each strategy's attention: the four that call the flash kernel
+# (attention_kernels.attn_forward: torch's flash on CPU, flash-attn on GPU) share its rate;
+# colossal materializes its score rows and runs its own kernels.
+ATTENTION_KERNEL = {"tp_sp": "flash", "ulysses": "flash", "ring": "flash", "metp": "flash", "colossal": "rows"}
+COMM_KINDS = ("allgather", "reducescatter", "alltoall", "p2p", "broadcast", "reduce")
+
+
+def wire_bytes(kind: str, nbytes: float, p: int) -> float:
+    """The bytes one rank sends for one collective of ``comm_ops``'s size ``nbytes``: the
+    bandwidth term of :func:`collective_seconds` (``(p-1)/p`` of the tensor for the ring
+    collectives, all of it for a hop, a broadcast or a reduce)."""
+    if p == 1:
+        return 0.0
+    return (p - 1) / p * nbytes if kind in ("allgather", "reducescatter", "alltoall") else float(nbytes)
+
+
+def time_features(strategy: str, shape: ModelShape, s: int, b: int) -> dict:
+    """The work of one layer's fwd+bwd on the busiest rank, as the fitted time model's features.
+
+    ``gemm_flops`` (linear in ``b*s``), ``attn_flops`` (``b*s**2``; its kernel class in
+    :data:`ATTENTION_KERNEL`), ``bytes:<kind>`` (wire bytes per collective kind, from
+    :func:`comm_ops`), ``messages`` (collective calls) and ``layer`` (1: the fixed cost of the
+    layer's kernel launches and messages). Time = sum of rate x feature, rates fitted."""
+    gemm, att = flops_parts(strategy, shape, s, b)
+    out = {"layer": 1.0, "gemm_flops": gemm, "attn_flops": att, "messages": 0.0}
+    out.update({f"bytes:{k}": 0.0 for k in COMM_KINDS})
+    for kind, nb, count in comm_ops(strategy, shape, s, b):
+        out[f"bytes:{kind}"] += count * wire_bytes(kind, nb, shape.p)
+        out["messages"] += count
+    return out
 
 
 def update_comm_seconds(shape: ModelShape, net: dict) -> float:

@@ -3,8 +3,14 @@
 Per strategy and target (layer seconds, saved bytes, transient bytes), see ``fitted.py`` for
 how a prediction is made:
 
-* time physics: relative least squares on ``[1, b*s, b*s^2]`` with non-negative
-  coefficients; degree 1 or 2 in s chosen by AIC (small-sample corrected);
+* time physics (default, ``--time-model rates``): the layer's analytic work on the busiest rank
+  (``analytic.time_features``: GEMM FLOPs, attention FLOPs, collective wire bytes, one fixed
+  cost per layer) times non-negative rates, one non-negative least squares over every
+  strategy's profiled times weighted by 1/measured (:func:`fit_time_rates`): one attention rate
+  per kernel class (the four flash strategies share one, colossal's score rows their own),
+  the others per strategy. s**2 enters only through the attention FLOPs, so the curve's form
+  is fixed by what each strategy does, not chosen by the noise; ``--time-model poly`` is the
+  earlier relative least squares on ``[1, b*s, b*s^2]`` with the degree chosen by AICc;
 * memory physics: the analytic formula's order in s (linear; quadratic for colossal),
   coefficients fitted (non-negative least squares) to the largest profiled lengths (2, or 3
   for quadratic);
@@ -24,8 +30,9 @@ how a prediction is made:
   neighbours: one noisy length, e.g. tp_sp's 1024 at p = 4, 197 ms against 160 from its
   neighbours, made a planner pick a 63% slower plan there; trees
   turned memory into steps: 18% worst held-out error on ``ulysses``'s transient at p = 4,
-  against 5% for the interpolation); beyond the largest length the physics curve continues
-  from the measured value there.
+  against 5% for the interpolation); beyond the largest length, for time, the correction
+  (interpolated or trees) fades linearly in log2 s to none at twice that length
+  (``fitted.fade``), for memory the physics curve continues from the measured value there.
 """
 from __future__ import annotations
 
@@ -36,7 +43,9 @@ import math
 import os
 
 import numpy as np
+from scipy.optimize import nnls
 
+from . import analytic
 from .fitted import FORMAT, TARGETS, XGB_FEATURES, sha256, time_features, xgb_features
 from .profile import read_profile
 from .shape import ModelShape
@@ -45,8 +54,6 @@ log = logging.getLogger(__name__)
 
 
 def _nnls(X, y, w):
-    from scipy.optimize import nnls
-
     Xw = X * w[:, None]
     scale = np.abs(Xw).max(axis=0)
     scale[scale == 0] = 1.0
@@ -78,10 +85,70 @@ def fit_time_physics(s, b, y):
     return best[0], best[1], table
 
 
+OWN_RATES = ("layer", "comm_bytes")  # one rate per strategy; GEMM one for all, attention one per kernel class
+
+
+def rate_features(strategy: str, shape: ModelShape, s, b) -> dict:
+    """The time model's features at each ``(s, b)``: :func:`analytic.time_features`, the
+    collective kinds' bytes summed into ``comm_bytes`` (one strategy's kinds grow alike in s,
+    so their rates would not be told apart), as arrays."""
+    rows = [analytic.time_features(strategy, shape, int(si), int(bi)) for si, bi in zip(s, b)]
+    out = {k: np.array([r[k] for r in rows], float) for k in ("layer", "gemm_flops", "attn_flops")}
+    out["comm_bytes"] = np.array([sum(v for k, v in r.items() if k.startswith("bytes:")) for r in rows], float)
+    return out
+
+
+def rates_predict(rates: dict, feats: dict):
+    """Seconds: the sum of rate (seconds per unit) times feature."""
+    return sum(rates[k] * feats[k] for k in rates)
+
+
+def _rate_columns(st: str, shared: bool) -> dict:
+    """The fit's column name of each rate of ``st``: shared ones named by their kernel class."""
+    cls = analytic.ATTENTION_KERNEL.get(st, st) if shared else st
+    return {"gemm_flops": "gemm_flops@" + ("all" if shared else st), "attn_flops": f"attn_flops@{cls}",
+            **{k: f"{k}@{st}" for k in OWN_RATES}}
+
+
+def fit_time_rates(tables: dict, shape: ModelShape, shared: bool = True) -> dict:
+    """``{strategy: {feature: seconds per unit}}`` by one non-negative least squares over all
+    strategies' profiled layer times, relative (each point weighted by 1/measured, so the
+    short lengths count as much as the long ones).
+
+    ``tables``: ``{strategy: (s, b, seconds)}``. With ``shared`` (default) the GEMM rate is one
+    for all strategies (the same linears, the same FLOPs) and the attention rate one per kernel
+    class: the strategies calling the flash kernel pin its s**2 rate together, where one
+    strategy's own curvature over a few noisy short lengths let it swing, and the collective
+    rate of a strategy is then told apart from its GEMMs (within one strategy both grow as
+    b*s). Without ``shared`` every rate is the strategy's own."""
+    names = {st: _rate_columns(st, shared) for st in tables}
+    cols = list(dict.fromkeys(c for m in names.values() for c in m.values()))
+    X_rows, ys = [], []
+    for st, (s, b, y) in tables.items():
+        f = rate_features(st, shape, s, b)
+        X = np.zeros((len(y), len(cols)))
+        for k, c in names[st].items():
+            X[:, cols.index(c)] = f[k]
+        X_rows.append(X)
+        ys.append(np.asarray(y, float))
+    X, y = np.concatenate(X_rows), np.concatenate(ys)
+    got = dict(zip(cols, (float(v) for v in _nnls(X, y, 1.0 / y))))
+    return {st: {k: got[c] for k, c in names[st].items()} for st in tables}
+
+
+def throughputs(rates: dict, shape: ModelShape, strategy: str) -> dict:
+    """A strategy's rates as a user checks them against the hardware: GFLOP/s (GEMM, attention),
+    GB/s (collectives, wire bytes), ms per layer and microseconds per message of its fixed cost
+    (None where the rate is 0: that work took no measurable time in the fit)."""
+    inv = lambda v, unit: unit / v if v > 0 else None  # noqa: E731
+    msgs = analytic.time_features(strategy, shape, shape.p, 1)["messages"]
+    return {"gemm_GFLOPs": inv(rates["gemm_flops"], 1e-9), "attn_GFLOPs": inv(rates["attn_flops"], 1e-9),
+            "comm_GBs": inv(rates["comm_bytes"], 1e-9), "layer_ms": rates["layer"] * 1e3,
+            "us_per_message": rates["layer"] * 1e6 / msgs if msgs else None}
+
+
 def memory_degree(strategy, shape) -> int:
     """The order in s of the analytic memory formula: 2 where it has score rows (colossal)."""
-    from . import analytic
-
     terms = set(analytic.SAVED.get(strategy, {})) | {k for ph in analytic.TRANSIENT.get(strategy, []) for k, v in ph.items() if v}
     return 2 if terms & {"rows", "rows32"} else 1
 
@@ -122,12 +189,17 @@ def fit_xgb_residual(s, b, ratio, seed=0):
     return xgb.train(params, d, num_boost_round=40)
 
 
-def held_out(rows, strategy, holdout_seqs=(), holdout_largest=False) -> set:
-    """The lengths of ``strategy`` left out of the fit: ``holdout_seqs``, and with
-    ``holdout_largest`` the strategy's largest measured length (to test extrapolation)."""
+def held_out(rows, strategy, holdout_seqs=(), holdout_largest=False, fit_max_seq=None) -> set:
+    """The lengths of ``strategy`` left out of the fit: ``holdout_seqs``, those above
+    ``fit_max_seq``, and with ``holdout_largest`` the strategy's largest measured length (of
+    those left; to test extrapolation)."""
     out = set(holdout_seqs)
+    if fit_max_seq is not None:
+        out |= {r["s"] for r in rows if r.get("type") == "layer" and r["strategy"] == strategy
+                and r["s"] > fit_max_seq}
     if holdout_largest:
-        lens = [r["s"] for r in rows if r.get("type") == "layer" and r["strategy"] == strategy]
+        lens = [r["s"] for r in rows if r.get("type") == "layer" and r["strategy"] == strategy
+                and r["s"] not in out]
         if lens:
             out.add(max(lens))
     return out
@@ -194,13 +266,15 @@ def fit_pool(rows, names, profile_path) -> dict | None:
 
 
 def fit_profile(profile_path, out_path: str, use_xgb: bool = False, time_stat: str = "median",
-                holdout_seqs=(), holdout_largest: bool = False) -> dict:
-    """Fit and save; lengths in ``holdout_seqs`` (and each strategy's largest, with
-    ``holdout_largest``) are left out, so that ``report`` can test the model on them: measured
-    in the same session as the fitted lengths, they share its machine conditions.
+                holdout_seqs=(), holdout_largest: bool = False, fit_max_seq: int | None = None,
+                time_model: str = "rates") -> dict:
+    """Fit and save; lengths in ``holdout_seqs``, above ``fit_max_seq`` (and each strategy's
+    largest, with ``holdout_largest``) are left out, so that ``report`` can test the model on
+    them: measured in the same session as the fitted lengths, they share its machine conditions.
 
     ``profile_path``: one profile, or a list of profiles of one shape (e.g. an older profile
-    and the pool rows of ``profile --pool-only``)."""
+    and the pool rows of ``profile --pool-only``). ``time_model``: ``rates`` (the analytic work
+    with fitted rates) or ``poly`` (the earlier curve in s, degree by AICc; for comparison)."""
     paths = [profile_path] if isinstance(profile_path, str) else list(profile_path)
     header, rows = read_profiles(paths)
     shape = ModelShape.from_dict(header["shape"])
@@ -210,9 +284,21 @@ def fit_profile(profile_path, out_path: str, use_xgb: bool = False, time_stat: s
     if not strategies:
         raise ValueError(f"profile {paths[0]!r} has no layer measurements")
     meta = _metadata(header, shape, strategies, rows, paths, time_stat)
+    skips = {st: held_out(rows, st, holdout_seqs, holdout_largest, fit_max_seq) for st in strategies}
+    tables = {}
     for st in strategies:
-        skip = held_out(rows, st, holdout_seqs, holdout_largest)
-        _fit_strategy(meta, rows, st, shape, skip, use_xgb, out_path, paths[0])
+        tables[st] = layer_table(rows, st, time_stat, exclude=skips[st])
+        if not len(tables[st][0]):
+            raise ValueError(f"profile {paths[0]!r}: nothing left to fit for {st!r} after holding out "
+                             f"{sorted(skips[st])}")
+    rates = None
+    if time_model == "rates":
+        rates = fit_time_rates({st: (s, b, ys["seconds"]) for st, (s, b, ys) in tables.items()}, shape)
+    elif time_model != "poly":
+        raise ValueError(f"unknown time model {time_model!r} (rates or poly)")
+    for st in strategies:
+        _fit_strategy(meta, rows, st, shape, skips[st], use_xgb, out_path, tables[st],
+                      rates[st] if rates else None)
     nonlayer = _fit_nonlayer(rows)
     if nonlayer is not None:
         meta["nonlayer"] = nonlayer
@@ -238,12 +324,10 @@ def _metadata(header: dict, shape: ModelShape, strategies: list, rows: list, pat
 
 
 def _fit_strategy(meta: dict, rows: list, st: str, shape: ModelShape, skip: set, use_xgb: bool,
-                  out_path: str, profile_path: str) -> None:
+                  out_path: str, table: tuple, rates: dict | None) -> None:
     """``meta``'s entries for ``st``: the lengths fitted and held out, their range, where its
     sweep stopped, each target's prediction and its largest relative residual."""
-    s, b, ys = layer_table(rows, st, meta["time_stat"], exclude=skip)
-    if not len(s):
-        raise ValueError(f"profile {profile_path!r}: nothing left to fit for {st!r} after holding out {sorted(skip)}")
+    s, b, ys = table
     meta["fitted"][st] = sorted([int(x), int(y)] for x, y in zip(s, b))
     meta["held_out"][st] = sorted(skip)
     meta["s_max"][st] = int(s.max())
@@ -255,9 +339,13 @@ def _fit_strategy(meta: dict, rows: list, st: str, shape: ModelShape, skip: set,
     meta["fit_residuals"][st] = {}
     for tg in TARGETS:
         y = ys[tg]
-        phys, phi = _physics(st, tg, shape, s, b, y)
+        phys, phi = _physics(st, tg, shape, s, b, y, rates)
         spec = {"physics": phys, "xgb": None, "ratio_clip": [-0.5, 0.5]}
         ratio = np.where(phi > 0, y / np.maximum(phi, 1e-30) - 1.0, 0.0)
+        if tg == "seconds":
+            # the time correction (trees or interpolated ratio) fades out beyond the profiled
+            # range: there the analytic work with its fitted rates alone predicts
+            spec["beyond"] = "fade"
         if tg == "seconds" and use_xgb and len(y) >= 3 and np.max(np.abs(ratio)) > 1e-6:
             spec["xgb"] = _save_xgb(fit_xgb_residual(s, b, np.clip(ratio, -0.5, 0.5)), out_path, st, tg,
                                     meta["files"])
@@ -277,9 +365,13 @@ def _fit_strategy(meta: dict, rows: list, st: str, shape: ModelShape, skip: set,
         meta["fit_residuals"][st][tg] = float(np.max(np.abs(ratio))) if len(ratio) else 0.0
 
 
-def _physics(st: str, tg: str, shape: ModelShape, s, b, y) -> tuple:
-    """``(spec, values at the fitted points)`` of a target's physics curve: time by AICc degree,
-    memory in the analytic order."""
+def _physics(st: str, tg: str, shape: ModelShape, s, b, y, rates: dict | None = None) -> tuple:
+    """``(spec, values at the fitted points)`` of a target's physics curve: time from the
+    fitted ``rates`` (else by AICc degree), memory in the analytic order."""
+    if tg == "seconds" and rates is not None:
+        phys = {"kind": "rates", "rates": dict(rates), "attention_kernel": analytic.ATTENTION_KERNEL.get(st, st),
+                "throughputs": throughputs(rates, shape, st)}
+        return phys, rates_predict(rates, rate_features(st, shape, s, b))
     if tg == "seconds":
         deg, coef, aic = fit_time_physics(s, b, y)
         phys = {"kind": "poly", "degree": deg, "coef": [float(c) for c in coef],
@@ -344,20 +436,42 @@ def main(argv=None):
                          "(for `report` to test interpolation on)")
     ap.add_argument("--holdout-largest", action="store_true",
                     help="also leave out each strategy's largest measured length (to test extrapolation)")
+    ap.add_argument("--fit-max-seq", type=int, default=None,
+                    help="leave out every length above this one (to test extrapolation to 2x, 4x ...)")
+    ap.add_argument("--time-model", choices=("rates", "poly"), default="rates",
+                    help="rates (default): the analytic work of each strategy with rates fitted; "
+                         "poly: the earlier curve in s with its degree chosen by AICc (for comparison)")
     args = ap.parse_args(argv)
     try:
         hold = [int(x) for x in args.holdout_seqs.split(",") if x.strip()]
     except ValueError:
         raise SystemExit(f"error: --holdout-seqs must be comma-separated integers, got {args.holdout_seqs!r}") from None
     meta = fit_profile(args.profile, args.output, use_xgb=args.xgb, time_stat=args.time_stat,
-                       holdout_seqs=hold, holdout_largest=args.holdout_largest)
+                       holdout_seqs=hold, holdout_largest=args.holdout_largest, fit_max_seq=args.fit_max_seq,
+                       time_model=args.time_model)
     shape = ModelShape.from_dict(meta["shape"])
     print(f"wrote {args.output} for {shape.describe()}: strategies {', '.join(meta['strategies'])}")
     if meta["pool"] is None:
         log.warning("warning: no pool rows in the profile: the communication pool is not modelled (run "
                     "`profile --pool-only` with the same shape and give its file as a second PROFILE)")
+    print("\n".join(rates_table(meta)))
+
+
+def rates_table(meta: dict) -> list:
+    """The fit's lines: per strategy its fitted rates as throughputs (or the curve's degree, for
+    a ``poly`` model), its profiled range and its worst residual."""
+    fmt = lambda v, f: "-" if v is None else f.format(v)  # noqa: E731
+    lines = []
     for st in meta["strategies"]:
         t = meta["targets"][st]["seconds"]["physics"]
-        print(f"  {st:9s} time: degree {t['degree']} in s (AIC {t['aic']}); s profiled "
-              f"{meta['s_min'][st]}..{meta['s_max'][st]}; worst physics residual "
-              + ", ".join(f"{k} {v:.1%}" for k, v in meta["fit_residuals"][st].items()))
+        tail = (f"; s fitted {meta['s_min'][st]}..{meta['s_max'][st]}; worst physics residual "
+                + ", ".join(f"{k} {v:.1%}" for k, v in meta["fit_residuals"][st].items()))
+        if t["kind"] == "rates":
+            th = t["throughputs"]
+            lines.append(f"  {st:9s} time: GEMM {fmt(th['gemm_GFLOPs'], '{:.1f}')} GFLOP/s, attention "
+                         f"({t['attention_kernel']}) {fmt(th['attn_GFLOPs'], '{:.1f}')} GFLOP/s, collectives "
+                         f"{fmt(th['comm_GBs'], '{:.3f}')} GB/s, fixed {th['layer_ms']:.2f} ms/layer "
+                         f"({fmt(th['us_per_message'], '{:.0f}')} us/message)" + tail)
+        else:
+            lines.append(f"  {st:9s} time: degree {t['degree']} in s (AIC {t['aic']})" + tail)
+    return lines

@@ -7,16 +7,21 @@ truncated, corrupt or swapped file is refused with its name.
 
 Prediction of a target ``y`` (layer seconds, saved bytes, transient bytes) at ``(s, b)``:
 
-* a physics model ``phi(s, b)``: time, least squares on ``[1, b*s, b*s^2]`` (the degree in s,
-  1 or 2, chosen by AIC); memory, the analytic formula's form (linear in s, quadratic for
-  colossal's score rows) with its coefficients fitted to the profile's largest lengths;
+* a physics model ``phi(s, b)``: time, the layer's analytic work
+  (``analytic.time_features``: GEMM FLOPs, attention FLOPs, collective bytes, a fixed cost)
+  times rates fitted to the profile (``fit.fit_time_rates``; a format-1 file: a curve in s,
+  ``[1, b*s, b*s^2]``, its degree chosen by AIC); memory, the analytic formula's form (linear
+  in s, quadratic for colossal's score rows) with its coefficients fitted to the profile's
+  largest lengths;
 * inside the profiled range, for time, times ``1 + r(s, b)``, ``r`` the residual ratio
   ``measured / phi - 1`` interpolated piecewise-linearly in log s between the profiled
   lengths (an XGBoost regressor instead when fitted with ``--xgb``); for memory, plus the
   difference ``measured - phi`` interpolated linearly in s (memory is piecewise linear in s);
-* beyond the largest profiled length ``s_max``: ``phi(s, b)`` times the measured ratio at
-  ``s_max``, which continues the physics curve (for memory: the analytic form scaled to the
-  profile) and meets the in-range prediction at ``s_max``.
+* beyond the largest profiled length ``s_max``: for time, the correction at ``s_max`` fades
+  linearly in log2 s to none at ``2 * s_max`` (:func:`fade`), so far beyond the profile the
+  rates alone predict (a format-1 file carries the ratio at ``s_max`` on); for memory,
+  ``phi(s, b)`` plus the measured difference's ratio at ``s_max``, which continues the
+  analytic form scaled to the profile and meets the in-range prediction at ``s_max``.
 """
 from __future__ import annotations
 
@@ -27,10 +32,14 @@ import os
 
 import numpy as np
 
+from . import analytic
 from .base import CostModel, LayerCost
 from .shape import ModelShape
 
-FORMAT = "paradyse-costmodel/1"
+FORMAT = "paradyse-costmodel/2"
+# format 1 (time a curve in s whose correction continued beyond the profiled range) is still
+# read and predicts as it did; format 2 adds the ``rates`` time model and the fading correction
+READ_FORMATS = ("paradyse-costmodel/1", FORMAT)
 TARGETS = ("seconds", "saved_bytes", "transient_bytes")
 SHIPPED_DIR = os.path.join(os.path.dirname(__file__), "models")
 
@@ -65,6 +74,14 @@ def xgb_features(s, b):
 XGB_FEATURES = ("s", "b", "b*s", "b*s^2", "log_s")
 
 
+def fade(s: float, s_max: float) -> float:
+    """The weight of the in-range correction at ``s``: 1 up to ``s_max``, falling linearly in
+    log2 s to 0 at ``2 * s_max`` and beyond."""
+    if s <= s_max:
+        return 1.0
+    return max(0.0, 1.0 - float(np.log2(s / s_max)))
+
+
 class FittedCostModel(CostModel):
     kind = "fitted"
 
@@ -94,8 +111,8 @@ class FittedCostModel(CostModel):
                 meta = json.load(f)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise CostModelFileError(f"cost model file {path!r} is truncated or corrupt (not valid JSON: {exc})") from None
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            raise CostModelFileError(f"cost model file {path!r} is not a {FORMAT} metadata file "
+        if not isinstance(meta, dict) or meta.get("format") not in READ_FORMATS:
+            raise CostModelFileError(f"cost model file {path!r} is not a {' or '.join(READ_FORMATS)} metadata file "
                                      f"(format={meta.get('format') if isinstance(meta, dict) else type(meta).__name__!r})")
         for key in ("shape", "strategies", "targets", "files", "s_max"):
             if key not in meta:
@@ -140,8 +157,10 @@ class FittedCostModel(CostModel):
         spec = self.meta["targets"][st][tg]["physics"]
         if spec["kind"] == "poly":
             return float(time_features(s, b, spec["degree"]) @ np.asarray(spec["coef"]))
-        from . import analytic
-
+        if spec["kind"] == "rates":
+            f = analytic.time_features(st, self.shape, s, b)
+            f["comm_bytes"] = sum(v for k, v in f.items() if k.startswith("bytes:"))
+            return float(sum(r * f[k] for k, r in spec["rates"].items()))
         sv, tr = analytic.layer_memory(st, self.shape, s, b)
         x = sv if tg == "saved_bytes" else tr
         a, c = spec["coef"]
@@ -171,10 +190,17 @@ class FittedCostModel(CostModel):
         return 1.0 + min(max(r, lo), hi)
 
     def predict(self, st, tg, s, b):
+        """Inside the profiled range the physics times the measured correction; beyond it the
+        correction at ``s_max`` carried on, or, for a target fitted with ``beyond: fade`` (time
+        since format 2), faded linearly in log2 s to none at ``2 * s_max``: the residual
+        describes the profiled lengths, not the longer ones."""
         s_max = self.meta["s_max"][st]
         if s <= s_max:
             return self._phi(st, tg, s, b) * self._ratio(st, tg, s, b)
-        return self._phi(st, tg, s, b) * self._ratio(st, tg, s_max, b)
+        r = self._ratio(st, tg, s_max, b) - 1.0
+        if self.meta["targets"][st][tg].get("beyond") == "fade":
+            r *= fade(s, s_max)
+        return self._phi(st, tg, s, b) * (1.0 + r)
 
     def layer(self, strategy: str, s: int, b: int) -> LayerCost:
         if strategy not in self.strategies:
@@ -188,8 +214,6 @@ class FittedCostModel(CostModel):
         return self._cache[key]
 
     def static_bytes(self) -> float:
-        from . import analytic
-
         return analytic.static_bytes(self.shape)
 
     def nonlayer(self, s: int, b: int) -> LayerCost:
@@ -217,7 +241,7 @@ def find_shipped(shape: ModelShape) -> str | None:
         try:
             with open(path) as f:
                 meta = json.load(f)
-            if meta.get("format") == FORMAT and ModelShape.from_dict(meta["shape"]) == shape:
+            if meta.get("format") in READ_FORMATS and ModelShape.from_dict(meta["shape"]) == shape:
                 return path
         except Exception:  # noqa: BLE001 - a broken shipped file is reported when loaded by path
             continue

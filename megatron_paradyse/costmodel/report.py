@@ -11,14 +11,26 @@ on spawned gloo ranks and compares them with ``CostModel.step``.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
+import time
 
 import numpy as np
+import torch
+import torch.distributed as dist
 
+from ..memory import PeakMemory, static_bytes
+from ..parallel.buffers import release_pool
+from ..parallel.dispatch import set_plan
+from ..parallel.plans import describe
 from ..units import MiB
-from .fitted import TARGETS
+from . import build_cost_model
+from . import measure as M
+from .fitted import TARGETS, FittedCostModel
 from .profile import read_profile
+from .ranks import run_ranks
+from .shape import ModelShape
 
 
 def ape(pred, meas):
@@ -68,6 +80,27 @@ def table(errs) -> str:
             cells = [f"{np.mean(e[t]):.1f} / {np.max(e[t]):.1f}" for t in TARGETS]
             lines.append(f"| {st} | {'interpolated' if region == 'interp' else 'extrapolated'} | {n} | "
                          + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def extrapolation_table(model, errs) -> str:
+    """Time error (signed %, predicted / measured - 1) of each held-out length beyond the fitted
+    range, by its multiple of the strategy's largest fitted length (2x, 4x ...); empty if none."""
+    s_max = getattr(model, "meta", {}).get("s_max", {})
+    cells = {}
+    for st, d in errs.items():
+        for pt in d["points"]:
+            if pt["region"] == "extrap" and st in s_max:
+                mult = pt["s"] / s_max[st]
+                err = 100.0 * (pt["pred_seconds"] / pt["meas_seconds"] - 1.0)
+                cells.setdefault(st, {})[f"{mult:g}x"] = err
+    if not cells:
+        return ""
+    cols = sorted({c for v in cells.values() for c in v}, key=lambda c: float(c[:-1]))
+    lines = ["| strategy | " + " | ".join(f"time at {c} s_max, %" for c in cols) + " |",
+             "|---|" + "---:|" * len(cols)]
+    for st, v in cells.items():
+        lines.append(f"| {st} | " + " | ".join(f"{v[c]:+.1f}" if c in v else "" for c in cols) + " |")
     return "\n".join(lines)
 
 
@@ -144,18 +177,6 @@ def plot_all(model, png):
 
 
 def _step_rank(rank, world, shape_d, plans, seqs, repeats):
-    import gc
-    import time
-
-    import torch
-    import torch.distributed as dist
-
-    import megatron_paradyse as mp
-    from megatron_paradyse.costmodel import measure as M
-    from megatron_paradyse.costmodel.shape import ModelShape
-    from megatron_paradyse.parallel.buffers import release_pool
-    from megatron_paradyse.memory import PeakMemory, static_bytes
-
     shape = ModelShape(**shape_d)
     spec, model = M.build(shape, max_seq=max(seqs))
     upd = M.TrainingUpdate(model, shape)
@@ -166,7 +187,7 @@ def _step_rank(rank, world, shape_d, plans, seqs, repeats):
     cells = [(s, tuple(plan)) for s in seqs for plan in plans]
 
     def fwd_bwd(s, plan):
-        mp.set_plan(model, list(plan))
+        set_plan(model, list(plan))
         release_pool()  # as in training: each micro-batch allocates its own pool
         upd.zero_grad()
         tok, pos, lab = batches[s]
@@ -203,8 +224,6 @@ def _step_rank(rank, world, shape_d, plans, seqs, repeats):
 
 
 def measure_steps(shape, plans, seqs, repeats=5, timeout=1800):
-    from .ranks import run_ranks
-
     per_rank = run_ranks(_step_rank, shape.p, shape.key(), plans, seqs, repeats, timeout=timeout)
     rows = []
     for i, r in enumerate(per_rank[0]):
@@ -237,8 +256,6 @@ def step_errors(model, measured) -> list:
 
 
 def step_table(errs) -> str:
-    from megatron_paradyse.parallel.plans import describe
-
     lines = ["| s | plan | measured ms | predicted ms | time err % | measured peak MiB | predicted MiB | peak err % | activations-only err % |",
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for e in errs:
@@ -272,10 +289,6 @@ def fake_table(real_rows, fake_path) -> str:
 
 
 def main(argv=None):
-    from megatron_paradyse.costmodel import build_cost_model
-    from megatron_paradyse.costmodel.fitted import FittedCostModel
-    from megatron_paradyse.costmodel.shape import ModelShape
-
     ap = argparse.ArgumentParser(prog="python -m megatron_paradyse.costmodel report",
                                  description="Accuracy of a cost model on held-out measurements.")
     ap.add_argument("model", help="fitted model metadata JSON, or 'analytic'")
@@ -315,6 +328,10 @@ def main(argv=None):
     print(f"model {args.model} ({getattr(model, 'kind', '?')}), held-out {', '.join(args.profile)}: "
           f"{shape.describe()}\n")
     print(table(errs))
+    ext = extrapolation_table(model, errs)
+    if ext:
+        print("\nbeyond the fitted range, by multiple of the largest fitted length:\n")
+        print(ext)
     result = {"layers": errs}
     if args.png:
         plot(model, errs, train, args.png)
