@@ -52,6 +52,9 @@ import os
 
 import torch
 
+from .device import is_cpu
+from .norms import install_sp_norm
+
 RANK_ENV = {
     "OMP_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
@@ -71,8 +74,6 @@ ALL_SHIMS = ("device", "rng", "sp_norm", "factory", "clip_grad", "streams", "che
 def needed() -> bool:
     """True where this process computes on the CPU (the device decision), the only case in
     which shims are applied."""
-    from .device import is_cpu
-
     return is_cpu()
 
 
@@ -171,8 +172,6 @@ def _rng():
 
 
 def _sp_norm():
-    from .norms import install_sp_norm
-
     install_sp_norm()
 
 

@@ -54,11 +54,15 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import sys
 import types
 from datetime import timedelta
 
 import torch
+
+from . import cpu_compat
+from .device import is_cpu
 
 _APPLIED: set = set()
 ALL_SHIMS = ("batch_invariant", "no_cuda_assert", "distributed", "seed", "device_arch", "memory")
@@ -67,8 +71,6 @@ ALL_SHIMS = ("batch_invariant", "no_cuda_assert", "distributed", "seed", "device
 def needed() -> bool:
     """True where this process computes on the CPU (the device decision), the only case in
     which shims are applied."""
-    from .device import is_cpu
-
     return is_cpu()
 
 
@@ -80,8 +82,6 @@ def apply(skip: tuple = ()) -> tuple:
     """
     if not needed():
         return ()
-    from . import cpu_compat
-
     cpu_compat.apply()
     for name in ALL_SHIMS:
         if name in skip or name in _APPLIED:
@@ -182,8 +182,6 @@ def _seed():
 
 
 def _device_arch():
-    import os
-
     from megatron.training import arguments, utils
 
     arch = lambda: 0  # noqa: E731 - no CUDA device: the conservative (pre-Blackwell) branches

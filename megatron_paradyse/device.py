@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 
 _CHOSEN: list = []  # [torch.device] once selected
 
@@ -22,8 +23,6 @@ _CHOSEN: list = []  # [torch.device] once selected
 def default_backend() -> str:
     """The backend when none is given: that of an initialised ``torch.distributed``, else the
     decision already made, else ``nccl`` where CUDA is present and ``gloo`` elsewhere."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return "nccl" if dist.get_backend() == "nccl" else "gloo"
     if _CHOSEN:
@@ -102,8 +101,6 @@ def current() -> torch.device:
     the backend's of an initialised ``torch.distributed``; else CUDA where present."""
     if _CHOSEN:
         return _CHOSEN[0]
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         if dist.get_backend() != "nccl":
             return torch.device("cpu")

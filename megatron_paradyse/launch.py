@@ -24,7 +24,12 @@ import tempfile
 import time
 import traceback
 
-from . import logs
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as tmp
+
+from . import device, logs
+from .cpu_compat import RANK_ENV
 
 
 class WorldError(RuntimeError):
@@ -56,11 +61,6 @@ def _worker(fn, rank, world_size, init_file, backend, fake_device, args, kwargs,
             logs.setup(**log_setup)
         if setup is not None:
             setup()
-        import torch
-        import torch.distributed as dist
-
-        from . import device
-
         if backend == "fake":
             dev = device.select(fake_device or device.default_backend())
             if dev.type == "cpu":
@@ -77,8 +77,6 @@ def _worker(fn, rank, world_size, init_file, backend, fake_device, args, kwargs,
         results.put((rank, "error", traceback.format_exc()))
     finally:
         try:
-            import torch.distributed as dist
-
             if dist.is_initialized():
                 dist.destroy_process_group()
         except Exception:  # noqa: BLE001
@@ -96,10 +94,6 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, backend: str =
     :class:`WorldError` naming every failing rank (with its traceback) and the ranks that did
     not finish within ``timeout`` seconds; once one rank fails, the others get ``grace``
     seconds to report before they are killed."""
-    import torch.multiprocessing as tmp
-
-    from .cpu_compat import RANK_ENV
-
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if backend not in ("gloo", "fake"):

@@ -19,6 +19,8 @@ import weakref
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .device import current
+
 
 class _LiveBytes(TorchDispatchMode):
     def __init__(self):
@@ -61,8 +63,6 @@ class PeakMemory:
 
     def __init__(self, device=None):
         if device is None:
-            from .device import current
-
             device = current()
         self.device = torch.device(device)
         self.peak_bytes = 0
@@ -114,8 +114,6 @@ def run_peaks(device=None) -> tuple:
     """``(allocated, reserved)`` peak bytes of this process on a CUDA ``device`` since it
     started, across :class:`PeakMemory`'s resets of torch's counters; ``(None, None)`` on CPU."""
     if device is None:
-        from .device import current
-
         device = current()
     device = torch.device(device)
     if device.type != "cuda":

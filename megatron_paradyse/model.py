@@ -19,8 +19,10 @@ returns the notes). On the CPU every fusion is off (megatron's fused kernels are
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
 import torch
+import torch.nn.functional as F
 
 from .device import current as current_device
 from .norms import SPTorchNorm
@@ -156,14 +158,11 @@ def have_grad_accum_fusion() -> bool:
 
 
 def _importable(name: str) -> bool:
-    import importlib.util
-
     return importlib.util.find_spec(name) is not None
 
 
 def transformer_config(args, **overrides):
     """megatron-core's ``TransformerConfig`` for completed model flags (no collective)."""
-    import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
     tp = args.tensor_model_parallel_size

@@ -1,37 +1,46 @@
-"""The package's dependencies point one way and form no cycle (read with ``ast``, nothing imported).
+"""The package's dependencies follow the layer table of ``megatron_paradyse/README.md`` (the one
+statement of the rules; read with ``ast``, nothing imported) and form no cycle.
 
-device <- model <- parallel <- costmodel <- planner <- data <- training <- check / bench: a
-lower layer never imports a higher one, and product code (everything but ``bench``, the
-CPU benchmark launcher) never imports the test helpers in ``testing``. Imports inside
-functions count too: a lazy import is still a dependency.
+Each table row names a module or folder of the package and what of the package it may import
+("nothing", a list, "every row above", "every row above but X", "except M" for a single
+allowed module of an otherwise excluded folder). Every module of the package must belong to
+a row. Imports inside functions count too: a lazy import is still a dependency.
 """
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PKG = "megatron_paradyse"
 ROOT = Path(__file__).resolve().parent.parent / PKG
 
-# subpackage -> subpackages it must never import
-FORBIDDEN = {
-    "parallel": {"costmodel", "planner", "data", "training", "testing", "bench", "check"},
-    "costmodel": {"planner", "data", "training", "testing", "bench", "check"},
-    "planner": {"data", "training", "testing", "bench", "check"},
-    "data": {"training", "testing", "bench", "check"},
-    "training": {"testing", "bench", "check"},
-    "check": {"testing", "bench"},
-    "device": {"parallel", "costmodel", "planner", "data", "training", "testing", "bench", "check"},
-    "model": {"parallel", "costmodel", "planner", "data", "training", "testing", "bench", "check"},
-    "launch": {"parallel", "costmodel", "planner", "data", "training", "testing", "bench", "check"},
-    "memory": {"model", "parallel", "costmodel", "planner", "data", "training", "testing", "bench", "check"},
-    "norms": {"device", "model", "parallel", "costmodel", "planner", "data", "training", "testing", "bench",
-              "check"},
-    "paths": {"device", "model", "launch", "parallel", "costmodel", "planner", "data", "training",
-              "testing", "bench", "check"},
-    "units": {"device", "model", "launch", "memory", "norms", "paths", "parallel", "costmodel", "planner",
-              "data", "training", "testing", "bench", "check"},
-}
+
+def _rules() -> dict:
+    """``{row: (allowed rows, allowed single modules)}`` from the README's layer table."""
+    rows, order = {}, []
+    for line in (ROOT / "README.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 3 or not cells[0].startswith("`"):
+            continue
+        name = cells[0].strip("`").removesuffix(".py").removesuffix("/")
+        allowed, modules = set(), set()
+        rule = cells[2]
+        if rule.startswith("every row above"):
+            allowed |= set(order)
+            but = re.search(r"but (.*?)(?: except |$)", rule)
+            if but:
+                allowed -= set(re.findall(r"`([\w./]+)`", but.group(1)))
+            extra = re.sub(r"every row above( but .*?(?= except |$))?", "", rule)
+        else:
+            extra = rule
+        excepted = re.findall(r"except `([\w.]+)`", extra)
+        modules |= {f"{PKG}.{m}" for m in excepted}
+        extra = re.sub(r"except `[\w.]+`", "", extra)
+        allowed |= {x.removesuffix(".py").removesuffix("/") for x in re.findall(r"`([\w./]+)`", extra)}
+        rows[name] = (allowed, modules)
+        order.append(name)
+    return rows
 
 
 def _modules() -> dict:
@@ -75,17 +84,36 @@ def _graph() -> dict:
     return {name: _imports(name, path, mods) for name, path in mods.items()}
 
 
-def _layer(mod: str) -> str | None:
+def _layer(mod: str) -> str:
+    """The table row of a package module: its folder or root module (``__init__`` for the package)."""
     parts = mod.split(".")
-    return parts[1] if len(parts) > 1 else None
+    return parts[1] if len(parts) > 1 else "__init__"
 
 
-def test_dependencies_point_one_way():
-    graph = _graph()
-    assert len(graph) > 20 and f"{PKG}.parallel.dispatch" in graph
-    bad = [f"{m} imports {t}" for m, targets in sorted(graph.items()) for t in sorted(targets)
-           if _layer(t) in FORBIDDEN.get(_layer(m), ())]
+def test_the_layer_table_is_complete_and_obeyed():
+    rules, graph = _rules(), _graph()
+    assert len(graph) > 20 and f"{PKG}.parallel.dispatch" in graph and len(rules) > 15
+    missing = sorted({_layer(m) for m in graph} - set(rules))
+    assert not missing, f"modules of no row in megatron_paradyse/README.md's layer table: {missing}"
+    bad = []
+    for mod, targets in sorted(graph.items()):
+        layer = _layer(mod)
+        allowed, modules = rules[layer]
+        for t in sorted(targets):
+            if _layer(t) != layer and _layer(t) not in allowed and t not in modules:
+                bad.append(f"{mod} imports {t} (row {layer!r} may import {sorted(allowed) or 'nothing'})")
     assert not bad, "\n".join(bad)
+
+
+def test_the_rules_as_read():
+    """The table says what the READMEs promise: product code never imports testing/, the
+    parallel layer nothing above it, and nothing but the entry points imports training/."""
+    rules = _rules()
+    product = [r for r in rules if r != "testing"]
+    assert all("testing" not in rules[r][0] for r in product)
+    assert rules["parallel"][0] == {"device", "units"} and rules["units"][0] == set()
+    assert [r for r in rules if "training" in rules[r][0]] == ["check", "bench"]
+    assert rules["testing"][1] == {f"{PKG}.check.compare"} and "check" not in rules["testing"][0]
 
 
 def test_no_import_cycle_between_modules():

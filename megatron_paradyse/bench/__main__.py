@@ -14,10 +14,17 @@ import os
 import sys
 import time
 
+from .. import data as pdata
 from .. import logs
+from ..launch import run_ranks
 from ..paths import recorded, shown, shown_argv
+from ..training.arguments import parse_args
 from ..units import MiB
+from . import report
 from .config import ALL_SYSTEMS, BenchConfig
+from .simulate import main as sim_main
+from .systems import load_cost_model
+from .world import bench_world
 
 
 def demo_argv(p: int, seq_length: int, seed: int, extra=()) -> list:
@@ -68,9 +75,6 @@ def build_parser():
 def resolve_budget(a, args_argv, p):
     if a.memory_budget_mib is not None:
         return a.memory_budget_mib * MiB, "given"
-    from ..training.arguments import parse_args
-    from .systems import load_cost_model
-
     args = parse_args(args_argv, world_size=p)
     cm, note = load_cost_model(args, a.cost_model)
     if cm is None:
@@ -85,14 +89,7 @@ def main(argv=None) -> int:
     logs.setup(logging.WARNING if a.quiet else logging.INFO)
     os.makedirs(a.out, exist_ok=True)
     if a.simulate:
-        from .simulate import main as sim_main
-
         return sim_main(a)
-    from .. import data as pdata
-    from ..testing.spawn import run_world
-    from . import report
-    from .world import bench_world
-
     prefix = a.data_path or pdata.stdlib_corpus()
     argv_ = demo_argv(a.p, a.seq_length, a.seed)
     budget, why = resolve_budget(a, argv_, a.p)
@@ -109,7 +106,7 @@ def main(argv=None) -> int:
     print(f"> benchmark: {len(systems)} systems x {a.steps} steps on {a.p} gloo ranks, demo shape, "
           f"data {shown(prefix)}, budget {budget / MiB:.1f} MiB per rank ({why})", flush=True)
     t0 = time.perf_counter()
-    out = run_world(bench_world, a.p, cfg, timeout=a.timeout)[0]
+    out = run_ranks(bench_world, a.p, cfg, timeout=a.timeout)[0]
     wall = time.perf_counter() - t0
     records = out["records"]
     orc = report.oracle(records, budget, [s for s in systems if s != "stock"])

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 from ..units import MiB
 
@@ -186,8 +187,6 @@ def markdown(bench: dict | None = None, sim: dict | None = None) -> str:
 
 
 if __name__ == "__main__":
-    import sys
-
     args = sys.argv[1:]
     bj = json.load(open(args[0])) if args and args[0] != "-" else None
     sj = json.load(open(args[1])) if len(args) > 1 else None

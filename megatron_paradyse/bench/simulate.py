@@ -22,6 +22,7 @@ import os
 import numpy as np
 
 from ..costmodel.base import CostModel, LayerCost
+from ..planner import build_planner
 from ..units import GiB
 
 GB = 1e9
@@ -144,48 +145,16 @@ def lengths_distribution(n=600, seed=0, max_len=624 * 1024, min_len=1024):
     return (x // 64 * 64).tolist()
 
 
-def _mix_planner(cm, budget):
-    """Fallback ParaDySe: the fastest fitting plan among all two-strategy per-layer mixes."""
-    L, names = cm.num_layers, cm.strategies
-
-    def plan(s, b):
-        best = None
-        cost = {n: cm.layer(n, s, b) for n in names}     # layers are alike: mixes add up
-        base, static = cm.nonlayer(s, b), cm.static_bytes()
-        for i, a in enumerate(names):
-            for c in names[i:]:
-                for k in range(0, L + 1):
-                    if a == c and k:
-                        continue
-                    counts = {a: L - k, c: k} if a != c else {a: L}
-                    secs = base.seconds + sum(n_ * cost[x].seconds for x, n_ in counts.items())
-                    peak = static + base.saved_bytes + sum(n_ * cost[x].saved_bytes for x, n_ in counts.items()) \
-                        + max([base.transient_bytes] + [cost[x].transient_bytes for x, n_ in counts.items() if n_])
-                    if peak <= budget and (best is None or secs < best[1]):
-                        best = (counts, secs, peak)
-        if best is None:
-            return None
-        layers = tuple(n for n, k in best[0].items() for _ in range(k))
-        return layers, best[1], best[2]
-    return plan
-
-
 def simulate(out_dir: str) -> dict:
     hw, m = Hardware(), Model7B()
     cm = H100Roofline(hw, m)
     budget = hw.memory_bytes
     lens = lengths_distribution()
     planners = {}
-    try:
-        from ..planner import build_planner
-
-        for kind in ("heuristic", "optimal"):
-            pl = build_planner(kind, cm, budget)
-            planners[f"paradyse_{kind}"] = (lambda pl: lambda s, b: (lambda c: (tuple(c.layers), c.seconds, c.peak_bytes) if c.fits else None)(pl.plan(s, b)))(pl)
-        source = "megatron_paradyse.planner (heuristic and optimal)"
-    except ImportError:
-        planners["paradyse_mixes"] = _mix_planner(cm, budget)
-        source = "no planner package: exhaustive two-strategy per-layer mixes under the budget"
+    for kind in ("heuristic", "optimal"):
+        pl = build_planner(kind, cm, budget)
+        planners[f"paradyse_{kind}"] = (lambda pl: lambda s, b: (lambda c: (tuple(c.layers), c.seconds, c.peak_bytes) if c.fits else None)(pl.plan(s, b)))(pl)
+    source = "megatron_paradyse.planner (heuristic and optimal)"
     systems = {n: (lambda n: lambda s, b: (lambda st: ((n,) * m.num_layers, st.seconds, st.peak_bytes)
                                                        if st.peak_bytes <= budget else None)(cm.step({n: m.num_layers}, s, b)))(n)
                for n in cm.strategies}

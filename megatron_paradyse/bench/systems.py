@@ -15,6 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..costmodel import ModelShape, build_cost_model
+from ..costmodel.analytic import AnalyticCostModel
+from ..parallel.strategies import supports
+from ..planner import build_planner
+from ..training.arguments import transformer_config_from_args
+
 UNIFORM = ("tp_sp", "ulysses", "ring", "colossal", "metp")
 PLANNERS = ("heuristic", "optimal")
 
@@ -84,10 +90,6 @@ class SystemSpec:
 
 def load_cost_model(args, path=None):
     """``(cost_model, note)``: ``build_cost_model(ModelShape.from_args(args), path)`` if it exists."""
-    try:
-        from ..costmodel import ModelShape, build_cost_model
-    except ImportError as e:
-        return None, f"no cost model ({e}): predictions and planners left out"
     shape = ModelShape.from_args(args)
     try:
         return build_cost_model(shape, path), None
@@ -95,8 +97,6 @@ def load_cost_model(args, path=None):
         if path is not None:
             return None, f"cost model {path} could not be loaded: {type(e).__name__}: {e}"
         try:  # the shipped fitted model is unusable: the analytic one, said so
-            from ..costmodel.analytic import AnalyticCostModel
-
             return AnalyticCostModel(shape), (f"the shipped fitted cost model could not be loaded "
                                               f"({type(e).__name__}: {e}); the analytic model is used")
         except Exception as e2:  # noqa: BLE001
@@ -106,10 +106,6 @@ def load_cost_model(args, path=None):
 def build_systems(cfg, args):
     """``(specs, notes)`` for ``cfg.systems`` (a ``config.BenchConfig``; names as in the module
     docstring)."""
-    import megatron_paradyse as mp
-
-    from ..training.arguments import transformer_config_from_args
-
     notes = []
     config = transformer_config_from_args(args)
     p = args.tensor_model_parallel_size
@@ -122,7 +118,7 @@ def build_systems(cfg, args):
         if name == "stock":
             specs.append(SystemSpec("stock", "stock", args.num_layers, cost_model=None, budget=budget))
         elif name in UNIFORM:
-            ok, why = mp.supports(name, config, p)
+            ok, why = supports(name, config, p)
             if not ok:
                 notes.append(f"{name} left out: {why}")
                 continue
@@ -132,11 +128,6 @@ def build_systems(cfg, args):
             kind = name[len("paradyse_"):]
             if cost_model is None:
                 notes.append(f"{name} left out: needs a cost model")
-                continue
-            try:
-                from ..planner import build_planner
-            except ImportError as e:
-                notes.append(f"{name} left out: no planner package yet ({e})")
                 continue
             kw = {} if cfg.margin_bytes is None else {"margin_bytes": cfg.margin_bytes}
             planner = build_planner(kind, cost_model, budget, **kw)

@@ -22,8 +22,17 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from ..memory import static_bytes
+from .. import cpu_compat
+from .. import data as pdata
+from ..costmodel.ranks import init_parallel
+from ..memory import PeakMemory, static_bytes
+from ..parallel.dispatch import install
+from ..parallel.plans import describe
+from ..training.arguments import parse_args, transformer_config_from_args
+from ..training.forward_step import forward_step
+from ..training.trainer import build_model, build_optimizer
 from ..units import MiB
+from .systems import build_systems
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +43,6 @@ class System:
     def __init__(self, name, args, plan_fn):
         from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                                finalize_model_grads)
-
-        from ..training.arguments import transformer_config_from_args
-        from ..training.trainer import build_model, build_optimizer
 
         self.name, self.args, self.plan_fn = name, args, plan_fn
         self.config = transformer_config_from_args(args)
@@ -52,8 +58,6 @@ class System:
     def step(self, mb, forward_only: bool = False, optimizer_step: bool = True):
         """One training step on micro-batch ``mb`` (its plan already set); returns the loss."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        from ..training.forward_step import forward_step
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -76,8 +80,6 @@ def _measure(system, mb, memory_pass: str = "separate"):
     optimizer step (the optimizer's transient is small next to activations; its state is in the
     static bytes). ``"same"``: one tracked step gives both (half the cost, biased times).
     """
-    from ..memory import PeakMemory
-
     dist.barrier()
     if memory_pass == "same":
         t0 = time.perf_counter()
@@ -100,19 +102,11 @@ def _max_over_ranks(values):
 
 def bench_world(rank, world, cfg):
     """Run in every rank: returns (on rank 0) the per-system, per-step records."""
-    import megatron_paradyse as mp
-
-    from .. import data as pdata
-    from .. import cpu_compat
-    from ..testing.models import init_megatron
-    from ..training.arguments import parse_args
-    from .systems import build_systems
-
     torch.set_num_threads(1)
     cpu_compat.apply()
     args = parse_args(cfg.argv, world_size=world)
-    init_megatron(args.tensor_model_parallel_size, seed=args.seed)
-    mp.install()
+    init_parallel(args.tensor_model_parallel_size, seed=args.seed)
+    install()
     dataset = pdata.DocumentDataset(cfg.data_prefix, args.seq_length, seed=args.seed,
                                     long_docs=cfg.long_docs, vocab_size=args.vocab_size)
     mult = args.tensor_model_parallel_size
@@ -142,7 +136,7 @@ def bench_world(rank, world, cfg):
             pred = spec.predict(mb.plan, mb.seq_length, 1)
             records[spec.name].append(dict(
                 step=k, length=int(mb.lengths[0]), padded=mb.seq_length, seconds=sec, peak_bytes=peak,
-                loss=loss, plan=None if mb.plan is None else mp.describe(mb.plan),
+                loss=loss, plan=None if mb.plan is None else describe(mb.plan),
                 plan_layers=None if mb.plan is None else list(mb.plan),
                 predicted_seconds=None if pred is None else pred[0],
                 predicted_peak_bytes=None if pred is None else pred[1],
@@ -166,8 +160,6 @@ def bench_world(rank, world, cfg):
 
 
 def _probe(spec, sysm, s, mult, vocab):
-    from .. import data as pdata
-
     doc = (torch.arange(s + 1) * 7 % min(vocab, 256)).numpy()
     mb = pdata.pad_to_multiple([doc], mult)
     mb.plan = spec.plan_for(mb.seq_length, 1)

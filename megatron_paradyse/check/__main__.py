@@ -24,7 +24,15 @@ import subprocess
 import sys
 import time
 
+import torch
+import torch.distributed as dist
+
 from .. import logs
+from ..cpu_compat import RANK_ENV
+from ..device import default_backend
+from ..model import ModelArgsError, add_model_args, complete_model_args
+from ..training.faults import FailFast
+from . import megatron_lm, worker
 from .results import FAIL, Line, failed, from_json, table, to_json
 from .worker import SECTIONS
 
@@ -71,10 +79,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def complete(opts, world: int) -> None:
     """Defaults that depend on the device and the world."""
-    import torch
-
-    from ..device import default_backend
-
     opts.backend = opts.backend or default_backend()
     on_gpu = opts.backend == "nccl"
     opts.world = world
@@ -102,10 +106,6 @@ def model_flags(opts, rest: list) -> list:
 
 def parse_model(argv: list, opts):
     """Completed model flags (``megatron_paradyse.model``) for TP = p; (args, notes)."""
-    import torch
-
-    from ..model import ModelArgsError, add_model_args, complete_model_args
-
     ap = add_model_args(argparse.ArgumentParser(prog="python -m megatron_paradyse.check", allow_abbrev=False))
     args = ap.parse_args(argv)  # an unknown flag: argparse's error, exit status 2
     args.tensor_model_parallel_size, args.sequence_parallel, args.seed = opts.p, opts.p > 1, 1234
@@ -118,14 +118,9 @@ def parse_model(argv: list, opts):
 
 def worker_main(opts, rest: list) -> int:
     """Under torchrun: run the sections in this world."""
-    from ..training.faults import FailFast
-    from . import worker
-
     argv = model_flags(opts, rest)
     model_args, notes = parse_model(argv, opts)
     worker.init_world(opts.backend, opts.timeout)
-    import torch.distributed as dist
-
     with FailFast():
         lines = worker.run(opts, argv, model_args, notes)
         dist.barrier()
@@ -140,8 +135,6 @@ def worker_main(opts, rest: list) -> int:
 
 def launch(opts, rest: list) -> int:
     """Not under torchrun: launch the world, then Megatron-LM's script, then print the table."""
-    from ..cpu_compat import RANK_ENV
-
     nproc = opts.nproc
     os.makedirs(os.path.dirname(os.path.abspath(opts.out)) or ".", exist_ok=True)
     if os.path.exists(opts.out):
@@ -159,8 +152,6 @@ def launch(opts, rest: list) -> int:
         lines.append(Line("world", f"{nproc} rank(s)", FAIL,
                           "timed out" if code == 124 else f"exit status {code} (tracebacks above)"))
     if opts.megatron_lm:
-        from . import megatron_lm
-
         lines += megatron_lm.run(opts, nproc, env)
     print(table(lines), flush=True)
     print(f"({time.perf_counter() - t0:.0f} s; every line in {opts.out})", flush=True)
@@ -206,10 +197,6 @@ def _main(argv=None) -> int:
     if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:  # under torchrun
         complete(opts, int(os.environ.get("WORLD_SIZE", "1")))
         return worker_main(opts, rest)
-    import torch
-
-    from ..device import default_backend
-
     opts.backend = opts.backend or default_backend()
     opts.nproc = opts.nproc or (torch.cuda.device_count() if opts.backend == "nccl" else 2)
     complete(opts, opts.nproc)

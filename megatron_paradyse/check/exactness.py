@@ -12,6 +12,11 @@ from __future__ import annotations
 
 import torch
 
+from ..device import current
+from ..model import build_gpt
+from ..parallel.dispatch import install, installed, set_plan
+from ..parallel.plans import describe
+from ..parallel.strategies import STRATEGIES, supports
 from .compare import allreduce_sequence_parallel_grads, errors, forward_backward, gather_full
 from .results import SKIP, Line
 
@@ -43,11 +48,6 @@ def _batch(vocab: int, batch: int, seq: int, seed: int, device):
 
 def run_plans(spec, tp: int, dtype, plans: list) -> list:
     """Each plan's ``{loss, logits, grads}`` (on the CPU, TP = 1 form) at TP = ``tp``, one model."""
-    import megatron_paradyse as mp
-
-    from ..device import current
-    from ..model import build_gpt
-
     _init(tp, spec.seed)
     config = spec.config(tp, dtype)
     model = build_gpt(config, spec.vocab, spec.seq, position_embedding_type="rope", seed=spec.seed)
@@ -55,9 +55,9 @@ def run_plans(spec, tp: int, dtype, plans: list) -> list:
     out = []
     for plan in plans:
         if plan is not None:
-            mp.install()  # plan None runs stock code, before install and after it alike
-        if mp.installed():
-            mp.set_plan(model, plan)
+            install()  # plan None runs stock code, before install and after it alike
+        if installed():
+            set_plan(model, plan)
         model.zero_grad(set_to_none=True)
         loss, logits = forward_backward(model, tokens, labels)
         allreduce_sequence_parallel_grads(model)
@@ -72,18 +72,14 @@ def run_plans(spec, tp: int, dtype, plans: list) -> list:
 def _label(plan) -> str:
     if isinstance(plan, str):
         return plan
-    from ..parallel.plans import describe
-
     return describe(tuple(plan))
 
 
 def check(spec, tp: int, bf16: bool, kernels: str) -> list:
     """The section's lines for one kernel setting (``kernels``: its name in the table)."""
-    import megatron_paradyse as mp
-
-    names = [n for n in mp.STRATEGIES if mp.supports(n, spec.config(tp, torch.float32), tp)[0]]
-    skipped = [Line("exactness", n, SKIP, mp.supports(n, spec.config(tp, torch.float32), tp)[1])
-               for n in mp.STRATEGIES if n not in names]
+    names = [n for n in STRATEGIES if supports(n, spec.config(tp, torch.float32), tp)[0]]
+    skipped = [Line("exactness", n, SKIP, supports(n, spec.config(tp, torch.float32), tp)[1])
+               for n in STRATEGIES if n not in names]
     plans = list(names) + mixed_plans(spec.num_layers, names)
     ref = run_plans(spec, 1, torch.float32, [None])[0]
     lines = list(skipped)

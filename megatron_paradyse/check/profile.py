@@ -8,6 +8,13 @@ import os
 import statistics
 import tempfile
 
+import torch.distributed as dist
+
+from ..costmodel import fit as F
+from ..costmodel import profile as P
+from ..costmodel import report as R
+from ..costmodel.fitted import FittedCostModel
+from ..costmodel.profile import read_profile
 from .results import INFO, Line
 
 TIME_TOL = 30.0      # % mean over strategies: a short profile (2 repeats) on a busy node
@@ -16,10 +23,6 @@ MEMORY_TOL = 10.0    # % per strategy, saved and transient bytes
 
 def run(opts, model_argv: list) -> tuple:
     """``(lines, cost model path on this rank or None)``; every rank returns the same lines."""
-    import torch.distributed as dist
-
-    from ..costmodel import profile as P
-
     seqs = [int(x) for x in opts.profile_seqs.split(",")]
     held = seqs[len(seqs) // 2] if len(seqs) >= 3 else None
     out_dir = os.path.dirname(os.path.abspath(opts.out))
@@ -39,11 +42,6 @@ def run(opts, model_argv: list) -> tuple:
 
 
 def _fit_and_score(prof: str, held) -> dict:
-    from ..costmodel import fit as F
-    from ..costmodel import report as R
-    from ..costmodel.fitted import FittedCostModel
-    from ..costmodel.profile import read_profile
-
     model_path = os.path.splitext(prof)[0] + ".model.json"
     F.fit_profile(prof, model_path, holdout_seqs=(held,) if held else ())
     model = FittedCostModel.load(model_path)

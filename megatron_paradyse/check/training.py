@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import statistics
 
+import torch.distributed as dist
+
+from ..parallel.plans import describe
+from ..training.arguments import parse_args
+from ..training.trainer import Trainer
 from ..units import MiB
 from .results import Line
 
@@ -29,11 +34,6 @@ def trainer_argv(model_argv: list, p: int, world: int, seq: int, iters: int, bac
 def run(argv: list) -> list:
     """Train ``argv``'s steps; the section's lines (every rank returns the same verdicts). The
     trainer logs as the check's ``--verbose`` set up (``__main__``)."""
-    import torch.distributed as dist
-
-    from ..training.arguments import parse_args
-    from ..training.trainer import Trainer
-
     args = parse_args(argv, world_size=dist.get_world_size())
     trainer = Trainer(args)
     rows = []
@@ -66,6 +66,4 @@ def _lines(rows: list, trainer) -> list:
 
 
 def _describe(plan) -> str:
-    from ..parallel.plans import describe
-
     return describe(tuple(plan))

@@ -15,8 +15,15 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 
+from .. import cpu_compat
+from ..device import current, select
+from ..model import transformer_config
+from ..parallel import attention_kernels as K
+from ..parallel.kernel_check import ring_blocks_selfcheck
 from ..units import GiB
+from . import exactness, profile, training
 from .results import INFO, SKIP, Line, to_json
 
 SECTIONS = ("env", "kernels", "exactness", "profile", "training")
@@ -38,8 +45,6 @@ class ExactSpec:
         return self.args.padded_vocab_size
 
     def config(self, tp: int, dtype):
-        from ..model import transformer_config
-
         a = copy.copy(self.args)
         a.tensor_model_parallel_size, a.sequence_parallel = tp, tp > 1
         a.params_dtype, a.bf16 = dtype, dtype == torch.bfloat16
@@ -49,8 +54,6 @@ class ExactSpec:
 
 def env_lines(opts, notes) -> list:
     """What this world runs on (INFO lines)."""
-    from ..device import current
-
     dev = current()
     lines = [Line("env", "device", INFO, f"{dev} ({torch.cuda.get_device_name(dev)}, "
                   f"{torch.cuda.get_device_properties(dev).total_memory / GiB:.0f} GiB)"
@@ -73,9 +76,6 @@ def env_lines(opts, notes) -> list:
 
 def kernel_lines(dtypes) -> list:
     """The ring's block kernels against a float64 reference on this device."""
-    from ..device import current
-    from ..parallel.kernel_check import ring_blocks_selfcheck
-
     tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
     lines = []
     for dtype in dtypes:
@@ -90,8 +90,6 @@ def kernel_lines(dtypes) -> list:
 
 def run(opts, model_argv: list, model_args, notes: list) -> list:
     """Every selected section in this world; returns the lines (rank 0 also writes them)."""
-    import torch.distributed as dist
-
     lines: list = []
     rank0 = dist.get_rank() == 0
 
@@ -110,8 +108,6 @@ def run(opts, model_argv: list, model_args, notes: list) -> list:
     if "kernels" in opts.sections:
         emit(kernel_lines([torch.float32, torch.bfloat16] if on_gpu else [torch.float32]))
     if "exactness" in opts.sections:
-        from . import exactness
-
         spec = ExactSpec(model_args, num_layers=min(model_args.num_layers, opts.exact_layers),
                          seq=opts.exact_seq)
         for kernels in _kernel_settings():
@@ -119,13 +115,9 @@ def run(opts, model_argv: list, model_args, notes: list) -> list:
                 emit(exactness.check(spec, opts.p, bf16=on_gpu or opts.bf16_on_cpu, kernels=kernels[0]))
     cost_model = None
     if "profile" in opts.sections:
-        from . import profile
-
         new, cost_model = profile.run(opts, model_argv)
         emit(new)
     if "training" in opts.sections:
-        from . import training
-
         argv = training.trainer_argv(model_argv, opts.p, opts.world, opts.train_seq, opts.train_iters,
                                      opts.backend, cost_model, bf16=on_gpu)
         t0 = time.perf_counter()
@@ -138,8 +130,6 @@ def run(opts, model_argv: list, model_args, notes: list) -> list:
 def _kernel_settings() -> list:
     """``(name, context manager)`` per attention-kernel setting to check: torch's kernels always,
     flash-attn too where it is installed."""
-    from ..parallel import attention_kernels as K
-
     settings = [("torch kernels", K.torch_kernels_only)]
     if K.FLASH_ATTN_VERSION:
         settings.append((f"flash-attn {K.FLASH_ATTN_VERSION}", K.default_kernels))
@@ -148,11 +138,6 @@ def _kernel_settings() -> list:
 
 def init_world(backend: str, timeout_s: float) -> None:
     """This process's device, then its process group (from torchrun's environment)."""
-    import torch.distributed as dist
-
-    from .. import cpu_compat
-    from ..device import select
-
     select(backend)
     if backend == "gloo":
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

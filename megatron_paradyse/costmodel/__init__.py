@@ -13,7 +13,9 @@ against the shape (a mismatch, a truncated or corrupt file is a clear error).
 """
 from __future__ import annotations
 
+from .analytic import AnalyticCostModel
 from .base import CostModel, LayerCost, StepCost, plan_counts
+from .fitted import FittedCostModel, find_shipped
 from .shape import ModelShape, demo_shape, pad_vocab
 
 __all__ = ["ModelShape", "build_cost_model", "CostModel", "LayerCost", "StepCost", "plan_counts",
@@ -22,8 +24,6 @@ __all__ = ["ModelShape", "build_cost_model", "CostModel", "LayerCost", "StepCost
 
 def shipped_model_path(shape: ModelShape) -> str | None:
     """The fitted model shipped in the package for ``shape`` (metadata file path), or None."""
-    from .fitted import find_shipped
-
     return find_shipped(shape)
 
 
@@ -31,12 +31,8 @@ def build_cost_model(shape: ModelShape, path: str | None = None, **analytic_kwar
     """The cost model for ``shape``: fitted (``path``, or shipped) or analytic."""
     if not isinstance(shape, ModelShape):
         raise TypeError(f"build_cost_model needs a ModelShape, got {type(shape).__name__}")
-    from .fitted import FittedCostModel, find_shipped
-
     if path is None:
         path = find_shipped(shape)
         if path is None:
-            from .analytic import AnalyticCostModel
-
             return AnalyticCostModel(shape, **analytic_kwargs)
     return FittedCostModel.load(path, shape)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import sys
 
 from .. import logs
+from . import fit, profile, report
 
 USAGE = """usage: python -m megatron_paradyse.costmodel COMMAND ...
 
@@ -21,13 +22,8 @@ def main(argv=None):
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     logs.setup(stream="stderr")  # progress; the commands' results go to stdout
-    if cmd == "profile":
-        from .profile import main as run
-    elif cmd == "fit":
-        from .fit import main as run
-    elif cmd == "report":
-        from .report import main as run
-    else:
+    run = {"profile": profile.main, "fit": fit.main, "report": report.main}.get(cmd)
+    if run is None:
         print(f"unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
         return 2
     return run(rest) or 0

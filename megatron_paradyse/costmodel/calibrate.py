@@ -27,7 +27,11 @@ import os
 import numpy as np
 
 from .. import logs
+from . import analytic
+from . import measure as M
 from .fit import _nnls
+from .ranks import run_ranks
+from .shape import ModelShape
 
 STRATS = ("tp_sp", "ulysses", "ring", "colossal", "metp")
 SEQS = (128, 256, 512)
@@ -49,9 +53,6 @@ def shapes(p):
 
 
 def _world(rank, world):
-    from megatron_paradyse.costmodel import measure as M
-    from megatron_paradyse.costmodel.shape import ModelShape
-
     out = []
     for p in (4, 2):
         for i, sd in enumerate(shapes(p)):
@@ -68,8 +69,6 @@ def _world(rank, world):
 
 
 def measure(timeout=900):
-    from .ranks import run_ranks
-
     per_rank = run_ranks(_world, 4, timeout=timeout)
     rows = []
     for i, row in enumerate(per_rank[0]):
@@ -106,9 +105,6 @@ def fit_phases(X, y, w, inits=(), iters=30):
 
 def fit(rows) -> dict:
     """``{strategy: [phase, ...]}``, each phase ``{basis term: coefficient}``."""
-    from . import analytic
-    from .shape import ModelShape
-
     table = {}
     for st in STRATS:
         sel = [r for r in rows if r["strategy"] == st]
@@ -130,9 +126,6 @@ def fit(rows) -> dict:
 
 def check(rows, table) -> list:
     """Per strategy: the worst error of the 4-layer stack's peak and of the layer's transient."""
-    from . import analytic
-    from .shape import ModelShape
-
     out = []
     for st in STRATS:
         e_stack = e_trans = 0.0

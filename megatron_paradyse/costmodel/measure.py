@@ -31,6 +31,12 @@ import torch
 import torch.distributed as dist
 
 from .. import device
+from ..memory import pass_memory
+from ..model import (FUSION_SWITCHES, add_model_args, build_gpt_from_args, complete_model_args,
+                     transformer_config)
+from ..parallel.buffers import pool_sizes, release_pool
+from ..parallel.dispatch import install, set_plan
+from .ranks import init_parallel
 from .shape import ModelShape
 
 _TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -50,8 +56,6 @@ def add_model_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     Embedding and output weights are always untied (the cost model counts both,
     ``analytic.static_bytes``): ``--untie-embeddings-and-output-weights`` is accepted."""
-    from ..model import add_model_args
-
     add_model_args(parser, defaults=DEMO_DEFAULTS)
     g = parser.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", "--p", dest="tensor_model_parallel_size", type=int,
@@ -102,8 +106,6 @@ def complete(args, p: int | None = None, dev: torch.device | None = None,
     (``model.complete_model_args``: derived sizes, padded vocabulary, dtype, fusions for the
     device); sequence parallelism on for p > 1; ``max_position_embeddings``
     ``max_seq`` where not given. Raises ``model.ModelArgsError``."""
-    from ..model import complete_model_args
-
     a = argparse.Namespace(**(dict(args) if isinstance(args, dict) else vars(args)))
     p = int(p if p is not None else a.tensor_model_parallel_size)
     a.tensor_model_parallel_size = p
@@ -119,8 +121,6 @@ def complete(args, p: int | None = None, dev: torch.device | None = None,
 def model_config(args, **overrides):
     """megatron-core's ``TransformerConfig`` of completed model flags (``model.transformer_config``,
     the trainer's)."""
-    from ..model import transformer_config
-
     return transformer_config(args, **overrides)
 
 
@@ -132,8 +132,6 @@ def shape_of(args) -> ModelShape:
 def describe_args(args) -> dict:
     """What of the completed flags shapes a layer's cost beyond ``ModelShape`` (for a profile's
     header): norm, position embedding, fusions, dropout, tying."""
-    from ..model import FUSION_SWITCHES
-
     keys = ["normalization", "norm_epsilon", "position_embedding_type", "rotary_percent", "rotary_base",
             "kv_channels", "hidden_dropout", "attention_dropout", "untie_embeddings_and_output_weights",
             "sequence_parallel", "max_position_embeddings"] + [d for d, _ in FUSION_SWITCHES.values()]
@@ -240,9 +238,6 @@ def build(shape: ModelShape, num_layers: int | None = None, max_seq: int = 8192,
     profiler's flags for ``shape``), with ``num_layers`` layers (default all), on this
     process's device. Returns ``(completed args, model)``; the model is wrapped in
     ``Float16Module`` under bf16, as the trainer's."""
-    import megatron_paradyse as mp
-    from ..model import build_gpt_from_args
-
     if dist.get_world_size() % shape.p:
         raise ValueError(f"the world has {dist.get_world_size()} ranks, not a multiple of the shape's p={shape.p}")
     a = complete(args if args is not None else model_args_for_shape(shape), shape.p, max_seq=max_seq)
@@ -254,14 +249,8 @@ def build(shape: ModelShape, num_layers: int | None = None, max_seq: int = 8192,
         a.num_layers = num_layers
     kw = {"create_gloo_process_groups": False} if is_fake() else {}
     init_parallel(shape.p, seed=a.seed, **kw)
-    mp.install()
+    install()
     return a, build_gpt_from_args(a, model_config(a))
-
-
-def init_parallel(p: int, seed: int = 1234, **kwargs) -> None:
-    from .ranks import init_parallel as init
-
-    init(p, seed, **kwargs)
 
 
 def make_batch(vocab: int, batch: int, seq: int, seed: int):
@@ -295,8 +284,6 @@ def free_after_oom(model=None) -> None:
     """After an out-of-memory pass (the exception and its traceback already dropped): the
     model's gradients and the communication pool released, garbage collected, then CUDA's
     cache emptied, so the next cell starts from the memory the failed one found."""
-    from megatron_paradyse.parallel.buffers import release_pool
-
     if model is not None:  # (no DDP here yet: its main_grad buffers are not touched)
         for prm in model.parameters():
             prm.grad = None
@@ -410,8 +397,6 @@ class LayerRunner:
         (gloo does), which now and then adds a temporary to one pass's count on one rank;
         the layer's own memory is the same every pass, so the least is the layer's.
         """
-        from megatron_paradyse.memory import pass_memory
-
         fwd, bwd = self.pass_fn(part, s, b)
         bwd(fwd())  # warm-up: persistent buffers and parameter gradients exist from here on
         saved_min = peak_min = None
@@ -429,8 +414,6 @@ class LayerRunner:
 def pool_after(forward, backward) -> dict:
     """``{"name/dtype": bytes}`` of the communication pool one fwd+bwd leaves, from an empty pool:
     what a micro-batch holds in the pool (released before each micro-batch in training)."""
-    from megatron_paradyse.parallel.buffers import pool_sizes, release_pool
-
     release_pool()
     backward(forward())
     got = pool_sizes()
@@ -439,9 +422,7 @@ def pool_after(forward, backward) -> dict:
 
 
 def set_strategy(model, name):
-    import megatron_paradyse as mp
-
-    mp.set_plan(model, [name] * len(unwrap(model).decoder.layers))
+    set_plan(model, [name] * len(unwrap(model).decoder.layers))
     reset_buffers()
 
 
@@ -480,8 +461,6 @@ class NonLayerRunner:
         return dec, saved
 
     def measure(self, s, b, warmup=1, repeats=3):
-        from megatron_paradyse.memory import pass_memory
-
         dec, layers = self._without_layers()
         try:
             fwd, bwd = self._pass(s, b)

@@ -46,11 +46,27 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from dataclasses import dataclass, replace
+from importlib.metadata import version
 
+import torch
+import torch.distributed as dist
+
+from .. import device
+from ..cpu_compat import RANK_ENV
+from ..device import default_backend
+from ..model import ModelArgsError
+from ..parallel.strategies import STRATEGIES, supports
+from ..paths import shown_argv
+from . import measure as M
+from .analytic import load_config
+from .measure import add_model_flags
+from .ranks import run_ranks
 from .shape import ModelShape
+from .sweep import rank_sweep
 
 FORMAT = "paradyse-profile/1"
 
@@ -86,17 +102,15 @@ class ProfileConfig:
     model_args: dict | None = None
 
     def __post_init__(self):
-        import megatron_paradyse as mp
-
         for name in ("seqs", "strategies", "batches", "parts"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         for name in ("seqs", "batches"):
             values = getattr(self, name)
             if not values or any(int(v) != v or v < 1 for v in values):
                 raise ValueError(f"--{name} must be positive integers, got {values}")
-        bad = [s for s in self.strategies if s not in mp.STRATEGIES]
+        bad = [s for s in self.strategies if s not in STRATEGIES]
         if bad:
-            raise ValueError(f"unknown strategies {bad}; known: {mp.STRATEGIES}")
+            raise ValueError(f"unknown strategies {bad}; known: {STRATEGIES}")
         if "layer" not in self.parts or set(self.parts) - {"layer", "attn", "mlp"}:
             raise ValueError("--parts must include 'layer' and only name layer, attn, mlp")
         self._check_fake()
@@ -109,8 +123,6 @@ class ProfileConfig:
             return
         if not 0 <= self.fake_rank < self.fake_world:
             raise ValueError(f"--fake-rank {self.fake_rank} is outside 0..{self.fake_world - 1}")
-        from .analytic import load_config
-
         nets = load_config("interconnects.json", self.interconnect_path)
         if self.interconnect not in nets:
             raise ValueError(f"unknown --interconnect {self.interconnect!r}; known: "
@@ -120,10 +132,6 @@ class ProfileConfig:
 def shape_from_args(args, p: int | None = None) -> ModelShape:
     """The ``ModelShape`` of the parsed model flags (completed on the CPU: the shape does not
     depend on the device)."""
-    import torch
-
-    from . import measure as M
-
     return M.shape_of(M.complete(args, p, torch.device("cpu")))
 
 
@@ -138,12 +146,8 @@ def parse_ints(text: str, what: str) -> list:
 
 
 def versions() -> dict:
-    import torch
-
     out = {"python": platform.python_version(), "torch": torch.__version__}
     try:
-        from importlib.metadata import version
-
         out["megatron-core"] = version("megatron-core")
     except Exception:  # noqa: BLE001
         pass
@@ -155,8 +159,6 @@ def hardware(rank_env: dict | None = None, dev_type: str | None = None) -> dict:
     what the spawned ranks started with; default this process's environment): CPU times of
     large tensors depend on it (``cpu_compat.RANK_ENV``). ``dev_type``: the ranks' device
     (``"cuda"``: the GPU's name and memory are recorded; CPU ranks on a GPU host record none)."""
-    import torch
-
     env = os.environ if rank_env is None else {**os.environ, **rank_env}
     hw = {"machine": platform.machine(), "cpus": os.cpu_count(), "node": platform.node(),
           "thp_mem_alloc_enable": env.get("THP_MEM_ALLOC_ENABLE"), "device": dev_type}
@@ -176,8 +178,6 @@ def hardware(rank_env: dict | None = None, dev_type: str | None = None) -> dict:
 
 def merge_ranks(per_rank: list) -> list:
     """One row per measurement: memory and median times are the max over ranks."""
-    import statistics
-
     out = []
     for i, row in enumerate(per_rank[0]):
         rows = [r[i] for r in per_rank]
@@ -220,8 +220,6 @@ def rank_backend(mode: str, cfg: ProfileConfig) -> str:
     """The backend whose device the ranks compute on (``device.select``): spawned ranks are gloo
     (CPU); launched ranks and the single-device mode default to this machine's
     (``device.default_backend()``: NCCL and the GPU where there is one)."""
-    from ..device import default_backend
-
     backend = cfg.backend
     if mode == "spawn":
         if backend not in (None, "gloo"):
@@ -269,10 +267,6 @@ def run_profile(shape: ModelShape, cfg: ProfileConfig, nproc: int | None = None,
 def _with_model_args(shape: ModelShape, cfg: ProfileConfig, dev_type: str) -> tuple:
     """``(cfg, completed flags)``: ``cfg`` holding its model flags (default the profiler's for
     ``shape``), checked to describe ``shape`` once completed for ``dev_type``."""
-    import torch
-
-    from . import measure as M
-
     margs = cfg.model_args
     if margs is None:
         margs = vars(M.model_args_for_shape(shape))
@@ -286,19 +280,12 @@ def _with_model_args(shape: ModelShape, cfg: ProfileConfig, dev_type: str) -> tu
 def _sweep_ranks(mode: str, backend: str, shape: ModelShape, cfg: ProfileConfig, nproc, timeout) -> list | None:
     """Every rank's rows (``sweep.rank_sweep``), on the ranks ``mode`` names; None on launched
     ranks other than 0 (rank 0 gathers them)."""
-    from .ranks import run_ranks
-    from .sweep import rank_sweep
-
     if mode == "fake":
         if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
             raise SystemExit("error: --fake-world runs in one process; do not launch it with torchrun")
         return run_ranks(rank_sweep, 1, shape.key(), cfg, timeout=timeout, backend="fake", fake_device=backend)
     if mode == "spawn":
         return run_ranks(rank_sweep, nproc or shape.p, shape.key(), cfg, timeout=timeout)
-    import torch.distributed as dist
-
-    from .. import device
-
     if not dist.is_initialized():
         device.select(backend)  # nccl: this rank's GPU, set before NCCL starts; gloo: the CPU
         dist.init_process_group(backend)
@@ -312,9 +299,6 @@ def _sweep_ranks(mode: str, backend: str, shape: ModelShape, cfg: ProfileConfig,
 
 def _header(shape: ModelShape, cfg: ProfileConfig, mode: str, dev_type: str, done, t0: float) -> dict:
     """The first line: shape, mode, machine, versions, the completed model flags, the sweep."""
-    from ..cpu_compat import RANK_ENV
-    from . import measure as M
-
     return {"type": "header", "format": FORMAT, "shape": shape.key(), "p": shape.p, "dtype": shape.dtype,
             "mode": mode, "fake_rank": cfg.fake_rank, "interconnect": cfg.interconnect if mode == "fake" else None,
             "hardware": hardware(None if mode == "torchrun" else RANK_ENV, dev_type),
@@ -355,10 +339,6 @@ def read_profile(path: str) -> tuple[dict, list]:
 def build_parser() -> argparse.ArgumentParser:
     """The profiler's command line: the trainer's model flags (``measure.add_model_flags``) and
     the sweep's."""
-    import megatron_paradyse as mp
-
-    from .measure import add_model_flags
-
     ap = argparse.ArgumentParser(prog="python -m megatron_paradyse.costmodel profile",
                                  description="Profile one decoder layer per strategy over a sweep of lengths.")
     add_model_flags(ap)
@@ -372,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--interconnect-config", default=None, help="your own interconnects JSON")
     ap.add_argument("--seqs", default="128,256,512,1024,2048,4096")
     ap.add_argument("--batches", default="1")
-    ap.add_argument("--strategies", default=",".join(mp.STRATEGIES))
+    ap.add_argument("--strategies", default=",".join(STRATEGIES))
     ap.add_argument("--parts", default="layer,attn,mlp", help="which passes to time")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
@@ -390,8 +370,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _command(argv) -> str:
     """How this profile was asked for, without the machine's absolute paths."""
-    from ..paths import shown_argv
-
     return "python -m megatron_paradyse.costmodel profile " + shown_argv(sys.argv[1:] if argv is None else argv)
 
 
@@ -423,8 +401,6 @@ def main(argv=None):
 
 def _config(args, argv) -> ProfileConfig:
     """The sweep the flags ask for (ValueError for a bad one)."""
-    from . import measure as M
-
     return ProfileConfig(
         seqs=parse_ints(args.seqs, "--seqs"), batches=parse_ints(args.batches, "--batches"),
         strategies=[s for s in args.strategies.split(",") if s], parts=[x for x in args.parts.split(",") if x],
@@ -460,13 +436,6 @@ def _world_p(ap, args, seqs) -> int:
 def _checked_shape(ap, cfg: ProfileConfig, p: int, dev_type: str) -> ModelShape:
     """The model's shape, its flags completed as the ranks will complete them for their device,
     every strategy able to run it and the profile able to run there."""
-    import torch
-
-    import megatron_paradyse as mp
-
-    from . import measure as M
-    from ..model import ModelArgsError
-
     if dev_type == "cuda" and not torch.cuda.is_available():
         ap.error("--distributed-backend nccl needs CUDA, which this machine does not have")
     try:
@@ -476,7 +445,7 @@ def _checked_shape(ap, cfg: ProfileConfig, p: int, dev_type: str) -> ModelShape:
         ap.error(str(e))
     shape = M.shape_of(done)
     for st in cfg.strategies:
-        ok, why = mp.supports(st, config, p)
+        ok, why = supports(st, config, p)
         if not ok:
             ap.error(f"strategy {st} cannot run this model at p={p}: {why}")
     why = unsupported(shape, cfg, dev_type)

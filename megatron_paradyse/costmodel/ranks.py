@@ -7,6 +7,9 @@ that does not finish is killed at the deadline.
 """
 from __future__ import annotations
 
+import torch
+
+from .. import cpu_compat
 from ..launch import WorldError as RankError  # noqa: F401  (re-exported)
 from ..launch import run_ranks  # noqa: F401  (re-exported)
 
@@ -14,10 +17,7 @@ from ..launch import run_ranks  # noqa: F401  (re-exported)
 def init_parallel(p: int, seed: int = 1234, **kwargs) -> None:
     """Megatron's parallel state (TP = ``p``) over the initialised world, and its seeds; on the
     CPU the CPU shims first (``cpu_compat.apply`` is a no-op where the GPU was chosen)."""
-    import torch
     from megatron.core import parallel_state, tensor_parallel
-
-    from .. import cpu_compat
 
     cpu_compat.apply()
     if parallel_state.model_parallel_is_initialized():

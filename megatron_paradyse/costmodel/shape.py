@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -86,8 +88,6 @@ class ModelShape:
     @classmethod
     def from_config(cls, config, vocab: int, p: int | None = None) -> "ModelShape":
         """From a megatron ``TransformerConfig``; ``vocab`` is the padded vocabulary."""
-        import torch
-
         p = p if p is not None else config.tensor_model_parallel_size
         dt = getattr(config, "params_dtype", torch.float32)
         dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dt)

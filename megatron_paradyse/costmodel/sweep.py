@@ -12,6 +12,10 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
+import torch.distributed as dist
+
+from .. import device
 from . import analytic
 from . import measure as M
 from .shape import ModelShape
@@ -44,11 +48,6 @@ class Sweep:
     logs it), and the decisions every rank takes together (one all-reduce each)."""
 
     def __init__(self, rank: int, shape: ModelShape, cfg):
-        import torch
-        import torch.distributed as dist
-
-        from .. import device
-
         self.logs_progress = rank == 0  # the process that logs it (also in fake mode)
         if cfg.fake_world:
             M.init_fake(cfg.fake_rank, cfg.fake_world)
@@ -79,9 +78,6 @@ class Sweep:
     def failed_ranks(self, failed: bool) -> list:
         """The ranks on which ``failed`` is true, known to every rank: one all-reduce (MAX) of a
         one-hot vector on this rank's device (every rank calls it at the same point)."""
-        import torch
-        import torch.distributed as dist
-
         flags = torch.zeros(self.n_ranks, device=self.dev)
         if failed:
             flags[self.me] = 1.0

@@ -11,7 +11,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+import numpy as np
+
 from .. import logs
+from .corpus import stdlib_corpus
+from .datasets import DocumentDataset
+from .preprocess import preprocess
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,21 +50,13 @@ def main(argv=None) -> int:
     logs.setup(stream="stderr" if args.cmd == "corpus" else "stdout")  # corpus: stdout is the prefix
     try:
         if args.cmd == "preprocess":
-            from .preprocess import preprocess
-
             preprocess(args.input, args.output_prefix, tokenizer=args.tokenizer,
                        patterns=tuple(args.pattern or ("*.txt",)), exclude_dirs=tuple(args.exclude_dir),
                        json_key=args.json_key, append_eod=not args.no_append_eod,
                        histogram=not args.no_histogram)
         elif args.cmd == "corpus":
-            from .corpus import stdlib_corpus
-
             print(stdlib_corpus(args.cache_dir))
         elif args.cmd == "stats":
-            import numpy as np
-
-            from .datasets import DocumentDataset
-
             ds = DocumentDataset(args.prefix, 1 << 62, shuffle=False, long_docs="split")
             docs = np.asarray(ds.sample_lengths()) + 1
             print(f"{args.prefix}: {ds.num_documents} documents, {int(docs.sum()):,} tokens")

@@ -34,6 +34,8 @@ import os
 import numpy as np
 import torch
 
+from .preprocess import read_meta
+
 log = logging.getLogger(__name__)
 
 
@@ -255,8 +257,6 @@ class DocumentDataset:
 
 
 def _read_meta(prefix: str):
-    from .preprocess import read_meta
-
     try:
         return read_meta(prefix)
     except (OSError, ValueError):

@@ -20,6 +20,7 @@ import os
 import time
 
 import numpy as np
+import torch
 
 from .tokenizers import build_tokenizer
 
@@ -82,7 +83,6 @@ def preprocess(source: str, output_prefix: str, tokenizer: str = "byte", pattern
     metadata written to ``.meta.json``. Raises ``ValueError`` if no non-empty document is found.
     """
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
-    import torch
 
     t0 = time.perf_counter()
     tok = build_tokenizer(tokenizer)

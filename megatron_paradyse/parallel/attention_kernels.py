@@ -17,6 +17,7 @@ import inspect
 import logging
 
 import torch
+import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -218,8 +219,6 @@ def causal_attention(q, k, v, scale: float):
     torch's ``scaled_dot_product_attention`` (flash on CPU and for fp16/bf16 on CUDA), for the
     strategies that attend over whole sequences and need no log-sum-exp (``tp_sp``, ``ulysses``).
     """
-    import torch.nn.functional as F
-
     rep = q.shape[1] // k.shape[1]
     if rep > 1 and q.is_cuda and q.dtype == torch.float32:
         # fp32 CUDA has no flash kernel and SDPA's GQA would fall back to the quadratic math one

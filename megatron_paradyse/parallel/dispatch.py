@@ -9,7 +9,10 @@ whichever strategy ran in forward.
 """
 from __future__ import annotations
 
+import torch
+
 from . import strategies
+from .plan_check import PlanMismatchError, verify_plans
 from .plans import normalize_plan
 from .strategies.base import STOCK_FORWARD
 
@@ -146,8 +149,6 @@ def set_plan(model, plan, verify: bool = False, group=None) -> tuple:
     """
     if not verify:
         return _set_plan(model, plan)
-    from .plan_check import PlanMismatchError, verify_plans
-
     previous, result, error, exc = None, None, None, None
     try:
         previous = get_plan(model)
@@ -211,7 +212,6 @@ _MODULES_CHECKED = "_paradyse_modules_checked"
 def _local_spec_modules() -> dict:
     """Each decoder-layer submodule the strategies read or replace, and the types megatron-core's
     local layer spec (``get_gpt_layer_local_spec``) builds there (exact types, no subclasses)."""
-    import torch
     from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import SelfAttention

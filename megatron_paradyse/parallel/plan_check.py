@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..device import current
 from .plans import describe, plan_hash
 
 
@@ -22,8 +23,6 @@ _NEG_INF = -(1 << 63)
 def collective_device():
     """The device collectives of this process take (the device decision: cuda under NCCL,
     cpu under gloo)."""
-    from ..device import current
-
     return current()
 
 

@@ -11,11 +11,18 @@ that fits with the leanest plan.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from .. import logs
+from ..costmodel import build_cost_model, demo_shape
+from ..costmodel.analytic import AnalyticCostModel
+from ..costmodel.fitted import FittedCostModel
+from ..parallel.plans import describe
 from ..units import GiB, MiB
+from . import build_planner
 from .core import fmt_bytes
+from .heuristic import HeuristicPlanner
 
 
 def parse_length(text: str) -> int:
@@ -54,35 +61,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_model(a):
-    from ..costmodel import ModelShape, build_cost_model, demo_shape
-
     if a.cost_model and not a.analytic:
-        from ..costmodel.fitted import FittedCostModel
-
         return FittedCostModel.load(a.cost_model)
     shape = demo_shape(a.p)
     over = {k: v for k, v in dict(num_layers=a.num_layers, hidden=a.hidden_size, heads=a.num_attention_heads,
                                     ffn=a.ffn_hidden_size).items() if v is not None}
     if over:
-        import dataclasses
-
         if "heads" in over:
             over["query_groups"] = over["heads"]
         shape = dataclasses.replace(shape, **over)
     if a.analytic:
-        from ..costmodel.analytic import AnalyticCostModel
-
         return AnalyticCostModel(shape)
     return build_cost_model(shape)
 
 
 def explain(planners: dict, s: int, b: int) -> str:
     """The table of every candidate plan at ``(s, b)`` and what each planner chose (the command's output)."""
-    from ..parallel.plans import describe
-
     any_pl = next(iter(planners.values()))
-    from .heuristic import HeuristicPlanner
-
     h = planners.get("heuristic") or HeuristicPlanner(any_pl.cm, any_pl.budget, gamma=0.0,
                                                        margin_bytes=any_pl.margin, strategies=any_pl.strategies)
     costs = h.costs(s, b)
@@ -122,8 +117,6 @@ def main(argv=None) -> int:
     if a.memory_budget <= 0:
         print("error: --memory-budget must be positive (GiB)", file=sys.stderr)
         return 2
-    from . import build_planner
-
     cm = load_model(a)
     kinds = ("heuristic", "optimal") if a.planner == "both" else (a.planner,)
     margin = None if a.memory_margin is None else a.memory_margin * GiB

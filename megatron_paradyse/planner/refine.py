@@ -21,6 +21,11 @@ from __future__ import annotations
 
 import math
 
+import torch
+import torch.distributed as dist
+
+from ..parallel.plan_check import collective_device
+
 NUM_BUCKETS = 40
 
 
@@ -109,13 +114,8 @@ class Refinement:
 
     def step(self, contribution, group=None) -> bool:
         """All-reduce (SUM) ``contribution`` over ``group`` (the world by default) and :meth:`apply` it."""
-        import torch
-        import torch.distributed as dist
-
         t = torch.tensor(contribution, dtype=torch.float64)
         if dist.is_available() and dist.is_initialized():
-            from ..parallel.plan_check import collective_device
-
             t = t.to(collective_device())
             dist.all_reduce(t, group=group)
             t = t.cpu()

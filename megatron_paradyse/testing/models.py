@@ -8,9 +8,12 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 
+from .. import cpu_compat
 # the comparison helpers are the check's (product code), shared with the tests
 from ..check.compare import allreduce_sequence_parallel_grads, forward_backward, gather_full  # noqa: F401
+from ..model import build_gpt as build
 
 
 @dataclasses.dataclass
@@ -29,7 +32,6 @@ class TinyGPT:
     params_dtype: torch.dtype = torch.float32
 
     def transformer_config(self, tp: int, sequence_parallel: bool):
-        import torch.nn.functional as F
         from megatron.core.transformer import TransformerConfig
 
         return TransformerConfig(
@@ -53,8 +55,6 @@ def init_megatron(tp: int, seed: int = 1234, **kwargs) -> None:
     """Initialise megatron's parallel state over the already-initialised world (CPU shims included)."""
     from megatron.core import parallel_state, tensor_parallel
 
-    from .. import cpu_compat
-
     cpu_compat.apply()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
@@ -65,8 +65,6 @@ def init_megatron(tp: int, seed: int = 1234, **kwargs) -> None:
 def build_gpt(spec: TinyGPT, tp: int, seed: int = 1234, sequence_parallel: bool = True):
     """A stock ``GPTModel`` (the package's one builder, ``megatron_paradyse.model``: megatron's
     local layer spec) with weights drawn from ``seed``, on this process's device."""
-    from ..model import build_gpt as build
-
     config = spec.transformer_config(tp, sequence_parallel)
     return build(config, spec.vocab_size, spec.max_seq_length, position_embedding_type="rope",
                  share_embeddings_and_output_weights=False, seed=seed)

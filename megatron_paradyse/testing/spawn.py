@@ -7,16 +7,21 @@ with its traceback; a hung world is killed at the deadline instead of hanging it
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 import pickle
 import queue
+import sys
 import tempfile
 import time
 import traceback
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 from ..cpu_compat import RANK_ENV
+from ..device import select
 from ..launch import WorldError, process_env, run_ranks  # noqa: F401  (WorldError re-exported)
 
 
@@ -29,8 +34,6 @@ def fake_cuda_available() -> None:
     backend's device decision, not CUDA's presence). ``tests/conftest.py`` and every rank
     this module starts call it."""
     if os.environ.get(FAKE_CUDA_ENV) == "1":
-        import torch
-
         torch.cuda.is_available = lambda: True
 
 
@@ -58,10 +61,6 @@ def _case_child(fn, args, rank, world_size, store_path, result_path, log_path, c
     os.dup2(fd, 2)
     code = 0
     try:
-        import torch.distributed as dist
-
-        from ..device import select
-
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
         fake_cuda_available()
         select("gloo")
@@ -78,8 +77,6 @@ def _case_child(fn, args, rank, world_size, store_path, result_path, log_path, c
         with open(result_path, "wb") as f:
             pickle.dump(("error", traceback.format_exc()), f)
         code = 1
-    import sys
-
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # no interpreter shutdown (it could wait on the process group)
@@ -89,10 +86,6 @@ def _zygote(rank, world_size, cases, tmpdir, preload, env, timeout, results):
     """Import once, then fork one child per case; report each child's outcome and exit time."""
     os.environ.update(env)
     try:
-        import importlib
-
-        import torch
-
         torch.set_num_threads(1)
         for name in preload:
             importlib.import_module(name)

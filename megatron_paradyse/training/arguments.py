@@ -14,7 +14,13 @@ import argparse
 import logging
 import os
 
+import torch
+
+from ..device import default_backend, usable_memory_bytes
 from ..model import ModelArgsError, add_model_args, complete_model_args, transformer_config
+from ..parallel.plans import parse_plan
+from ..parallel.strategies import STRATEGIES, supports
+from ..units import GiB
 
 log = logging.getLogger(__name__)
 
@@ -299,11 +305,7 @@ def _check_parallel(args, world_size: int, tp: int) -> None:
 
 def _check_backend(args) -> None:
     """The backend (the device decision: gloo is the CPU) and what needs CUDA or apex/TE."""
-    import torch
-
     if args.distributed_backend is None:
-        from ..device import default_backend
-
         args.distributed_backend = default_backend()
     if args.distributed_backend == "nccl" and not torch.cuda.is_available():
         _err("--distributed-backend nccl needs CUDA; use gloo on CPU")
@@ -363,8 +365,6 @@ def _check_data(args) -> None:
 
 def _complete_model(args, tp: int) -> None:
     """The model flags completed for the chosen device (``model.complete_model_args``)."""
-    import torch
-
     on_cpu = args.distributed_backend == "gloo"
     try:
         args.model_notes = complete_model_args(args, tp, torch.device("cpu" if on_cpu else "cuda"))
@@ -407,18 +407,14 @@ def check_fixed_plan(args, tp: int, error=ArgumentError, config=None) -> None:
     """``--paradyse-plan`` parsed for ``args.num_layers``, and every strategy it names able to run
     this model over TP = ``tp``; else ``error`` (the caller's exception type) naming the flag.
     ``config``: the model's ``TransformerConfig`` (default: built from this parser's flags)."""
-    from ..parallel.plans import parse_plan
-
     try:
         rule = parse_plan(args.paradyse_plan, args.num_layers)
     except ValueError as e:
         raise error(f"--paradyse-plan {args.paradyse_plan!r}: {e}") from None
     if config is None:
         config = transformer_config_from_args(args)
-    import megatron_paradyse as mp
-
     for name in rule.strategies():
-        ok, why = mp.supports(name, config, tp)
+        ok, why = supports(name, config, tp)
         if not ok:
             raise error(f"--paradyse-plan uses {name!r}, which cannot run this model over "
                         f"TP={tp}: {why}")
@@ -471,10 +467,8 @@ def validate_planner_args(args, tp: int, config=None) -> None:
         _err("--paradyse-gamma must be >= 0")
     if config is None:
         config = transformer_config_from_args(args)
-    import megatron_paradyse as mp
-
-    why = {n: mp.supports(n, config, tp) for n in mp.STRATEGIES}
-    args.paradyse_planner_strategies = tuple(n for n in mp.STRATEGIES if why[n][0])
+    why = {n: supports(n, config, tp) for n in STRATEGIES}
+    args.paradyse_planner_strategies = tuple(n for n in STRATEGIES if why[n][0])
     if not args.paradyse_planner_strategies:
         _err(f"no ParaDySe strategy can run this model over TP={tp}: "
              + "; ".join(f"{n}: {r}" for n, (_, r) in why.items()))
@@ -485,9 +479,7 @@ def default_memory_budget_gib() -> float:
     (``megatron_paradyse.device.usable_memory_bytes``: on GPU free + torch-reserved memory
     less a reserve for NCCL/cuBLAS buffers made later, measured when the planner is built,
     after the model and optimizer; on CPU the host's memory divided by the node's ranks)."""
-    from ..device import usable_memory_bytes
-
-    return usable_memory_bytes() / float(1 << 30)
+    return usable_memory_bytes() / GiB
 
 
 def transformer_config_from_args(args, **overrides):

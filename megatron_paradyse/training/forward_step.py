@@ -5,6 +5,9 @@ from functools import partial
 
 import torch
 
+from ..parallel.buffers import release_pool
+from ..parallel.dispatch import set_plan
+
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """Megatron-LM's per-token GPT loss: (sum of masked token losses, real tokens, report)."""
@@ -24,11 +27,8 @@ def forward_step(data_iterator, model, paradyse: bool = True):
     """
     mb = next(data_iterator)
     if paradyse:
-        import megatron_paradyse as mp
-        from megatron_paradyse.parallel.buffers import release_pool
-
         release_pool()
-        mp.set_plan(model, mb.plan)
+        set_plan(model, mb.plan)
     dev = next(model.parameters()).device
     mb = mb.to(dev)
     output = model(mb.tokens, mb.position_ids, None, labels=mb.labels)

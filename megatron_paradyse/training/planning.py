@@ -6,8 +6,12 @@ from __future__ import annotations
 import logging
 import os
 
+from ..costmodel import ModelShape, build_cost_model
 from ..device import current as current_device
 from ..device import is_cpu
+from ..planner import build_planner, make_plan_fn
+from ..units import GiB
+from .arguments import default_memory_budget_gib
 
 log = logging.getLogger(__name__)
 
@@ -25,11 +29,6 @@ def planner_from_args(args, can_refine: bool = True):
     command line's handler shows rank 0's) and, on rank 0, a cost model profiled elsewhere.
     """
     from megatron.core.utils import log_single_rank
-
-    from ..costmodel import ModelShape, build_cost_model
-    from ..planner import build_planner, make_plan_fn
-    from ..units import GiB
-    from .arguments import default_memory_budget_gib
 
     cm = build_cost_model(ModelShape.from_args(args), path=args.paradyse_cost_model)
     budget = args.paradyse_memory_budget

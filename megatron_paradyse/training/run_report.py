@@ -19,6 +19,9 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..parallel.buffers import pool_sizes
+from ..parallel.plan_check import collective_device
+from ..parallel.plans import describe
 from ..units import MiB
 
 
@@ -26,8 +29,6 @@ def pool_bytes() -> int:
     """Bytes megatron's global memory buffer holds now (the communication pool): counted in a
     step's peak, since the step's tracker sees only what the step allocates. Zero between
     ParaDySe steps (the pool is released); stock Megatron keeps its ``mpu`` gather buffer."""
-    from ..parallel.buffers import pool_sizes
-
     return sum(pool_sizes().values())
 
 
@@ -57,8 +58,6 @@ class RunReport:
 
     # ------------------------------------------------------------------ end of run
     def summary(self) -> str:
-        from ..parallel.plans import describe
-
         st = self.steps
         if not st:
             return "> run report: no steps"
@@ -104,8 +103,6 @@ class RunReport:
             import matplotlib.pyplot as plt
         except ImportError:
             return None
-        from ..parallel.plans import describe
-
         st = self.steps
         it = [s["iteration"] for s in st]
         points = []  # (iteration, length, plan) per micro-batch
@@ -153,8 +150,6 @@ class RunReport:
 def max_over_ranks(x: float) -> float:
     if not dist.is_initialized():
         return x
-    from ..parallel.plan_check import collective_device
-
     t = torch.tensor([float(x)], dtype=torch.float64, device=collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())

@@ -32,15 +32,25 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .. import cpu_compat
 from .. import data as pdata
 from .. import logs
 from ..device import select as select_device
 from ..device import synchronize
+from ..memory import PeakMemory, static_bytes
+from ..model import build_gpt_from_args
+from ..parallel.buffers import release_pool
+from ..parallel.dispatch import install
 from ..parallel.plan_check import collective_device
-from .forward_step import forward_step
-from .iterator import PlannedIterator
 from ..parallel.plans import describe_plans, parse_plan, rule_plan_fn
 from ..units import GiB, MiB
+from . import checkpointing
+from .arguments import ArgumentError, parse_args, transformer_config_from_args
+from .faults import FailFast
+from .forward_step import forward_step
+from .iterator import PlannedIterator
+from .planning import planner_from_args
+from .run_report import RunReport, max_over_ranks, pool_bytes
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +60,6 @@ log = logging.getLogger(__name__)
 def build_model(args, config):
     """The stock GPTModel for the parsed flags (megatron_paradyse.model: the builder the
     profiler and the check use too), on this process's device."""
-    from ..model import build_gpt_from_args
-
     return build_gpt_from_args(args, config)
 
 
@@ -118,8 +126,6 @@ class Trainer:
         self._init_parallel()
         self._build_model_and_optimizer()
         if self.args.load:
-            from . import checkpointing
-
             self.iteration = checkpointing.load_checkpoint(self.args, self.model, self.optimizer,
                                                            self.scheduler, iteration=self.args.ckpt_step)
         self._build_planner()
@@ -128,9 +134,6 @@ class Trainer:
     def _init_parallel(self):
         """The CPU shims where the CPU was chosen, the plugin, megatron's parallel state, seeds."""
         from megatron.core import parallel_state, tensor_parallel
-
-        from .. import cpu_compat
-        from ..parallel.dispatch import install
 
         args = self.args
         if not dist.is_initialized():
@@ -158,8 +161,6 @@ class Trainer:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
 
-        from .arguments import transformer_config_from_args
-
         args = self.args
         self.config = transformer_config_from_args(args)
         for note in args.model_notes:
@@ -183,8 +184,6 @@ class Trainer:
         args = self.args
         self.planner, self._planner_fn = None, None
         if args.paradyse and self.plan_fn is None and args.paradyse_plan is None:
-            from .planning import planner_from_args
-
             self.planner, self._planner_fn = planner_from_args(args)
 
     def _build_data(self):
@@ -226,9 +225,6 @@ class Trainer:
         """
         if self._planner_fn is None and report is None:
             return self.train_step(), ""
-        from ..memory import PeakMemory, static_bytes
-        from .run_report import max_over_ranks, pool_bytes
-
         static, held = static_bytes(self.model, self.optimizer), pool_bytes()  # live before the tracker
         with PeakMemory() as m:
             stats = self.train_step()
@@ -287,8 +283,6 @@ class Trainer:
             micro_batch_size=args.micro_batch_size, forward_only=False,
         )
         if args.paradyse:
-            from ..parallel.buffers import release_pool
-
             release_pool()  # nothing of the pool outlives the step (see forward_step)
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
@@ -346,8 +340,6 @@ class Trainer:
         args = self.args
         if not args.paradyse_run_report:
             return None
-        from .run_report import RunReport
-
         budget = args.paradyse_memory_budget
         return RunReport(budget_bytes=None if budget is None else float(budget) * GiB)
 
@@ -373,8 +365,6 @@ class Trainer:
             pass
 
     def save(self):
-        from . import checkpointing
-
         t0 = time.perf_counter()
         with self._params_gathered():
             path = checkpointing.save_checkpoint(self.args, self.iteration, self.model, self.optimizer,
@@ -439,8 +429,6 @@ def init_distributed(args) -> None:
 
 def main(argv=None) -> int:
     """``pretrain_gpt_paradyse.py`` on megatron-core: parse, validate (before any collective), train."""
-    from .arguments import ArgumentError, parse_args
-
     logs.setup()
     try:
         args = parse_args(argv)
@@ -449,8 +437,6 @@ def main(argv=None) -> int:
             print(f"pretrain_gpt_paradyse.py: error: {e}", file=sys.stderr, flush=True)
         return 2
     init_distributed(args)
-    from .faults import FailFast
-
     # A failure on any rank ends every rank within seconds, with its error in the log and a
     # non-zero exit status (training/faults.py): no barrier or clean-up on the error path.
     with FailFast():

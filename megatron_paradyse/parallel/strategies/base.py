@@ -13,6 +13,7 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 STOCK_FORWARD = "paradyse_stock_forward"
 
@@ -212,8 +213,6 @@ def apply_activation(mlp, x, bias, shards: int):
     ``MLP.forward`` (megatron's fused kernels where it uses them): megatron-core has no
     activation function separate from ``MLP.forward``, whose fc1/fc2 are its TP linears.
     """
-    import torch.nn.functional as F
-
     cfg = mlp.config
     lead = x.shape[:-1]
     x = x.reshape(-1, shards, x.shape[-1] // shards)  # [tokens, shards, shard width]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ...parallel.plan_check import collective_device
+
 
 class CheckpointError(RuntimeError):
     """A save or load failed; raised on every rank together (never one rank alone)."""
@@ -38,8 +40,6 @@ def agree(local_error: str | None, what: str) -> None:
         if local_error:
             raise CheckpointError(f"{what} failed: {local_error}")
         return
-    from ...parallel.plan_check import collective_device
-
     flag = torch.tensor([1 if local_error else 0], dtype=torch.int64, device=collective_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if int(flag.item()) == 0:

@@ -7,12 +7,14 @@ import logging
 import os
 
 import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
 
+from ...parallel.dispatch import unwrap
 from .atomic import TRACKER, checkpoint_dir, read_tracker
 from .collective import CheckpointError, agree, decide, world
 from .manifest import MANIFEST, check_files, read_manifest
 from .rng import set_rng_state
-from .state import layout, sharded_state_dict, unwrap
+from .state import layout, sharded_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +53,6 @@ def _inspect(path: str) -> dict:
     keys = set(common)
     metadata = os.path.join(path, ".metadata")
     if os.path.isfile(metadata):  # torch_dist: prefixes of the sharded entries
-        from torch.distributed.checkpoint import FileSystemReader
-
         for k in FileSystemReader(path).read_metadata().state_dict_metadata:
             keys.add(k.split("/", 1)[0].split(".", 1)[0])
     else:  # another sharded format: try everything

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from ...parallel.dispatch import unwrap
 from .rng import rng_sharded_object, rng_state
 
 CHECKPOINT_VERSION = 3.0
@@ -15,13 +16,6 @@ def layout() -> dict:
 
     return {"tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
             "data_parallel_size": parallel_state.get_data_parallel_world_size()}
-
-
-def unwrap(model):
-    """The ``GPTModel`` inside DDP / Float16Module wrappers."""
-    from ...parallel.dispatch import unwrap
-
-    return unwrap(model)
 
 
 def _optimizer_metadata(args) -> dict:

@@ -3,14 +3,14 @@ it: 0.16 reads and broadcasts it in ``megatron.training.utils``, 0.19 broadcasts
 rank 0 read with ``megatron.core.utils``."""
 from __future__ import annotations
 
+from ... import data as pdata
+
 
 def tp_batches(holder: list, args, multiple: int):
     """Endless micro-batches from ``holder[0]`` (the data iterator of the current forward step;
     ``None`` off TP rank 0), each cut after its last loss-bearing token (rounded up to
     ``multiple``)."""
     from megatron.training import utils as mutils
-
-    from ... import data as pdata
 
     get_batch_on_this_tp_rank = getattr(mutils, "get_batch_on_this_tp_rank", None)
     while True:

@@ -3,10 +3,15 @@ Megatron-LM's script as ``__main__`` with the hooks; ``pretrain_gpt_paradyse.py
 --paradyse-trainer megatron`` runs Megatron-LM 0.16's ``pretrain()`` with ParaDySe's providers."""
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 
-from ... import logs
+import torch
+
+from ... import cpu_compat_training, logs
+from ...device import select
+from ...norms import install_sp_norm
 from .hooks import install_hooks, original
 from .providers import paradyse_datasets_provider, paradyse_model_provider
 
@@ -24,11 +29,6 @@ def _select_device(argv) -> None:
     without CUDA), made before Megatron initialises: the allocator settings and the current
     device on GPUs, the CPU shims on CPU ranks. With sequence parallelism megatron's
     ``WrappedTorchNorm`` (the local spec's RMSNorm on every image) builds the SP torch norm."""
-    import torch
-
-    from ...device import select
-    from ...norms import install_sp_norm
-
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     for i, a in enumerate(argv):
         if a == "--distributed-backend" and i + 1 < len(argv):
@@ -37,8 +37,6 @@ def _select_device(argv) -> None:
             backend = a.split("=", 1)[1]
     select(backend)
     if backend == "gloo":
-        from ... import cpu_compat_training
-
         cpu_compat_training.apply()
     if "--sequence-parallel" in argv:
         install_sp_norm()
@@ -94,8 +92,6 @@ def megatron_lm_main() -> None:
     logs.setup()
     _select_device(sys.argv[1:])
     install_hooks()
-    import inspect
-
     from megatron.training import pretrain
 
     first = next(iter(inspect.signature(original(sys.modules["megatron.training.training"], "pretrain"))

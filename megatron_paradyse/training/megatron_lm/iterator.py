@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
+from ...units import MiB
 from ...parallel.plans import describe_plans, parse_plan, rule_plan_fn
 from ..iterator import PlannedIterator
 from ..planning import planner_from_args
@@ -27,8 +30,6 @@ def planned_iterator(data_iterator, model):
     """
     from megatron.core import parallel_state
     from megatron.training import get_args
-
-    import torch
 
     args = get_args()
     key = bool(model.training)
@@ -92,6 +93,6 @@ class _LoggedPlannedIterator(PlannedIterator):
                 if got:
                     update = self.plan_fn.planner.update_seconds()  # once per step
                     line += (f" | pred: {sum(c.seconds for c in got) + update:.3f} s, peak "
-                             f"{max(c.peak_bytes for c in got) / 2 ** 20:.1f} MiB")
+                             f"{max(c.peak_bytes for c in got) / MiB:.1f} MiB")
             log.info(line)
         return items

@@ -2,7 +2,10 @@
 document datasets and the local-spec GPT."""
 from __future__ import annotations
 
+import torch
+
 from ... import data as pdata
+from ...parallel.dispatch import install
 from ..forward_step import forward_step
 from .iterator import planned_iterator
 
@@ -26,9 +29,7 @@ def paradyse_forward_step(stock_forward_step=None):
         if not paradyse and stock_forward_step is not None:
             return stock_forward_step(data_iterator, model, *unused_args, **unused_kwargs)
         if paradyse:
-            import megatron_paradyse as mp
-
-            mp.install()
+            install()
         it = planned_iterator(data_iterator, model)
         return forward_step(it, model, paradyse=paradyse)
 
@@ -73,8 +74,6 @@ class _MaskedView(pdata.FixedLengthView):
         self.with_mask, self.offset = with_mask, offset
 
     def __getitem__(self, i):
-        import torch
-
         if not 0 <= int(i) < len(self):
             raise IndexError(i)
         out = super().__getitem__(int(i) + self.offset)
