@@ -296,6 +296,11 @@ def comm_seconds(strategy: str, shape: ModelShape, s: int, b: int, net: dict) ->
 # colossal materializes its score rows and runs its own kernels.
 ATTENTION_KERNEL = {"tp_sp": "flash", "ulysses": "flash", "ring": "flash", "metp": "flash", "colossal": "rows"}
 COMM_KINDS = ("allgather", "reducescatter", "alltoall", "p2p", "broadcast", "reduce")
+# the collective kinds whose bytes share one fitted rate: the ring-algorithm collectives and the
+# tree ones of metp's weights (one per strategy's profile would not be told apart from its fixed
+# cost), the all-to-all, the point-to-point hops
+COMM_CLASS = {"allgather": "collective", "reducescatter": "collective", "broadcast": "collective",
+              "reduce": "collective", "alltoall": "alltoall", "p2p": "p2p"}
 
 
 def wire_bytes(kind: str, nbytes: float, p: int) -> float:
@@ -312,14 +317,17 @@ def time_features(strategy: str, shape: ModelShape, s: int, b: int) -> dict:
 
     ``gemm_flops`` (linear in ``b*s``), ``attn_flops`` (``b*s**2``; its kernel class in
     :data:`ATTENTION_KERNEL`), ``bytes:<kind>`` (wire bytes per collective kind, from
-    :func:`comm_ops`), ``messages`` (collective calls) and ``layer`` (1: the fixed cost of the
-    layer's kernel launches and messages). Time = sum of rate x feature, rates fitted."""
+    :func:`comm_ops`) and ``comm:<class>`` (their sums by :data:`COMM_CLASS`), ``messages``
+    (collective calls) and ``layer`` (1: the fixed cost of the layer's kernel launches and
+    messages). Time = sum of rate x feature, rates fitted (``fit.fit_time_rates``)."""
     gemm, att = flops_parts(strategy, shape, s, b)
     out = {"layer": 1.0, "gemm_flops": gemm, "attn_flops": att, "messages": 0.0}
     out.update({f"bytes:{k}": 0.0 for k in COMM_KINDS})
     for kind, nb, count in comm_ops(strategy, shape, s, b):
         out[f"bytes:{kind}"] += count * wire_bytes(kind, nb, shape.p)
         out["messages"] += count
+    for kind, cls in COMM_CLASS.items():
+        out[f"comm:{cls}"] = out.get(f"comm:{cls}", 0.0) + out[f"bytes:{kind}"]
     return out
 
 

@@ -85,17 +85,16 @@ def fit_time_physics(s, b, y):
     return best[0], best[1], table
 
 
-OWN_RATES = ("layer", "comm_bytes")  # one rate per strategy; GEMM one for all, attention one per kernel class
+# the features with a fitted rate (analytic.time_features): the fixed cost (per strategy), GEMM
+# FLOPs (one rate for all), attention FLOPs (per kernel class), collective bytes (per class)
+COMM_FEATURES = tuple(f"comm:{c}" for c in dict.fromkeys(analytic.COMM_CLASS.values()))
+RATE_FEATURES = ("layer", "gemm_flops", "attn_flops") + COMM_FEATURES
 
 
 def rate_features(strategy: str, shape: ModelShape, s, b) -> dict:
-    """The time model's features at each ``(s, b)``: :func:`analytic.time_features`, the
-    collective kinds' bytes summed into ``comm_bytes`` (one strategy's kinds grow alike in s,
-    so their rates would not be told apart), as arrays."""
+    """The time model's features (:data:`RATE_FEATURES`) at each ``(s, b)``, as arrays."""
     rows = [analytic.time_features(strategy, shape, int(si), int(bi)) for si, bi in zip(s, b)]
-    out = {k: np.array([r[k] for r in rows], float) for k in ("layer", "gemm_flops", "attn_flops")}
-    out["comm_bytes"] = np.array([sum(v for k, v in r.items() if k.startswith("bytes:")) for r in rows], float)
-    return out
+    return {k: np.array([r[k] for r in rows], float) for k in RATE_FEATURES}
 
 
 def rates_predict(rates: dict, feats: dict):
@@ -106,8 +105,8 @@ def rates_predict(rates: dict, feats: dict):
 def _rate_columns(st: str, shared: bool) -> dict:
     """The fit's column name of each rate of ``st``: shared ones named by their kernel class."""
     cls = analytic.ATTENTION_KERNEL.get(st, st) if shared else st
-    return {"gemm_flops": "gemm_flops@" + ("all" if shared else st), "attn_flops": f"attn_flops@{cls}",
-            **{k: f"{k}@{st}" for k in OWN_RATES}}
+    return {"layer": f"layer@{st}", "gemm_flops": "gemm_flops@" + ("all" if shared else st),
+            "attn_flops": f"attn_flops@{cls}", **{k: f"{k}@" + ("all" if shared else st) for k in COMM_FEATURES}}
 
 
 def fit_time_rates(tables: dict, shape: ModelShape, shared: bool = True) -> dict:
@@ -141,10 +140,14 @@ def throughputs(rates: dict, shape: ModelShape, strategy: str) -> dict:
     GB/s (collectives, wire bytes), ms per layer and microseconds per message of its fixed cost
     (None where the rate is 0: that work took no measurable time in the fit)."""
     inv = lambda v, unit: unit / v if v > 0 else None  # noqa: E731
-    msgs = analytic.time_features(strategy, shape, shape.p, 1)["messages"]
-    return {"gemm_GFLOPs": inv(rates["gemm_flops"], 1e-9), "attn_GFLOPs": inv(rates["attn_flops"], 1e-9),
-            "comm_GBs": inv(rates["comm_bytes"], 1e-9), "layer_ms": rates["layer"] * 1e3,
-            "us_per_message": rates["layer"] * 1e6 / msgs if msgs else None}
+    f = analytic.time_features(strategy, shape, shape.p, 1)
+    out = {"gemm_GFLOPs": inv(rates["gemm_flops"], 1e-9), "attn_GFLOPs": inv(rates["attn_flops"], 1e-9),
+           "layer_ms": rates["layer"] * 1e3,
+           "us_per_message": rates["layer"] * 1e6 / f["messages"] if f["messages"] else None}
+    for k in COMM_FEATURES:
+        if f[k] > 0:  # the classes this strategy uses
+            out[f"{k.split(':')[1]}_GBs"] = inv(rates[k], 1e-9)
+    return out
 
 
 def memory_degree(strategy, shape) -> int:
@@ -468,9 +471,10 @@ def rates_table(meta: dict) -> list:
                 + ", ".join(f"{k} {v:.1%}" for k, v in meta["fit_residuals"][st].items()))
         if t["kind"] == "rates":
             th = t["throughputs"]
+            comm = ", ".join(f"{k[:-4]} {fmt(v, '{:.3f}')} GB/s" for k, v in th.items() if k.endswith("_GBs"))
             lines.append(f"  {st:9s} time: GEMM {fmt(th['gemm_GFLOPs'], '{:.1f}')} GFLOP/s, attention "
-                         f"({t['attention_kernel']}) {fmt(th['attn_GFLOPs'], '{:.1f}')} GFLOP/s, collectives "
-                         f"{fmt(th['comm_GBs'], '{:.3f}')} GB/s, fixed {th['layer_ms']:.2f} ms/layer "
+                         f"({t['attention_kernel']}) {fmt(th['attn_GFLOPs'], '{:.1f}')} GFLOP/s, "
+                         f"{comm + ', ' if comm else ''}fixed {th['layer_ms']:.2f} ms/layer "
                          f"({fmt(th['us_per_message'], '{:.0f}')} us/message)" + tail)
         else:
             lines.append(f"  {st:9s} time: degree {t['degree']} in s (AIC {t['aic']})" + tail)

@@ -159,7 +159,6 @@ class FittedCostModel(CostModel):
             return float(time_features(s, b, spec["degree"]) @ np.asarray(spec["coef"]))
         if spec["kind"] == "rates":
             f = analytic.time_features(st, self.shape, s, b)
-            f["comm_bytes"] = sum(v for k, v in f.items() if k.startswith("bytes:"))
             return float(sum(r * f[k] for k, r in spec["rates"].items()))
         sv, tr = analytic.layer_memory(st, self.shape, s, b)
         x = sv if tg == "saved_bytes" else tr
