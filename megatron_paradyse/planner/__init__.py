@@ -29,7 +29,7 @@ __all__ = ["build_planner", "Planner", "PlanChoice", "NoFitError", "HeuristicPla
 
 def build_planner(kind: str, cost_model, memory_budget_bytes: float, gamma: float | None = None,
                   margin_bytes: float | None = None, strategies=None, refinement=None,
-                  device_kind: str | None = None) -> Planner:
+                  device_kind: str | None = None, **kwargs) -> Planner:
     """A planner of ``kind`` (``heuristic`` | ``optimal``) for ``cost_model`` under the budget.
 
     ``gamma``: the hysteresis (keep the previous plan while it fits and is at most gamma
@@ -39,7 +39,8 @@ def build_planner(kind: str, cost_model, memory_budget_bytes: float, gamma: floa
     ``margin_bytes``: default 10% of the budget on GPU, 5% on CPU, by ``device_kind`` ("cuda" or
     "cpu": the device the plans are for; default the cost model's). ``strategies``: restrict
     to these (default: all the cost model predicts). ``refinement``: a :class:`Refinement`
-    (``True`` builds one) whose all-reduced factors correct the predictions.
+    (``True`` builds one) whose all-reduced factors correct the predictions. Other keywords go
+    to the planner's class (``order`` for ``optimal``).
     """
     if kind not in KINDS:
         raise ValueError(f"unknown planner {kind!r}: one of {sorted(KINDS)}")
@@ -48,7 +49,7 @@ def build_planner(kind: str, cost_model, memory_budget_bytes: float, gamma: floa
     if refinement is True:
         refinement = Refinement(tuple(strategies) if strategies is not None else tuple(cost_model.strategies))
     return KINDS[kind](cost_model, memory_budget_bytes, gamma=gamma, margin_bytes=margin_bytes,
-                       strategies=strategies, refinement=refinement, device_kind=device_kind)
+                       strategies=strategies, refinement=refinement, device_kind=device_kind, **kwargs)
 
 
 def make_plan_fn(planner: Planner, on_no_fit: str = "error", multiple: int = 1):

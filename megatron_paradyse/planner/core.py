@@ -125,6 +125,7 @@ class Planner:
     """
 
     kind = "base"
+    order = "free"  # how plans are evaluated: "free" (the order-free bound) or "ordered"
 
     def __init__(self, cost_model, memory_budget_bytes: float, gamma: float = 0.05,
                  margin_bytes: float | None = None, strategies=None, refinement=None,
@@ -223,6 +224,36 @@ class Planner:
                 used.append(i)
         return sec, saved + trans + costs.pool_bytes(used)
 
+    @staticmethod
+    def evaluate_ordered(costs: Costs, counts: dict) -> tuple:
+        """(seconds, peak bytes) of ``layers_of(counts)``, the order with the lowest ordered peak
+        (``CostModel.step`` on that tuple): layer j's transient over the saved bytes of the
+        layers up to it, or the head's over every layer's."""
+        order = sorted(range(len(costs.names)), key=lambda i: (-costs.x[i], i))
+        sec, below, top, used = costs.t0, 0.0, 0.0, []
+        for i in order:
+            k = counts.get(costs.names[i], 0)
+            if k:
+                sec += k * costs.t[i]
+                below += k * costs.m[i]
+                top = max(top, below + costs.x[i])
+                used.append(i)
+        return sec, costs.base + max(top, below + costs.x0) + costs.pool_bytes(sorted(used))
+
+    @staticmethod
+    def evaluate_layers(costs: Costs, layers) -> tuple:
+        """(seconds, peak bytes) of a per-layer plan in its own order (``CostModel.step`` on the
+        tuple)."""
+        index = {n: i for i, n in enumerate(costs.names)}
+        sec, below, top, used = costs.t0, 0.0, 0.0, set()
+        for name in layers:
+            i = index[name]
+            sec += costs.t[i]
+            below += costs.m[i]
+            top = max(top, below + costs.x[i])
+            used.add(i)
+        return sec, costs.base + max(top, below + costs.x0) + costs.pool_bytes(sorted(used))
+
     def uniform(self, costs: Costs) -> list:
         """[(name, seconds, peak)] of every uniform plan."""
         L = self.num_layers
@@ -263,7 +294,9 @@ class Planner:
         new = self.choose(seq_len, micro_batch)
         prior = self.prior
         if (prior is not None and new.fits and self.gamma > 0 and prior != new.layers):
-            sec, peak = self.evaluate(self.costs(int(seq_len), int(micro_batch)), plan_counts(prior))
+            costs = self.costs(int(seq_len), int(micro_batch))
+            sec, peak = (self.evaluate_layers(costs, prior) if self.order == "ordered"
+                         else self.evaluate(costs, plan_counts(prior)))
             if peak <= self.limit and sec <= (1.0 + self.gamma) * new.seconds:
                 new = PlanChoice(prior, sec, peak, True,
                                  f"kept the previous plan: it fits and is {100 * (sec / new.seconds - 1):.1f}% "
@@ -279,20 +312,27 @@ class Planner:
 
     # ------------------------------------------------------------------ no fit
     def leanest(self, s: int, b: int):
-        """(name, seconds, peak) of the leanest uniform plan at (s, b): no plan peaks lower.
-
-        Any plan's peak >= (1/L) sum_i k_i (L saved_i + transient_i) >= min_i uniform peak_i.
-        """
+        """(name, seconds, peak) of the leanest uniform plan at (s, b): under the order-free
+        bound no plan peaks lower (any plan's peak >= (1/L) sum_i k_i (L saved_i + transient_i)
+        >= min_i uniform peak_i); with ordered peaks a mix that runs a large-transient strategy
+        first can (:meth:`fits_at`)."""
         return min(self.uniform(self.costs(s, b)), key=lambda u: (u[2], u[1]))
 
+    def fits_at(self, s: int, b: int) -> bool:
+        """Whether some plan fits at (s, b): the leanest uniform plan is the leanest under the
+        order-free bound; with ordered peaks a mix can be leaner, so the search decides."""
+        if self.order == "ordered":
+            return self._search(self.costs(s, b), s, b).fits
+        return self.leanest(s, b)[2] <= self.limit
+
     def longest_fit(self, micro_batch: int, multiple: int = 1, upper: int | None = None) -> int:
-        """The longest padded length (a multiple of ``multiple``, at most ``upper``) at which the
-        leanest plan fits; 0 if none. Bisection: the peak grows with s."""
+        """The longest padded length (a multiple of ``multiple``, at most ``upper``) at which some
+        plan fits (:meth:`fits_at`); 0 if none. Bisection: the peaks grow with s."""
         b, mult = int(micro_batch), max(1, int(multiple))
         mult = mult * self.multiple // math.gcd(mult, self.multiple)
 
         def fits(k):
-            return self.leanest(k * mult, b)[2] <= self.limit
+            return self.fits_at(k * mult, b)
 
         return last_true(fits, None if upper is None else int(upper) // mult) * mult
 
@@ -300,10 +340,10 @@ class Planner:
         name, sec, peak = self.leanest(s, b)
         longest = self.longest_fit(b, multiple=1, upper=s)
         return (f"nothing fits the memory budget at sequence length {s}, micro-batch size {b}: the "
-                f"leanest plan ({name} on all {self.num_layers} layers) needs {peak / GiB:.3f} GiB, the "
+                f"leanest uniform plan ({name} on all {self.num_layers} layers) needs {peak / GiB:.3f} GiB, the "
                 f"budget is {self.budget / GiB:.3f} GiB minus a margin of {self.margin / GiB:.3f} GiB = "
-                f"{self.limit / GiB:.3f} GiB per rank; the longest length that fits with the leanest "
-                f"plan is {longest} tokens" + ("" if longest else " (none)"))
+                f"{self.limit / GiB:.3f} GiB per rank; the longest length that fits "
+                f"is {longest} tokens" + ("" if longest else " (none)"))
 
     def describe(self) -> str:
         return (f"{self.kind} planner, budget {fmt_bytes(self.budget)}, margin {fmt_bytes(self.margin)}, "

@@ -33,42 +33,11 @@ from __future__ import annotations
 
 import math
 
+from .bounds import EPS, lower_hull, lp_bound
 from .core import Costs, PlanChoice, Planner, layers_of
+from .ordered import solve_nested
 
 
-def _hull(points):
-    """Lower convex hull of (m, t) points sorted by m ascending (for the LP bound)."""
-    pts = sorted(set(points))
-    hull = []
-    for p in pts:
-        while len(hull) >= 2:
-            (x1, y1), (x2, y2) = hull[-2], hull[-1]
-            if (x2 - x1) * (p[1] - y1) - (y2 - y1) * (p[0] - x1) <= 0:
-                hull.pop()
-            else:
-                break
-        hull.append(p)
-    # keep only the decreasing part (more memory than the fastest point never helps)
-    best = min(range(len(hull)), key=lambda i: (hull[i][1], hull[i][0]))
-    return hull[:best + 1]
-
-
-def _lp(hull, r, c):
-    """min sum of times for r layers of average memory <= c / r over the hull (continuous)."""
-    if r == 0:
-        return 0.0 if c >= 0 else math.inf
-    a = c / r
-    if a < hull[0][0]:
-        return math.inf
-    if a >= hull[-1][0]:
-        return r * hull[-1][1]
-    for (m1, t1), (m2, t2) in zip(hull, hull[1:]):
-        if a <= m2:
-            return r * (t1 + (t2 - t1) * (a - m1) / (m2 - m1))
-    return r * hull[-1][1]
-
-
-_EPS = 1e-12  # relative margin: a plan must beat the best so far by more than rounding
 
 
 def solve_counts(t, m, L, C, upper=math.inf):
@@ -89,11 +58,11 @@ def solve_counts(t, m, L, C, upper=math.inf):
         return L * mt[0], _counts(len(t), front, [L] + [0] * (len(front) - 1))
     if L * mm[-1] > C:  # not even the leanest fits
         return math.inf, None
-    hulls = [_hull(list(zip(mm[s:], mt[s:]))) for s in range(len(front))]
-    if _lp(hulls[0], L, C) >= upper * (1 - _EPS):
+    hulls = [lower_hull(list(zip(mm[s:], mt[s:]))) for s in range(len(front))]
+    if lp_bound(hulls[0], L, C) >= upper * (1 - EPS):
         return math.inf, None
     best = _best_pair(mt, mm, L, C, upper)
-    if len(front) >= 3 and _lp(hulls[0], L, C) < best[0] * (1 - _EPS):
+    if len(front) >= 3 and lp_bound(hulls[0], L, C) < best[0] * (1 - EPS):
         _branch_and_bound(mt, mm, hulls, L, C, best)
     if best[1] is None:
         return math.inf, None
@@ -140,7 +109,7 @@ def _best_pair(mt, mm, L, C, upper) -> list:
             if k < 0 or (k == 0 and L * mm[bb] > C):
                 continue
             tot = k * mt[a] + (L - k) * mt[bb]
-            if tot < best[0] * (1 - _EPS):
+            if tot < best[0] * (1 - EPS):
                 ks = [0] * q
                 ks[a], ks[bb] = k, L - k
                 best = [tot, ks]
@@ -160,7 +129,7 @@ def _branch_and_bound(mt, mm, hulls, L, C, best) -> None:
             if k < 0 or (k == 0 and r * m_last > c):
                 return
             tot = acc + (k * mt[j] + (r - k) * t_last)
-            if tot < best[0] * (1 - _EPS):
+            if tot < best[0] * (1 - EPS):
                 ks[j], ks[q - 1] = k, r - k
                 best[0], best[1] = tot, list(ks)
                 ks[j] = ks[q - 1] = 0
@@ -168,8 +137,8 @@ def _branch_and_bound(mt, mm, hulls, L, C, best) -> None:
         prev = None
         for k in range(_most_on(mm[j], m_last, r, c), -1, -1):
             rest_c = c - k * mm[j]
-            bound = acc + k * mt[j] + _lp(hulls[j + 1], r - k, rest_c)
-            if bound >= best[0] * (1 - _EPS):
+            bound = acc + k * mt[j] + lp_bound(hulls[j + 1], r - k, rest_c)
+            if bound >= best[0] * (1 - EPS):
                 if prev is not None and bound >= prev:
                     break  # the bound is convex in k: past its minimum it only grows
                 prev = bound
@@ -212,13 +181,50 @@ def _sets(costs: Costs) -> list:
     return [(mask, x, pool) for _, _, mask, x, pool in out]
 
 
+def _undominated(costs: Costs, idx: list) -> list:
+    """The strategies of ``idx`` that no other member matches or beats in time, saved and
+    transient bytes: a dominated one's layers can move to its dominator, which sorts no earlier
+    by transient, so no prefix of saved bytes grows (ties: the first index is kept)."""
+    key = {i: (costs.t[i], costs.m[i], costs.x[i]) for i in idx}
+    return [a for a in idx if not any(
+        b != a and all(u <= v for u, v in zip(key[b], key[a])) and (key[a] != key[b] or b < a) for b in idx)]
+
+
 class OptimalPlanner(Planner):
+    """The fastest plan under the budget, exact. ``order="ordered"`` (default): over every
+    per-layer tuple, with the ordered peak (``CostModel.step`` on a tuple; ``ordered.py``);
+    ``order="free"``: under the order-free bound (every layer's transient on all layers' saved
+    bytes), for cost models that cannot order; its answer seeds the ordered search."""
+
     kind = "optimal"
 
+    def __init__(self, cost_model, memory_budget_bytes: float, order: str = "ordered", **kwargs):
+        super().__init__(cost_model, memory_budget_bytes, **kwargs)
+        if order not in ("ordered", "free"):
+            raise ValueError(f"order must be 'ordered' or 'free', got {order!r}")
+        self.order = order
+
     def _search(self, costs: Costs, s: int, b: int) -> PlanChoice:
+        L, sets = self.num_layers, _sets(costs)
+        best = self._order_free(costs, sets)
+        if self.order == "ordered":
+            if best is not None:
+                best = (best[0], self.evaluate_ordered(costs, best[2])[1], best[2])
+            best = self._ordered(costs, sets, best)
+        if best is None:
+            name, sec, peak = min(self.uniform(costs), key=lambda u: (u[2], u[1]))
+            return PlanChoice((name,) * L, sec, peak, False, "nothing fits")
+        sec, peak, cdict = best
+        layers = layers_of(cdict, costs)
+        why = ("the fastest plan that fits (exact)" if len(cdict) > 1 or sec > min(
+            costs.t0 + L * t for t in costs.t) else "the fastest uniform plan fits")
+        return PlanChoice(layers, sec, peak, True, why)
+
+    def _order_free(self, costs: Costs, sets: list):
+        """``(seconds, peak, counts)`` of the fastest plan under the order-free bound, or None."""
         L, n = self.num_layers, len(costs.names)
         best = None
-        for mask, X, pool in _sets(costs):
+        for mask, X, pool in sets:
             allowed = [i for i in range(n) if mask >> i & 1]
             if best is not None and costs.t0 + L * min(costs.t[i] for i in allowed) >= best[0]:
                 break  # sets come fastest-first: no later set can beat the best plan
@@ -236,11 +242,27 @@ class OptimalPlanner(Planner):
                 continue
             if best is None or sec < best[0] or (sec == best[0] and peak < best[1]):
                 best = (sec, peak, cdict)
-        if best is None:
-            name, sec, peak = min(self.uniform(costs), key=lambda u: (u[2], u[1]))
-            return PlanChoice((name,) * L, sec, peak, False, "nothing fits")
-        sec, peak, cdict = best
-        layers = layers_of(cdict, costs)
-        why = ("the fastest plan that fits (exact)" if len(cdict) > 1 or sec > min(
-            costs.t0 + L * t for t in costs.t) else "the fastest uniform plan fits")
-        return PlanChoice(layers, sec, peak, True, why)
+        return best
+
+    def _ordered(self, costs: Costs, sets: list, best):
+        """The fastest plan over every order (``ordered.solve_nested`` per set of strategies),
+        starting from ``best`` (a fitting plan or None)."""
+        L, n = self.num_layers, len(costs.names)
+        for mask, _, pool in sets:
+            allowed = sorted(_undominated(costs, [i for i in range(n) if mask >> i & 1]),
+                             key=lambda i: (-costs.x[i], i))
+            if best is not None and costs.t0 + L * min(costs.t[i] for i in allowed) >= best[0]:
+                break
+            room = self.limit - costs.base - pool
+            caps = [min(room - costs.x[i], room - costs.x0) for i in allowed]
+            upper = math.inf if best is None else (best[0] - costs.t0) * (1 + 1e-9)
+            _, counts = solve_nested([costs.t[i] for i in allowed], [costs.m[i] for i in allowed], caps, L, upper)
+            if counts is None:
+                continue
+            cdict = {costs.names[allowed[j]]: k for j, k in enumerate(counts) if k}
+            sec, peak = self.evaluate_ordered(costs, cdict)
+            if peak > self.limit:
+                continue
+            if best is None or sec < best[0] or (sec == best[0] and peak < best[1]):
+                best = (sec, peak, cdict)
+        return best
