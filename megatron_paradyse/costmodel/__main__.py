@@ -10,7 +10,7 @@ USAGE = """usage: python -m megatron_paradyse.costmodel COMMAND ...
 
 commands:
   profile   measure one decoder layer per strategy over a sweep of lengths (JSON lines)
-  fit       fit the cost model (XGBoost + physics) to a profile: fit PROFILE -o MODEL
+  fit       fit the cost model (analytic work x fitted rates) to a profile: fit PROFILE -o MODEL
   report    accuracy of a model on a held-out profile: report MODEL --profile HELDOUT
 """
 
