@@ -91,8 +91,8 @@ def _rank(rank, world, cfg):
             if plan in seen:
                 continue
             seen.add(plan)
-            pred = cm.step({n: plan.count(n) for n in set(plan)}, s, 1)
-            rows.append(dict(s=s, label=label, plan=mp.describe(plan) if hasattr(mp, "describe") else str(plan),
+            pred = cm.step(tuple(plan), s, 1)  # the ordered peak of the layers as run
+            rows.append(dict(s=s, label=label, plan=mp.describe(plan),
                              seconds=measured[plan][0], peak=measured[plan][1], pred_seconds=pred.seconds + cm.update_seconds(),
                              pred_peak=pred.peak_bytes,
                              chosen_by=[k for k, c in chosen.items() if c.layers == plan and c.fits],

@@ -34,6 +34,7 @@ import os
 import numpy as np
 import torch
 
+from .. import paths
 from .preprocess import read_meta
 
 log = logging.getLogger(__name__)
@@ -198,7 +199,7 @@ class DocumentDataset:
                 for j in range(0, n - 1, lim):
                     starts.append(a + j), counts.append(min(lim + 1, n - j)), docs.append(d)
         if not starts:
-            raise ValueError(f"{self.prefix}: every document is longer than {lim} tokens and "
+            raise ValueError(f"{paths.shown(self.prefix)}: every document is longer than {lim} tokens and "
                              f"long documents are skipped: empty dataset")
         return (np.asarray(starts, dtype=np.int64), np.asarray(counts, dtype=np.int64),
                 np.asarray(docs, dtype=np.int64))
@@ -213,7 +214,7 @@ class DocumentDataset:
                if fit else f"longer than --seq-length {self.seq_length}")
         shown = ", ".join(self.doc_name(int(d)) + f" ({int(doc_tokens[d]) - 1} tokens)" for d in long[:5])
         more = f" and {len(long) - 5} more" if len(long) > 5 else ""
-        msg = f"{self.prefix}: {len(long)} document(s) {why}: {shown}{more}"
+        msg = f"{paths.shown(self.prefix)}: {len(long)} document(s) {why}: {shown}{more}"
         if self.long_docs == "error":
             raise ValueError(msg + ". Choose split, truncate or skip to train on them")
         if fit or self.long_docs == "skip":
