@@ -1,4 +1,5 @@
 """The benchmark's own logic: oracle, summaries, headline ratios, one small measured world, the simulation."""
+import math
 import os
 
 import numpy as np
@@ -81,6 +82,16 @@ def test_simulation(tmp_path):
 
     cm = H100Roofline()
     big = 256 * 1024
+    # the time is the fitted cost model's time model with datasheet rates (a GPU fit calibrates them)
+    from megatron_paradyse.bench.simulate import datasheet_rates
+    from megatron_paradyse.costmodel import analytic
+    from megatron_paradyse.costmodel.fit import RATE_FEATURES
+
+    rates = datasheet_rates(cm.hw)
+    assert set(rates) == set(RATE_FEATURES) and rates["gemm_flops"] == 1 / (989e12 * 0.55)
+    for n in cm.strategies:
+        f = analytic.time_features(n, cm.shape, big, 1)
+        assert math.isclose(cm.layer(n, big, 1).seconds, sum(rates[k] * f[k] for k in RATE_FEATURES), rel_tol=1e-12)
     peaks = {n: cm.step({n: cm.num_layers}, big, 1).peak_bytes for n in cm.strategies}
     assert peaks["metp"] < peaks["ring"] < peaks["tp_sp"] < peaks["colossal"]
     r = simulate(str(tmp_path))

@@ -7,10 +7,15 @@ planners when ``megatron_paradyse.planner`` exists, else an exhaustive search ov
 per-layer mixes), written as ``simulation.json`` (and ``simulation.png``) in ``--out``.
 
 The cost model (:class:`H100Roofline`, a :class:`~megatron_paradyse.costmodel.base.CostModel`)
-is first-order: matmul and attention FLOPs at a fixed fraction of bf16 peak, collectives at a
-fixed fraction of NVLink bandwidth, memory from per-token activation counts; the per-strategy
-activation factors are the ratios measured on CPU in this repository (docs/strategies.md).
-Every number is a model output, not a measurement.
+is first-order. Its layer time is the fitted cost model's time model
+(``costmodel.analytic.time_features``: GEMM and attention FLOPs, wire bytes per collective
+class; ``costmodel.fit.rates_predict``) with datasheet rates in place of fitted ones
+(:func:`datasheet_rates`: FLOPs at a fixed fraction of bf16 peak, bytes at a fixed fraction of
+NVLink bandwidth, no fixed cost per layer), so a GPU profile's fit is a calibration of this
+model; like the fitted model it adds the terms (no overlap of communication with compute).
+Memory comes from per-token activation counts; the per-strategy activation factors are the
+ratios measured on CPU in this repository (docs/strategies.md). Every number is a model
+output, not a measurement.
 """
 from __future__ import annotations
 
@@ -21,7 +26,10 @@ import os
 
 import numpy as np
 
+from ..costmodel import analytic
 from ..costmodel.base import CostModel, LayerCost
+from ..costmodel.fit import COMM_FEATURES, rates_predict
+from ..costmodel.shape import ModelShape
 from ..planner import build_planner
 from ..units import GiB
 
@@ -59,6 +67,14 @@ class Model7B:
 SAVED_FACTOR = {"tp_sp": 1.0, "ulysses": 0.88, "ring": 0.84, "colossal": 0.84, "metp": 0.25}
 
 
+def datasheet_rates(hw: Hardware) -> dict:
+    """Seconds per unit of each feature of the fitted time model (``costmodel.fit.RATE_FEATURES``)
+    from the datasheet: what a profile on the GPU would fit in their place."""
+    link = 1.0 / (hw.nvlink_bytes_per_s * hw.comm_efficiency)
+    return {"layer": 0.0, "gemm_flops": 1.0 / (hw.bf16_flops * hw.mfu_matmul),
+            "attn_flops": 1.0 / (hw.bf16_flops * hw.mfu_attention), **{k: link for k in COMM_FEATURES}}
+
+
 class H100Roofline(CostModel):
     """Per-layer fwd+bwd seconds and bytes of each strategy (see the module docstring)."""
 
@@ -69,59 +85,34 @@ class H100Roofline(CostModel):
         self.num_layers = self.m.num_layers
         h, f = self.m.hidden, self.m.ffn
         self.layer_params = 4 * h * h + 3 * h * f + 2 * h  # QKV+O, SwiGLU MLP, norms
-
-    # ---- pieces
-    def _comm(self, nbytes):
-        return nbytes / (self.hw.nvlink_bytes_per_s * self.hw.comm_efficiency)
-
-    def _compute(self, s, b, recompute=False):
-        m, p = self.m, self.m.p
-        mm = 2 * b * s * self.layer_params * 3 / p                    # fwd + 2x bwd
-        att = 2 * 2 * b * s * s * m.hidden * 0.5 * 3.5 / p            # causal; bwd 2.5x fwd
-        if recompute:
-            mm *= 4 / 3
-            att *= 4.5 / 3.5
-        return mm / (self.hw.bf16_flops * self.hw.mfu_matmul) + \
-            att / (self.hw.bf16_flops * self.hw.mfu_attention)
+        self.shape = ModelShape(num_layers=self.m.num_layers, hidden=h, heads=self.m.heads,
+                                query_groups=self.m.heads, ffn=f, swiglu=True, bias=False,
+                                vocab=self.m.vocab, p=self.m.p, dtype="bf16")
+        self.rates = datasheet_rates(self.hw)
 
     def layer(self, strategy, s, b):
+        saved, transient = self._memory(strategy, s, b)
+        seconds = rates_predict(self.rates, analytic.time_features(strategy, self.shape, s, b))
+        return LayerCost(float(seconds), saved, transient)
+
+    def _memory(self, strategy, s, b):
+        """``(saved, transient)`` bytes of one layer on one rank."""
         m, p, e = self.m, self.m.p, 2
         act = s * b * m.hidden * e                                    # one [s, h] bf16 tensor
         tp_sp_saved = 34 * s * b * m.hidden / p                       # Korthikanti et al., SP, flash
         w_layer = self.layer_params * e                               # one layer's bf16 weights
-        relayout = self._comm(2 * act / p)                            # balanced split: 4 swaps of act/2p
+        mlp_hidden = 3 * s * b * m.ffn * e / p
         saved = SAVED_FACTOR[strategy] * tp_sp_saved
-        if strategy == "metp":  # keeps each layer's input and residual only, recomputes the rest
-            saved = 2 * act / p
         if strategy == "tp_sp":
-            comm = self._comm(8 * (p - 1) / p * act)                  # 2 AG + 2 RS, fwd and bwd
-            t = self._compute(s, b) + comm
-            transient = act + 3 * s * b * m.ffn * e / p               # gathered input, MLP hidden
-        elif strategy == "ulysses":
-            comm = self._comm(8 * (p - 1) / p * act / p)              # q,k,v,o all-to-all, fwd+bwd
-            zero3 = self._comm(3 * (p - 1) / p * w_layer)             # gather x2 + reduce-scatter
-            t = max(self._compute(s, b), zero3) + comm
-            transient = w_layer + 4 * act / p + 3 * s * b * m.ffn * e / p
-        elif strategy in ("ring", "colossal"):
-            kv = self._comm(3 * 2 * (p - 1) / p * act)                # K,V ring fwd; + dK,dV bwd
-            zero3 = self._comm(3 * (p - 1) / p * w_layer)
-            comp = self._compute(s, b) + relayout
-            if strategy == "ring":
-                t = max(comp, kv, zero3)                              # ring overlaps its blocks
-                transient = w_layer + 4 * act / p + 3 * s * b * m.ffn * e / p
-            else:
-                t = max(comp, zero3) + kv                             # two rings, not overlapped
-                rows = m.heads * (s / p) * s * b * e                  # materialised score rows
-                saved += rows
-                transient = w_layer + rows + 3 * s * b * m.ffn * e / p
-        elif strategy == "metp":
-            kv = self._comm(3 * 2 * (p - 1) / p * act)
-            weights = self._comm(3 * (p - 1) / p * w_layer)           # round-robin broadcast x2 + grads
-            t = self._compute(s, b, recompute=True) + max(kv, weights) * 0.5 + relayout
-            transient = tp_sp_saved / 1.0 + 2 * w_layer / p           # one layer's recompute
-        else:
-            raise KeyError(strategy)
-        return LayerCost(t, saved, transient)
+            return saved, act + mlp_hidden                            # gathered input, MLP hidden
+        if strategy in ("ulysses", "ring"):
+            return saved, w_layer + 4 * act / p + mlp_hidden
+        if strategy == "colossal":
+            rows = m.heads * (s / p) * s * b * e                      # materialised score rows
+            return saved + rows, w_layer + rows + mlp_hidden
+        if strategy == "metp":  # keeps each layer's input and residual only, recomputes the rest
+            return 2 * act / p, tp_sp_saved + 2 * w_layer / p         # one layer's recompute
+        raise KeyError(strategy)
 
     def static_bytes(self):
         m = self.m
