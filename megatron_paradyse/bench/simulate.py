@@ -3,8 +3,7 @@
 ``python -m megatron_paradyse.bench --simulate`` prints its assumptions, then for a seeded
 long-tailed length distribution up to 624K tokens: each static strategy's predicted time,
 out-of-memory steps and longest trainable sequence against ParaDySe (the repository's
-planners when ``megatron_paradyse.planner`` exists, else an exhaustive search over two-strategy
-per-layer mixes), written as ``simulation.json`` (and ``simulation.png``) in ``--out``.
+planners, heuristic and optimal), written as ``simulation.json`` (and ``simulation.png``) in ``--out``.
 
 The cost model (:class:`H100Roofline`, a :class:`~megatron_paradyse.costmodel.base.CostModel`)
 is first-order. Its layer time is the fitted cost model's time model
