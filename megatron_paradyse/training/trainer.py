@@ -40,6 +40,7 @@ from ..device import synchronize
 from ..memory import PeakMemory, static_bytes
 from ..model import build_gpt_from_args
 from ..parallel.buffers import release_pool
+from ..paths import shown
 from ..parallel.dispatch import install
 from ..parallel.plan_check import collective_device
 from ..parallel.plans import describe_plans, parse_plan, rule_plan_fn
@@ -332,7 +333,7 @@ class Trainer:
         if report is not None:
             log.info(report.summary())
             if not dist.is_initialized() or dist.get_rank() == 0:
-                log.info(f"  wrote {' '.join(report.write(args.paradyse_run_report))}")
+                log.info(f"  wrote {' '.join(shown(x) for x in report.write(args.paradyse_run_report))}")
         return self.history
 
     # ------------------------------------------------------------------ run report (run_report.py)
@@ -369,7 +370,7 @@ class Trainer:
         with self._params_gathered():
             path = checkpointing.save_checkpoint(self.args, self.iteration, self.model, self.optimizer,
                                                  self.scheduler)
-        log.info(f"  saved checkpoint at iteration {self.iteration:8d} to {path} "
+        log.info(f"  saved checkpoint at iteration {self.iteration:8d} to {shown(path)} "
                  f"({time.perf_counter() - t0:.2f} s)")
 
 
