@@ -115,6 +115,19 @@ def layers_of(counts: dict, costs: "Costs") -> tuple:
     return tuple(out)
 
 
+def _ordered(costs: Costs, blocks) -> tuple:
+    """(seconds, peak bytes) of consecutive blocks ``(strategy index, layers)`` in their order:
+    each block's transient over the saved bytes up to its last layer, the head's over all."""
+    sec, below, top, used = costs.t0, 0.0, 0.0, set()
+    for i, k in blocks:
+        if k:
+            sec += k * costs.t[i]
+            below += k * costs.m[i]
+            top = max(top, below + costs.x[i])
+            used.add(i)
+    return sec, costs.base + max(top, below + costs.x0) + costs.pool_bytes(sorted(used))
+
+
 class Planner:
     """Base class: subclasses implement :meth:`_search` (the best plan at one (s, b), no hysteresis).
 
@@ -227,32 +240,16 @@ class Planner:
     @staticmethod
     def evaluate_ordered(costs: Costs, counts: dict) -> tuple:
         """(seconds, peak bytes) of ``layers_of(counts)``, the order with the lowest ordered peak
-        (``CostModel.step`` on that tuple): layer j's transient over the saved bytes of the
-        layers up to it, or the head's over every layer's."""
+        (``CostModel.step`` on that tuple)."""
         order = sorted(range(len(costs.names)), key=lambda i: (-costs.x[i], i))
-        sec, below, top, used = costs.t0, 0.0, 0.0, []
-        for i in order:
-            k = counts.get(costs.names[i], 0)
-            if k:
-                sec += k * costs.t[i]
-                below += k * costs.m[i]
-                top = max(top, below + costs.x[i])
-                used.append(i)
-        return sec, costs.base + max(top, below + costs.x0) + costs.pool_bytes(sorted(used))
+        return _ordered(costs, ((i, counts.get(costs.names[i], 0)) for i in order))
 
     @staticmethod
     def evaluate_layers(costs: Costs, layers) -> tuple:
         """(seconds, peak bytes) of a per-layer plan in its own order (``CostModel.step`` on the
         tuple)."""
         index = {n: i for i, n in enumerate(costs.names)}
-        sec, below, top, used = costs.t0, 0.0, 0.0, set()
-        for name in layers:
-            i = index[name]
-            sec += costs.t[i]
-            below += costs.m[i]
-            top = max(top, below + costs.x[i])
-            used.add(i)
-        return sec, costs.base + max(top, below + costs.x0) + costs.pool_bytes(sorted(used))
+        return _ordered(costs, ((index[n], 1) for n in layers))
 
     def uniform(self, costs: Costs) -> list:
         """[(name, seconds, peak)] of every uniform plan."""

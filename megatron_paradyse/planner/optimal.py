@@ -1,8 +1,13 @@
 """The exact fastest plan under the memory budget.
 
-Layers of one model are alike, so a plan is a count ``k_i`` of layers per strategy: its time
-``t0 + sum k_i t_i`` and its peak ``base + sum k_i m_i + max(x0, max_{k_i > 0} x_i) +
-pool({i: k_i > 0})`` do not depend on the order of the layers. The last two terms depend only
+By default (``order="ordered"``) the plan is exact over every per-layer tuple with the ordered
+peak; the search per set of strategies is ``ordered.solve_nested``, seeded by the order-free
+optimum below. ``order="free"`` stops at the order-free optimum.
+
+Order-free: layers of one model are alike, so a plan is a count ``k_i`` of layers per strategy:
+its time ``t0 + sum k_i t_i`` and its bound on the peak ``base + sum k_i m_i + max(x0,
+max_{k_i > 0} x_i) + pool({i: k_i > 0})`` (every order peaks at most there) do not depend on
+the order of the layers. The last two terms depend only
 on the set ``S`` of strategies used, so each set is a subproblem: only strategies in ``S`` are
 allowed and the saved bytes must fit in ``limit - base - X(S) - pool(S)``. Every plan found in
 the subproblem of ``S`` is feasible (it uses a subset of ``S``: its transient and pool are at
@@ -16,7 +21,7 @@ the faster strategy first, pruned by the linear-programming bound (the lower con
 remaining strategies in (memory, time)). Exact; ``tests/test_planner.py`` checks it against
 brute force over every composition.
 
-Where the order-independence assumption breaks (then this is a model, not the truth):
+Where "layers are alike" breaks (then this is a model, not the truth):
 
 * pipeline parallelism: a stage holds activations of several micro-batches in flight, and the
   first stage holds more than the last (1F1B), so per-stage plans and per-stage budgets differ;
