@@ -8,7 +8,7 @@ planners, heuristic and optimal), written as ``simulation.json`` (and ``simulati
 The cost model (:class:`H100Roofline`, a :class:`~megatron_paradyse.costmodel.base.CostModel`)
 is first-order. Its layer time is the fitted cost model's time model
 (``costmodel.analytic.time_features``: GEMM and attention FLOPs, wire bytes per collective
-class; ``costmodel.fit.rates_predict``) with datasheet rates in place of fitted ones
+class; ``costmodel.fitted.rates_predict``) with datasheet rates in place of fitted ones
 (:func:`datasheet_rates`: FLOPs at a fixed fraction of bf16 peak, bytes at a fixed fraction of
 NVLink bandwidth, no fixed cost per layer), so a GPU profile's fit is a calibration of this
 model; like the fitted model it adds the terms (no overlap of communication with compute).
@@ -27,10 +27,10 @@ import numpy as np
 
 from ..costmodel import analytic
 from ..costmodel.base import CostModel, LayerCost
-from ..costmodel.fit import COMM_FEATURES, rates_predict
+from ..costmodel.fit import COMM_FEATURES
+from ..costmodel.fitted import rates_predict
 from ..costmodel.shape import ModelShape
 from ..planner import build_planner
-from ..units import GiB
 
 GB = 1e9
 

@@ -46,7 +46,7 @@ import numpy as np
 from scipy.optimize import nnls
 
 from . import analytic
-from .fitted import FORMAT, TARGETS, XGB_FEATURES, sha256, time_features, xgb_features
+from .fitted import FORMAT, TARGETS, XGB_FEATURES, rates_predict, sha256, time_features, xgb_features
 from .profile import read_profile
 from .shape import ModelShape
 
@@ -95,11 +95,6 @@ def rate_features(strategy: str, shape: ModelShape, s, b) -> dict:
     """The time model's features (:data:`RATE_FEATURES`) at each ``(s, b)``, as arrays."""
     rows = [analytic.time_features(strategy, shape, int(si), int(bi)) for si, bi in zip(s, b)]
     return {k: np.array([r[k] for r in rows], float) for k in RATE_FEATURES}
-
-
-def rates_predict(rates: dict, feats: dict):
-    """Seconds: the sum of rate (seconds per unit) times feature."""
-    return sum(rates[k] * feats[k] for k in rates)
 
 
 def _rate_columns(st: str, shared: bool) -> dict:

@@ -74,6 +74,11 @@ def xgb_features(s, b):
 XGB_FEATURES = ("s", "b", "b*s", "b*s^2", "log_s")
 
 
+def rates_predict(rates: dict, feats: dict):
+    """Seconds: the sum of rate (seconds per unit) times feature (the time model of format 2)."""
+    return sum(rates[k] * feats[k] for k in rates)
+
+
 def fade(s: float, s_max: float) -> float:
     """The weight of the in-range correction at ``s``: 1 up to ``s_max``, falling linearly in
     log2 s to 0 at ``2 * s_max`` and beyond."""
@@ -158,8 +163,7 @@ class FittedCostModel(CostModel):
         if spec["kind"] == "poly":
             return float(time_features(s, b, spec["degree"]) @ np.asarray(spec["coef"]))
         if spec["kind"] == "rates":
-            f = analytic.time_features(st, self.shape, s, b)
-            return float(sum(r * f[k] for k, r in spec["rates"].items()))
+            return float(rates_predict(spec["rates"], analytic.time_features(st, self.shape, s, b)))
         sv, tr = analytic.layer_memory(st, self.shape, s, b)
         x = sv if tg == "saved_bytes" else tr
         a, c = spec["coef"]
