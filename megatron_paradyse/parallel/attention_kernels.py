@@ -224,3 +224,15 @@ def causal_attention(q, k, v, scale: float):
         # fp32 CUDA has no flash kernel and SDPA's GQA would fall back to the quadratic math one
         k, v, rep = expand_kv(k, rep), expand_kv(v, rep), 1
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=rep > 1)
+
+
+def document_attention(q, k, v, scale: float, docs=None):
+    """:func:`causal_attention` over whole sequences, or inside each document of a pack
+    (``docs``: ``packing.Documents`` of the sequence dimension): one causal kernel call per
+    document, so memory stays linear in the pack's length and nothing crosses a boundary.
+    On GPUs a variable-length kernel would make this one call (not done: see docs/packing.md)."""
+    if docs is None:
+        return causal_attention(q, k, v, scale)
+    b = docs.bounds
+    return torch.cat([causal_attention(q[:, :, x:y], k[:, :, x:y], v[:, :, x:y], scale)
+                      for x, y in zip(b, b[1:])], dim=2)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import strategies
+from .packing import documents_from, pad_pack
 from .plan_check import PlanMismatchError, verify_plans
 from .plans import normalize_plan
 from .strategies.base import STOCK_FORWARD
@@ -59,7 +60,8 @@ def uninstall() -> None:
 
 # Fail closed: a strategy runs only on arguments it handles. Every other argument must be
 # absent or None; anything else is an error naming it (a new megatron argument included).
-_ATTENTION_ARGS = ("rotary_pos_emb",)  # what strategies read (RoPE at global positions)
+# what strategies read: RoPE at global positions; a pack's document boundaries (THD)
+_ATTENTION_ARGS = ("rotary_pos_emb", "packed_seq_params")
 _MLP_ARGS = ("padding_mask",)  # megatron's dense MLP ignores it as well (MoE routing only)
 
 
@@ -86,7 +88,11 @@ def _attention_forward(self, hidden_states, attention_mask=None, *args, **kwargs
     if mask_type != "causal":
         raise NotImplementedError(f"ParaDySe strategy {name!r} implements causal attention only; "
                                   f"this layer's attn_mask_type is {mask_type}")
-    return strategies.get(name).attention(self, hidden_states, kwargs.get("rotary_pos_emb"))
+    params = kwargs.get("packed_seq_params")
+    docs = None
+    if params is not None:
+        docs = documents_from(params, hidden_states.shape[0] * self.config.tensor_model_parallel_size)
+    return strategies.get(name).attention(self, hidden_states, kwargs.get("rotary_pos_emb"), docs)
 
 
 def _mlp_forward(self, hidden_states, *args, **kwargs):
@@ -105,15 +111,37 @@ def _mlp_forward(self, hidden_states, *args, **kwargs):
 
 def _gpt_forward(self, input_ids, position_ids, attention_mask, *args, **kwargs):
     plan = getattr(self, "_paradyse_plan", None)
-    if plan is not None and input_ids is not None:
-        p = self.config.tensor_model_parallel_size
-        s = input_ids.shape[1]
+    if plan is None or input_ids is None:
+        return _ORIGINAL["gpt"](self, input_ids, position_ids, attention_mask, *args, **kwargs)
+    p = self.config.tensor_model_parallel_size
+    s = input_ids.shape[1]
+    params = kwargs.get("packed_seq_params")
+    if params is None:
         if s % p:
             raise ValueError(
                 f"sequence length {s} is not divisible by the switching group size p={p}: every "
                 f"strategy keeps [s/p, b, h] between layers; pad the batch to a multiple of {p} "
                 "(megatron_paradyse.data.pad_to_multiple does this and masks the padding)")
-    return _ORIGINAL["gpt"](self, input_ids, position_ids, attention_mask, *args, **kwargs)
+        return _ORIGINAL["gpt"](self, input_ids, position_ids, attention_mask, *args, **kwargs)
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"a packed micro-batch is one row of tokens [1, T] (THD), got {tuple(input_ids.shape)}")
+    if args:
+        raise TypeError("ParaDySe: with packed_seq_params pass GPTModel.forward's optional arguments by keyword")
+    kwargs["packed_seq_params"], pad = pad_pack(params, s, p)
+    if pad:  # one trailing padding document; its outputs are cut off below
+        input_ids, position_ids = _pad_row(input_ids, pad), _pad_row(position_ids, pad, positions=True)
+        if kwargs.get("labels") is not None:
+            kwargs["labels"] = _pad_row(kwargs["labels"], pad)
+    out = _ORIGINAL["gpt"](self, input_ids, position_ids, attention_mask, **kwargs)
+    return out[:, :s] if pad and torch.is_tensor(out) else out
+
+
+def _pad_row(x, pad: int, positions: bool = False):
+    """``[1, T]`` with ``pad`` more entries: zeros, or positions 0.. of the padding document."""
+    if x is None:
+        return None
+    tail = torch.arange(pad, device=x.device, dtype=x.dtype) if positions else x.new_zeros(pad)
+    return torch.cat([x, tail.unsqueeze(0)], dim=1)
 
 
 def unwrap(model):

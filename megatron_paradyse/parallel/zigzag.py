@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from .buffers import pool_buffer
 from .collectives import group_info, wait
+from .pack_layout import Block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +119,50 @@ class RingLayout:
                 start = seg.offset
             blocks.append((row, start, seg.local.stop))
         return tuple((slice(r, self.local_len), slice(a, b)) for r, a, b in blocks)
+
+
+    # -- what the ring strategies ask every layout (``pack_layout.PackedLayout`` answers the same)
+    packed = False
+
+    def count(self, rank: int) -> int:
+        return self.local_len
+
+    @property
+    def total(self) -> int:
+        return self.p * self.local_len
+
+    def row_groups(self, rank: int) -> list:
+        """``(rows, stop)``: local rows whose seen keys all lie before global position ``stop``."""
+        return [(g.local, g.stop) for g in self.segments(rank)]
+
+    def rope_positions(self, rank: int, device=None) -> list:
+        """RoPE positions of ``rank``'s tokens: their ``(start, stop)`` ranges (``base.apply_rope``)."""
+        return self.ranges(rank)
+
+    def last_hops(self):
+        """None: every rank needs every other rank's K/V block (the whole ring)."""
+        return None
+
+    @functools.lru_cache(maxsize=4096)
+    def kernel_blocks(self, rank: int, src: int) -> tuple:
+        """``(rows, keys, causal)`` kernel calls for the block from ``src``: the rank's own
+        tokens are one causal block (they are in position order), others the full blocks."""
+        if src == rank:
+            return ((slice(0, self.local_len), slice(0, self.local_len), True),)
+        return tuple((rows, keys, False) for rows, keys in self.full_blocks(rank, src))
+
+    @functools.lru_cache(maxsize=4096)
+    def score_blocks(self, rank: int, src: int) -> tuple:
+        """``Block`` s of ``src``'s keys that ``rank``'s queries see, per key segment, with the
+        keys' global positions as columns; the rank's own segments causally."""
+        out = []
+        for row, seg in self.visible(rank, src):
+            if src == rank:
+                out.append(Block(seg.local, seg.local, seg.cols, True))
+                row = seg.local.stop
+            if row < self.local_len:
+                out.append(Block(slice(row, self.local_len), seg.local, seg.cols, False))
+        return tuple(out)
 
 
 def layout_for(hidden_states, group) -> RingLayout:

@@ -34,7 +34,9 @@ class Strategy:
         """(True, "") if this strategy can run ``config`` over a group of ``p`` ranks, else the reason."""
         return common_support(config)
 
-    def attention(self, attn, hidden_states, rotary_pos_emb):
+    def attention(self, attn, hidden_states, rotary_pos_emb, docs=None):
+        """``docs``: the pack's :class:`~..packing.Documents` (attention inside each
+        document, RoPE positions from 0 in each), or None for one sequence per row."""
         raise NotImplementedError
 
     def mlp(self, mlp, hidden_states):
@@ -180,18 +182,27 @@ def rope_freqs(rotary_pos_emb):
 
 def apply_rope(x, freqs, config, positions):
     """Megatron's RoPE on ``x [s, b, n, d]``: ``positions`` is the first position of its tokens
-    (an int: they are consecutive) or their ``(start, stop)`` ranges in order (a balanced ring
-    layout, ``zigzag.RingLayout.ranges``)."""
+    (an int: they are consecutive), their ``(start, stop)`` ranges in order (a balanced ring
+    layout, ``zigzag.RingLayout.ranges``), or each token's position (a tensor: a pack's
+    in-document positions, ``packing.Documents.positions``)."""
     if freqs is None:
         return x
     from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 
-    if isinstance(positions, int):
+    if torch.is_tensor(positions):
+        local = freqs.index_select(0, positions.to(freqs.device))
+    elif isinstance(positions, int):
         local = freqs[positions:positions + x.shape[0]]
     else:
         local = torch.cat([freqs[a:b] for a, b in positions]) if len(positions) > 1 else \
             freqs[positions[0][0]:positions[0][1]]
     return apply_rotary_pos_emb(x, local, config=config)
+
+
+def token_positions(docs, start: int, stop: int, device=None):
+    """RoPE positions of the tokens ``[start, stop)``: ``start`` (consecutive from there) for
+    one sequence, their in-document positions for a pack."""
+    return start if docs is None else docs.positions([(start, stop)], device)
 
 
 def to_bhsd(x):

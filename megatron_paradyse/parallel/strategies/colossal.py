@@ -31,70 +31,82 @@ import torch
 
 from ..attention_kernels import expand_kv, reduce_kv
 from ..buffers import block_slot
-from ..collectives import group_info
 from ..ring_comm import GradRing, ring_stream
 from .ring_base import RingStrategy
 
 
 def _ring(block, group, layout, visit, grad: bool = False):
-    """Pass ``block`` once around the ring, calling ``visit(src, blk, seen)`` for every block
-    some local query sees (``seen``: ``layout.visible(rank, src)``).
+    """Pass ``block`` around the ring (as far as ``layout`` needs it), calling
+    ``visit(src, blk, blocks)`` for every block some local query sees (``blocks``:
+    ``layout.score_blocks(rank, src)``).
 
     With ``grad``, ``visit`` returns this rank's fp32 gradient contribution to the block it
     sees, and the complete gradient of this rank's own block is returned (:class:`GradRing`).
     """
     rank = torch.distributed.get_rank(group)
-    grads = GradRing([block], group) if grad else None
-    for src, (blk,) in ring_stream([block], group, lambda k, slot: block_slot("k", slot)):
-        seen = layout.visible(rank, src)
-        g = visit(src, blk, seen) if seen else None
+    last = layout.last_hops()
+
+    def shapes(src):
+        return [block.shape[:2] + (layout.count(src),) + block.shape[3:]]
+
+    grads = GradRing([block], group, last=last, shapes=shapes) if grad else None
+    for src, held in ring_stream([block], group, lambda k, slot: block_slot("k", slot), last=last, shapes=shapes):
+        blocks = layout.score_blocks(rank, src) if held is not None else ()
+        g = visit(src, held[0], blocks) if blocks else None
         if grad:
             grads.add(None if g is None else [g])
     return grads.result()[0] if grad else None
 
 
-class RingSelfAttention(torch.autograd.Function):
-    """Causal RSA of local queries ``[b, n, s/p, d]`` over the whole sequence.
+def _softmax_rows(scores, layout, rank):
+    """Softmax over the seen columns of each row, in place; unseen columns get probability 0.
+    A row's seen columns end at its segment's (or a pack's piece's) stop."""
+    for rows, stop in layout.row_groups(rank):
+        part = scores[:, :, rows, :stop]
+        part.sub_(part.amax(dim=-1, keepdim=True)).exp_()
+        part.div_(part.sum(dim=-1, keepdim=True))
+        scores[:, :, rows, stop:].zero_()
 
-    Rank r holds the tokens ``layout.segments(r)`` (``zigzag.RingLayout``); score columns are
-    global positions. ``k``/``v`` are ``[b, kv, s/p, d]`` with ``n % kv == 0``. Saves q, k, v
-    and the probabilities ``P [b, n, s/p, s]`` (in q's dtype, as stock megatron saves its
-    attention probs).
+
+class RingSelfAttention(torch.autograd.Function):
+    """Causal RSA of local queries ``[b, n, s/p, d]`` over the whole sequence (inside each
+    document of a pack).
+
+    Rank r holds the tokens of ``layout`` (``zigzag.RingLayout`` or ``pack_layout.PackedLayout``);
+    score columns are global positions. ``k``/``v`` are ``[b, kv, s/p, d]`` with ``n % kv == 0``.
+    Saves q, k, v and the probabilities ``P [b, n, s/p, s]`` (in q's dtype, as stock megatron
+    saves its attention probs). In a pack, columns no block writes (other documents) start at
+    -inf, so they get probability 0.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, group, scale, layout):
-        rank, p, _ = group_info(group)
+        rank = torch.distributed.get_rank(group)
         b, n, sl, d = q.shape
         rep = n // k.shape[1]
-        mine = layout.segments(rank)
-        scores = torch.empty((b, n, sl, p * sl), dtype=torch.float32, device=q.device)
+        make = torch.full if layout.packed else (lambda shape, _, **kw: torch.empty(shape, **kw))
+        scores = make((b, n, sl, layout.total), float("-inf"), dtype=torch.float32, device=q.device)
 
-        def score_block(src, kb, seen):
-            for row, seg in seen:
-                blk = scores[:, :, row:, seg.cols]
-                blk.copy_(torch.matmul(q[:, :, row:], expand_kv(kb[:, :, seg.local], rep).transpose(-1, -2)))
-                blk.mul_(scale)
-                if src == rank:  # the first rows are the keys' own tokens: the causal diagonal
-                    n_diag = seg.stop - seg.start
-                    diag = torch.ones(n_diag, n_diag, dtype=torch.bool, device=q.device).triu_(1)
-                    blk[:, :, :n_diag].masked_fill_(diag, float("-inf"))
+        def score_block(src, kb, blocks):
+            for blk in blocks:
+                part = scores[:, :, blk.rows, blk.cols]
+                part.copy_(torch.matmul(q[:, :, blk.rows], expand_kv(kb[:, :, blk.keys], rep).transpose(-1, -2)))
+                part.mul_(scale)
+                if blk.causal:
+                    m = blk.rows.stop - blk.rows.start
+                    diag = torch.ones(m, m, dtype=torch.bool, device=q.device).triu_(1)
+                    part.masked_fill_(diag, float("-inf"))
 
         _ring(k, group, layout, score_block)
-        # softmax over the seen part of each row, in place; masked columns get probability 0
-        for seg in mine:
-            rows = scores[:, :, seg.local, :seg.stop]
-            rows.sub_(rows.amax(dim=-1, keepdim=True)).exp_()
-            rows.div_(rows.sum(dim=-1, keepdim=True))
-            scores[:, :, seg.local, seg.stop:].zero_()
+        _softmax_rows(scores, layout, rank)
         probs = scores if q.dtype == torch.float32 else scores.to(q.dtype)
-        del scores, rows
-
+        del scores
         out = torch.zeros((b, n, sl, d), dtype=torch.float32, device=q.device)
 
-        def value_block(src, vb, seen):
-            for row, seg in seen:
-                out[:, :, row:].add_(torch.matmul(probs[:, :, row:, seg.cols], expand_kv(vb[:, :, seg.local], rep)))
+        def value_block(src, vb, blocks):
+            for blk in blocks:
+                out[:, :, blk.rows].add_(torch.matmul(probs[:, :, blk.rows, blk.cols],
+                                                      expand_kv(vb[:, :, blk.keys], rep)))
 
         _ring(v, group, layout, value_block)
         ctx.save_for_backward(q, k, v, probs)
@@ -107,36 +119,38 @@ class RingSelfAttention(torch.autograd.Function):
         group, scale, rep, layout = ctx.group, ctx.scale, ctx.rep, ctx.layout
         rank = torch.distributed.get_rank(group)
         b, n, sl, d = q.shape
-        mine = layout.segments(rank)
+        groups = layout.row_groups(rank)
         dout = dout.to(q.dtype)
-        # each row's seen columns end at its segment's stop: the last segment's is the widest
-        dscores = torch.empty((b, n, sl, mine[-1].stop), dtype=torch.float32, device=q.device)
+        # each row's seen columns end at its group's stop: the last group's is the widest; in
+        # a pack unwritten entries must be zeros (they meet P = 0 in the softmax backward)
+        make = torch.zeros if layout.packed else torch.empty
+        dscores = make((b, n, sl, max((stop for _, stop in groups), default=0)),
+                       dtype=torch.float32, device=q.device)
         rowdot = torch.zeros((b, n, sl, 1), dtype=torch.float32, device=q.device)
 
-        def value_grad(src, vb, seen):  # dP_j = dO V_j^T, dV_j = P_j^T dO
+        def value_grad(src, vb, blocks):  # dP_j = dO V_j^T, dV_j = P_j^T dO
             dv = torch.zeros(vb.shape, dtype=torch.float32, device=vb.device)
-            for row, seg in seen:
-                dp = dscores[:, :, row:, seg.cols]
-                dp.copy_(torch.matmul(dout[:, :, row:], expand_kv(vb[:, :, seg.local], rep).transpose(-1, -2)))
-                pj = probs[:, :, row:, seg.cols]
-                rowdot[:, :, row:].add_((dp * pj).sum(dim=-1, keepdim=True))
-                dv[:, :, seg.local] += reduce_kv(torch.matmul(pj.transpose(-1, -2), dout[:, :, row:]), rep)
+            for blk in blocks:
+                dp = dscores[:, :, blk.rows, blk.cols]
+                dp.copy_(torch.matmul(dout[:, :, blk.rows], expand_kv(vb[:, :, blk.keys], rep).transpose(-1, -2)))
+                pj = probs[:, :, blk.rows, blk.cols]
+                rowdot[:, :, blk.rows].add_((dp * pj).sum(dim=-1, keepdim=True))
+                dv[:, :, blk.keys] += reduce_kv(torch.matmul(pj.transpose(-1, -2), dout[:, :, blk.rows]), rep)
             return dv
 
         dv = _ring(v, group, layout, value_grad, grad=True)
         # softmax backward: dS = P * (dP - rowsum(dP * P)), in place, on the seen columns
-        for seg in mine:
-            dscores[:, :, seg.local, :seg.stop].sub_(rowdot[:, :, seg.local]).mul_(
-                probs[:, :, seg.local, :seg.stop])
+        for rows, stop in groups:
+            dscores[:, :, rows, :stop].sub_(rowdot[:, :, rows]).mul_(probs[:, :, rows, :stop])
         del rowdot
         dq = torch.zeros((b, n, sl, d), dtype=torch.float32, device=q.device)
 
-        def key_grad(src, kb, seen):  # dQ += dS_j K_j, dK_j = dS_j^T Q (both times scale)
+        def key_grad(src, kb, blocks):  # dQ += dS_j K_j, dK_j = dS_j^T Q (both times scale)
             dk = torch.zeros(kb.shape, dtype=torch.float32, device=kb.device)
-            for row, seg in seen:
-                ds = dscores[:, :, row:, seg.cols].to(q.dtype)
-                dq[:, :, row:].add_(torch.matmul(ds, expand_kv(kb[:, :, seg.local], rep)))
-                dk[:, :, seg.local] += reduce_kv(torch.matmul(ds.transpose(-1, -2), q[:, :, row:]), rep)
+            for blk in blocks:
+                ds = dscores[:, :, blk.rows, blk.cols].to(q.dtype)
+                dq[:, :, blk.rows].add_(torch.matmul(ds, expand_kv(kb[:, :, blk.keys], rep)))
+                dk[:, :, blk.keys] += reduce_kv(torch.matmul(ds.transpose(-1, -2), q[:, :, blk.rows]), rep)
             return dk.mul_(scale)
 
         dk = _ring(k, group, layout, key_grad, grad=True)

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import torch
 
-from .. import zigzag
 from ..buffers import weight_slot
 from ..collectives import broadcast_start, reduce_to, wait
 from ..ring_comm import GradRing, ring_stream
@@ -53,6 +52,7 @@ from .base import (Strategy, apply_activation, apply_rope, bias_of, from_bhsd, g
                    row_output, split_qkv, switching_group, to_bhsd, weight_grad, wgrad_fusion,
                    zero_support)
 from .ring import ring_attention
+from .ring_base import arrange, restore, ring_layout
 
 _ACC = torch.float32  # dtype of every sum over shards or ranks
 
@@ -94,7 +94,7 @@ def _group_qkv(x, wq, bq):
 def _group_attention(mixed, geo, qf, kf, config, layout):
     """Split, RoPE and causal ring attention for one head group: ``[s/p, b, (heads/p)*d]``."""
     q, k, v = split_qkv(mixed, geo.groups // geo.p, geo.q_per_group, geo.head_dim)
-    positions = layout.ranges(geo.rank)
+    positions = layout.rope_positions(geo.rank, mixed.device)
     q, k = apply_rope(q, qf, config, positions), apply_rope(k, kf, config, positions)
     ctx = ring_attention(to_bhsd(q), to_bhsd(k).contiguous(), to_bhsd(v).contiguous(), geo.group,
                          geo.scale, layout)
@@ -234,17 +234,17 @@ class METP(Strategy):
                            "linear_qkv shard must hold whole query groups")
         return True, ""
 
-    def attention(self, attn, hidden_states, rotary_pos_emb):
+    def attention(self, attn, hidden_states, rotary_pos_emb, docs=None):
         geo = geometry(attn)
         qkv = attn.linear_qkv
         b = bias_of(qkv)
         b = b if (b is not None and not qkv.skip_bias_add) else None
         qf, kf = rope_freqs(rotary_pos_emb)
-        layout = zigzag.layout_for(hidden_states, geo.group)
-        x = zigzag.to_balanced(hidden_states, layout, geo.group)
+        layout = ring_layout(hidden_states, geo.group, docs)
+        x = arrange(hidden_states, layout, geo.group)
         out = METPAttention.apply(x, qkv.weight, b, attn.linear_proj.weight, geo, qf, kf,
                                   attn.config, layout, (wgrad_fusion(qkv), wgrad_fusion(attn.linear_proj)))
-        return row_output(attn.linear_proj, zigzag.from_balanced(out, layout, geo.group))
+        return row_output(attn.linear_proj, restore(out, layout, geo.group))
 
     def mlp(self, mlp, hidden_states):
         group = switching_group(mlp)

@@ -28,31 +28,38 @@ def _slot(k, slot):
 
 
 def _merge_rows(out, lse, rows, blk_out, blk_lse):
-    """Merge one block's result into rows ``rows`` of the running (out, lse); the first block
-    (the rank's own, causal) covers every row."""
-    if out is None:
-        return merge_lse(None, None, blk_out, blk_lse)
+    """Merge one block's result into rows ``rows`` of the running (out, lse)."""
     o, l = merge_lse(out[:, :, rows], lse[:, :, rows], blk_out, blk_lse)
     out[:, :, rows], lse[:, :, rows] = o, l
-    return out, lse
 
 
-def _blocks(layout, rank, src, length):
-    """``(rows, keys, causal)`` kernel calls for the block from ``src``: the rank's own tokens
-    are one causal block (they are in position order), others the layout's full blocks."""
-    if src == rank:
-        return ((slice(0, length), slice(0, length), True),)
-    return tuple((rows, keys, False) for rows, keys in layout.full_blocks(rank, src))
+def _shapes(k, v, layout):
+    """The shapes of rank ``src``'s K/V block (a packed layout's ranks hold different counts)."""
+    def shapes(src):
+        n = layout.count(src)
+        return [k.shape[:2] + (n,) + k.shape[3:], v.shape[:2] + (n,) + v.shape[3:]]
+    return shapes
+
+
+def kv_stream(k, v, group, layout):
+    """:func:`ring_stream` of ``[k, v]`` as far as ``layout`` needs them to travel."""
+    return ring_stream([k, v], group, _slot, last=layout.last_hops(), shapes=_shapes(k, v, layout))
 
 
 def ring_forward(q, kv_steps, layout, rank, scale):
-    """Rank ``rank``'s forward over the K/V blocks ``kv_steps`` yields as ``(src, (k, v))``, its
-    own first (:func:`ring_stream`'s order); returns (out, lse) in fp32."""
-    out = lse = None
-    for src, (cur_k, cur_v) in kv_steps:
-        for rows, keys, causal in _blocks(layout, rank, src, q.shape[2]):
+    """Rank ``rank``'s forward over the K/V blocks ``kv_steps`` yields as ``(src, (k, v))``
+    (None where no block came); returns (out, lse) in fp32. Every row sees at least its own
+    token, so no row is left at lse -inf."""
+    b, n, sl, d = q.shape
+    out = torch.zeros((b, n, sl, d), dtype=torch.float32, device=q.device)
+    lse = torch.full((b, n, sl), float("-inf"), dtype=torch.float32, device=q.device)
+    for src, kv in kv_steps:
+        if kv is None:
+            continue
+        cur_k, cur_v = kv
+        for rows, keys, causal in layout.kernel_blocks(rank, src):
             o, l = attn_forward(q[:, :, rows], cur_k[:, :, keys], cur_v[:, :, keys], causal, scale)
-            out, lse = _merge_rows(out, lse, rows, o, l)
+            _merge_rows(out, lse, rows, o, l)
     return out, lse
 
 
@@ -82,7 +89,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, scale, layout):
         rank = dist.get_rank(group)
-        out, lse = ring_forward(q, ring_stream([k, v], group, _slot), layout, rank, scale)
+        out, lse = ring_forward(q, kv_stream(k, v, group, layout), layout, rank, scale)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.scale, ctx.layout = group, scale, layout
@@ -93,18 +100,19 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         rank = dist.get_rank(ctx.group)
         dq = torch.zeros_like(q, dtype=torch.float32)
-        grads = GradRing([k, v], ctx.group)
-        for src, (cur_k, cur_v) in ring_stream([k, v], ctx.group, _slot):
-            blocks = _blocks(ctx.layout, rank, src, q.shape[2])
-            grads.add(step_backward(dout, q, out, lse, dq, cur_k, cur_v, blocks, ctx.scale))
+        layout = ctx.layout
+        grads = GradRing([k, v], ctx.group, last=layout.last_hops(), shapes=_shapes(k, v, layout))
+        for src, kv in kv_stream(k, v, ctx.group, layout):
+            blocks = layout.kernel_blocks(rank, src) if kv is not None else ()
+            grads.add(step_backward(dout, q, out, lse, dq, *(kv or (None, None)), blocks, ctx.scale))
         dk, dv = grads.result()
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def ring_attention(q, k, v, group, scale, layout):
     """``q [b, n, s/p, d]``, ``k``/``v`` ``[b, kv, s/p, d]`` holding ``layout``'s tokens of this
-    rank, to the causal output like ``q``."""
-    if torch.distributed.get_world_size(group) == 1:
+    rank, to the causal output like ``q`` (attention inside each document of a packed layout)."""
+    if torch.distributed.get_world_size(group) == 1 and not layout.packed:
         return causal_attention(q, k, v, scale)
     return RingAttention.apply(q, k, v, group, scale, layout)
 

@@ -2,7 +2,7 @@
 from local tokens in the balanced layout, with ZeRO-3-style weights (``zero3.py``)."""
 from __future__ import annotations
 
-from .. import zigzag
+from .. import pack_layout, zigzag
 from .base import Strategy, from_bhsd, geometry, to_bhsd, zero_support
 from .zero3 import mlp, qkv_local_tokens, row
 
@@ -21,14 +21,37 @@ class RingStrategy(Strategy):
         this rank, to the causal output like ``q``."""
         raise NotImplementedError
 
-    def attention(self, attn, hidden_states, rotary_pos_emb):
+    def attention(self, attn, hidden_states, rotary_pos_emb, docs=None):
         geo = geometry(attn)
-        layout = zigzag.layout_for(hidden_states, geo.group)
-        x = zigzag.to_balanced(hidden_states, layout, geo.group)
-        q, k, v = qkv_local_tokens(attn, x, rotary_pos_emb, geo, layout.ranges(geo.rank))
+        layout = ring_layout(hidden_states, geo.group, docs)
+        x = arrange(hidden_states, layout, geo.group)
+        positions = layout.rope_positions(geo.rank, hidden_states.device)
+        q, k, v = qkv_local_tokens(attn, x, rotary_pos_emb, geo, positions)
         ctx = self.core(to_bhsd(q), to_bhsd(k).contiguous(), to_bhsd(v).contiguous(), geo, layout)
         y, bias = row(attn.linear_proj, from_bhsd(ctx), geo.group)
-        return zigzag.from_balanced(y, layout, geo.group), bias
+        return restore(y, layout, geo.group), bias
 
     def mlp(self, mlp_module, hidden_states):
         return mlp(mlp_module, hidden_states)
+
+
+def ring_layout(hidden_states, group, docs=None):
+    """The layer's ring layout: the balanced zig-zag split of one sequence per row, or a pack's
+    :class:`~..pack_layout.PackedLayout`."""
+    if docs is None:
+        return zigzag.layout_for(hidden_states, group)
+    return pack_layout.packed_layout(group.size(), docs)
+
+
+def arrange(x, layout, group):
+    """Layer input ``[s/p, b, h]`` to ``layout``'s tokens of this rank (backward: the inverse)."""
+    if layout.packed:
+        return pack_layout.arrange(x, layout, group)
+    return zigzag.to_balanced(x, layout, group)
+
+
+def restore(y, layout, group):
+    """``layout``'s tokens of this rank back to the contiguous ``[s/p, b, h]`` chunk."""
+    if layout.packed:
+        return pack_layout.restore(y, layout, group)
+    return zigzag.from_balanced(y, layout, group)

@@ -12,20 +12,22 @@ Memory: the stock shard only; full-sequence activations of width h/p, one gather
 """
 from __future__ import annotations
 
-from ..attention_kernels import causal_attention
-from .base import Strategy, apply_rope, from_bhsd, geometry, rope_freqs, stock_forward, to_bhsd
+from ..attention_kernels import document_attention
+from .base import (Strategy, apply_rope, from_bhsd, geometry, rope_freqs, stock_forward, to_bhsd,
+                   token_positions)
 
 
 class TPSP(Strategy):
     name = "tp_sp"
     description = "Megatron TP+SP: all-gather / reduce-scatter of activations, weights stay put"
 
-    def attention(self, attn, hidden_states, rotary_pos_emb):
+    def attention(self, attn, hidden_states, rotary_pos_emb, docs=None):
         geo = geometry(attn)
         q, k, v = attn.get_query_key_value_tensors(hidden_states)
         qf, kf = rope_freqs(rotary_pos_emb)
-        q, k = apply_rope(q, qf, attn.config, 0), apply_rope(k, kf, attn.config, 0)
-        ctx = causal_attention(to_bhsd(q), to_bhsd(k), to_bhsd(v), geo.scale)
+        pos = token_positions(docs, 0, q.shape[0], q.device)
+        q, k = apply_rope(q, qf, attn.config, pos), apply_rope(k, kf, attn.config, pos)
+        ctx = document_attention(to_bhsd(q), to_bhsd(k), to_bhsd(v), geo.scale, docs)
         return attn.linear_proj(from_bhsd(ctx))
 
     def mlp(self, mlp, hidden_states):

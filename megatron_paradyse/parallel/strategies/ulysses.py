@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from megatron.core.tensor_parallel.mappings import all_to_all_hp2sp, all_to_all_sp2hp
 
-from ..attention_kernels import causal_attention
+from ..attention_kernels import document_attention
 from . import zero3
-from .base import Strategy, geometry, to_bhsd, zero_support
+from .base import Strategy, geometry, to_bhsd, token_positions, zero_support
 
 
 def seq_to_head(x, group):
@@ -49,14 +49,16 @@ class Ulysses(Strategy):
             return False, f"num_query_groups ({groups}) must divide or be divisible by p ({p})"
         return True, ""
 
-    def attention(self, attn, hidden_states, rotary_pos_emb):
+    def attention(self, attn, hidden_states, rotary_pos_emb, docs=None):
         geo = geometry(attn)
-        q, k, v = zero3.qkv_local_tokens(attn, hidden_states, rotary_pos_emb, geo)
+        sl = hidden_states.shape[0]
+        pos = token_positions(docs, geo.rank * sl, (geo.rank + 1) * sl, hidden_states.device)
+        q, k, v = zero3.qkv_local_tokens(attn, hidden_states, rotary_pos_emb, geo, pos)
         if geo.groups < geo.p:
             rep = geo.p // geo.groups
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
         q, k, v = (seq_to_head(t, geo.group) for t in (q, k, v))
-        ctx = causal_attention(to_bhsd(q), to_bhsd(k), to_bhsd(v), geo.scale)
+        ctx = document_attention(to_bhsd(q), to_bhsd(k), to_bhsd(v), geo.scale, docs)
         ctx = head_to_seq(ctx.permute(2, 0, 1, 3), geo.group)
         return zero3.row(attn.linear_proj, ctx, geo.group)
 
