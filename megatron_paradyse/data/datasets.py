@@ -296,7 +296,8 @@ def build_dataset(args, max_length: int | None = None):
 @dataclasses.dataclass
 class MicroBatch:
     """One padded micro-batch. ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` are
-    ``[b, s]`` with ``s`` a multiple of the layout's divisor; ``lengths`` are the real lengths."""
+    ``[b, s]`` with ``s`` a multiple of the layout's divisor; ``lengths`` are the real lengths.
+    A packed micro-batch (``b = 1``, several documents) also has ``cu_seqlens``."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
@@ -304,6 +305,7 @@ class MicroBatch:
     position_ids: torch.Tensor
     lengths: tuple
     plan: tuple | None = None  # set by hooks.PlannedIterator: one strategy name per layer
+    cu_seqlens: tuple | None = None  # a pack's document boundaries (0, ..., T) (packing.pack_documents)
 
     @property
     def seq_length(self) -> int:
