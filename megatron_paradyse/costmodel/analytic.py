@@ -31,7 +31,8 @@ import json
 import math
 import os
 
-from .base import CostModel, LayerCost
+from . import packs
+from .base import CostModel, LayerCost, as_tokens, check_length
 from .shape import ModelShape
 
 STRATEGIES = ("tp_sp", "ulysses", "ring", "colossal", "metp")
@@ -147,13 +148,49 @@ SAVED_NOTES = {
 TRANSIENT = load_config("transient.json")["transient"]
 
 
-def layer_memory(strategy: str, shape: ModelShape, s: int, b: int) -> tuple[float, float]:
-    """(saved bytes, transient bytes) of one layer, largest rank."""
+def layer_memory(strategy: str, shape: ModelShape, s, b: int) -> tuple[float, float]:
+    """(saved bytes, transient bytes) of one layer, largest rank; ``s`` a length or a pack
+    (:func:`pack_memory`)."""
     if strategy not in SAVED:
         raise KeyError(f"no analytic memory model for strategy {strategy!r} (known: {sorted(SAVED)})")
+    if packs.is_pack(s):
+        return pack_memory(strategy, shape, s)
     B = basis(shape, s, b)
     saved = sum(c * B[k] for k, c in SAVED[strategy].items())
     trans = max(sum(c * B[k] for k, c in phase.items()) for phase in TRANSIENT[strategy])
+    return float(saved), float(trans)
+
+
+# Packs (tracker, p = 2, demo shape, 2026-11-25): tp_sp saves one more [T, b, h/p] (the
+# per-document outputs' concatenation, attention_kernels.document_attention); ulysses' bytes
+# are the single sequence's; the ring strategies keep these saved terms in the layer's packed
+# layout, count(rank) tokens instead of T/p (equal to the tracker for the ranks holding 312,
+# 500, 524, 574, 712 of 1024 tokens); colossal's score rows are [b, heads, count, T].
+PACK_EXTRA_SAVED = {"tp_sp": {"t*h": 1}}
+PACK_LAYOUT_SAVED = {"ring": {"t*h": 4, "t*kv": 2, "rope/p": 2, "t*lse": 1},
+                     "colossal": {"t*h": 3, "t*kv": 2, "rope/p": 2, "rows": 1},
+                     "metp": {"t*h": 1}}
+# transient terms of the attention phase, which run over the packed layout's tokens (the
+# phases are fitted mixtures, configs/transient.json; the MLP's and the weights' terms stay);
+# colossal's dS rows reach the widest column a local row sees (packs.Geometry.rows_cols)
+PACK_LAYOUT_TRANSIENT = ("t*lse", "t*kv", "t*kv/p", "t*qw", "t*qw/p", "rope/p", "t*h/p")
+PACK_ROWS_TRANSIENT = ("rows", "rows32")
+
+
+def pack_memory(strategy: str, shape: ModelShape, s) -> tuple[float, float]:
+    """(saved, transient) bytes of one layer on a pack: the single sequence of its padded
+    length, plus what the pack changes (the tables above; ``packs.ratios``)."""
+    T = packs.geometry(s, shape.p).tokens
+    B = basis(shape, T, 1)
+    r = packs.ratios(s, shape.p)
+    saved = sum(c * B[k] for k, c in SAVED[strategy].items())
+    saved += sum(c * B[k] for k, c in PACK_EXTRA_SAVED.get(strategy, {}).items())
+    saved += sum(c * B[k] * (r["count"] - 1) for k, c in PACK_LAYOUT_SAVED.get(strategy, {}).items())
+    scale = {}
+    if strategy in packs.RING_LIKE:
+        scale = {k: r["count"] for k in PACK_LAYOUT_TRANSIENT}
+        scale.update({k: r["rows"] for k in PACK_ROWS_TRANSIENT})
+    trans = max(sum(c * B[k] * scale.get(k, 1.0) for k, c in phase.items()) for phase in TRANSIENT[strategy])
     return float(saved), float(trans)
 
 
@@ -223,11 +260,23 @@ def flops_parts(strategy: str, shape: ModelShape, s: int, b: int) -> tuple[float
     of attention and fc1 in backward (counted as one more forward)."""
     p, h, f, qw = shape.p, shape.hidden, shape.ffn, shape.qkv_width
     f1 = 2 * f if shape.swiglu else f
+    pack = packs.is_pack(s)
+    if pack:
+        s, b, r = packs.geometry(s, p).tokens, 1, packs.ratios(s, p)
     T = s * b
     lin = 2 * T * (h * qw + h * shape.heads * shape.head_dim + h * f1 + f * h) / p
     att = 2 * 2 * T * s * shape.heads * shape.head_dim / p / 2
+    if pack:  # the documents' causal pairs (tp_sp, ulysses), the busiest rank's blocks (rings)
+        att *= r[PACK_ATTENTION[strategy]]
     passes = 4 if strategy == "metp" else 3
     return float(passes * lin), float(passes * att)
+
+
+# which of packs.ratios scales a pack's attention work: per document over the whole sequence,
+# the busiest rank's kernel blocks, or colossal's score rows (filled, soft-maxed and
+# back-propagated over every column a local row sees, whatever the documents)
+PACK_ATTENTION = {"tp_sp": "attn_full", "ulysses": "attn_full", "ring": "attn_ring", "metp": "attn_ring",
+                  "colossal": "attn_ring"}
 
 
 def layer_flops(strategy: str, shape: ModelShape, s: int, b: int) -> float:
@@ -241,6 +290,8 @@ def comm_ops(strategy: str, shape: ModelShape, s: int, b: int) -> list:
     kinds: ``allgather`` / ``reducescatter`` (bytes = the full tensor), ``alltoall`` (bytes =
     one rank's buffer), ``p2p`` (one ring hop), ``broadcast`` / ``reduce`` (bytes = the tensor).
     """
+    if packs.is_pack(s):
+        return pack_comm_ops(strategy, shape, s)
     p, e, h, f = shape.p, shape.elt, shape.hidden, shape.ffn
     qw, kv = shape.qkv_width, shape.query_groups * shape.head_dim
     f1 = 2 * f if shape.swiglu else f
@@ -270,6 +321,30 @@ def comm_ops(strategy: str, shape: ModelShape, s: int, b: int) -> list:
                 ("p2p", 2 * t * kv / p * e, 3 * p * (p - 1)), ("p2p", 2 * t * kv / p * 4, p * p),
                 ("p2p", mlp_shard, 2 * (p - 1)), ("p2p", mlp_shard * 4 / e, p)]
     return ops
+
+
+def pack_comm_ops(strategy: str, shape: ModelShape, s) -> list:
+    """:func:`comm_ops` of a pack: the single sequence's of its padded length, the ring hops'
+    bytes scaled by the K/V blocks that travel (``packs.ratios``: ``hops``, none where no
+    document crosses a rank), the re-layout's by the rows it moves (``moved``)."""
+    T = packs.geometry(s, shape.p).tokens
+    ops = comm_ops(strategy, shape, T, 1)
+    if strategy not in packs.RING_LIKE:
+        return ops
+    r = packs.ratios(s, shape.p)
+    t, e = T / shape.p, shape.elt
+    kv = shape.query_groups * shape.head_dim * {"ring": 2, "colossal": 1, "metp": 2 / shape.p}[strategy]
+    blocks = {t * kv * e, t * kv * 4}  # a K/V block (K and V for ring, K or V for colossal) and its gradient
+    relayout = t * shape.hidden * e / 2
+    out = []
+    for kind, nb, count in ops:
+        if kind == "p2p" and math.isclose(nb, relayout):
+            nb = nb * r["moved"]
+        elif kind == "p2p" and any(math.isclose(nb, x) for x in blocks):
+            nb = nb * r["hops"]
+        if nb > 0:
+            out.append((kind, nb, count))
+    return out
 
 
 def collective_seconds(kind: str, nbytes: float, p: int, net: dict) -> float:
@@ -312,16 +387,37 @@ def wire_bytes(kind: str, nbytes: float, p: int) -> float:
     return (p - 1) / p * nbytes if kind in ("allgather", "reducescatter", "alltoall") else float(nbytes)
 
 
-def time_features(strategy: str, shape: ModelShape, s: int, b: int) -> dict:
+PACK_FEATURES = ("pack", "pack_calls", "pack_rows")
+
+
+def time_features(strategy: str, shape: ModelShape, s, b: int) -> dict:
     """The work of one layer's fwd+bwd on the busiest rank, as the fitted time model's features.
 
     ``gemm_flops`` (linear in ``b*s``), ``attn_flops`` (``b*s**2``; its kernel class in
     :data:`ATTENTION_KERNEL`), ``bytes:<kind>`` (wire bytes per collective kind, from
     :func:`comm_ops`) and ``comm:<class>`` (their sums by :data:`COMM_CLASS`), ``messages``
     (collective calls) and ``layer`` (1: the fixed cost of the layer's kernel launches and
-    messages). Time = sum of rate x feature, rates fitted (``fit.fit_time_rates``)."""
+    messages). Time = sum of rate x feature, rates fitted (``fit.fit_time_rates``).
+
+    ``s`` a pack (``packs``): the same features computed for it (attention from its documents,
+    hops and re-layout from its ``PackedLayout``), and two that are 0 for one sequence:
+    ``pack`` (1: a pack's fixed cost, e.g. the per-document concatenation, the re-layout's
+    bookkeeping), ``pack_calls`` (the attention kernel calls beyond one sequence's: one per
+    document for tp_sp and ulysses, per block of the busiest rank for the rings) and, for
+    colossal, ``pack_rows`` (its score rows are filled and soft-maxed over every column a
+    local row sees, beyond the blocks the documents fill: in attention FLOPs of one sequence),
+    rated by ``fit.fit_pack_rates`` on profiled packs (measured: 256 documents of 4 tokens
+    took 3x the time of 64 of 16 under tp_sp, p = 2, 1024 tokens)."""
     gemm, att = flops_parts(strategy, shape, s, b)
     out = {"layer": 1.0, "gemm_flops": gemm, "attn_flops": att, "messages": 0.0}
+    out.update({k: 0.0 for k in PACK_FEATURES})
+    if packs.is_pack(s):  # a pack's own costs, rated on profiled packs (fit.fit_pack_rates)
+        r = packs.ratios(s, shape.p)
+        out["pack"] = 1.0
+        out["pack_calls"] = r["calls_ring" if strategy in packs.RING_LIKE else "calls_full"]
+        if strategy == "colossal":  # its score rows beyond the blocks the documents fill
+            one = flops_parts(strategy, shape, packs.geometry(s, shape.p).tokens, 1)[1]
+            out["pack_rows"] = max(0.0, one * (r["rows"] - r["attn_ring"]))
     out.update({f"bytes:{k}": 0.0 for k in COMM_KINDS})
     for kind, nb, count in comm_ops(strategy, shape, s, b):
         out[f"bytes:{kind}"] += count * wire_bytes(kind, nb, shape.p)
@@ -354,6 +450,8 @@ def pool_buffers(strategy: str, shape: ModelShape, s: int, b: int) -> dict:
     shards (QKV/fc1, projection/fc2, their biases), attention in slot 1 and MLP in slot 0 at
     p = 2, both in both slots from p = 3 on.
     """
+    if packs.is_pack(s):
+        return pack_pool(strategy, shape.p, s, pool_buffers(strategy, shape, packs.geometry(s, shape.p).tokens, 1))
     p, e, h = shape.p, shape.elt, shape.hidden
     T = s * b
     t = T / p
@@ -383,6 +481,27 @@ def pool_buffers(strategy: str, shape: ModelShape, s: int, b: int) -> dict:
                     out[f"paradyse:weight{j}_{slot}"] = v / p * e
     dt = _DTYPE_NAME[shape.dtype]
     return {f"{k}/{dt}": float(v) for k, v in out.items()}
+
+
+def pack_pool(strategy: str, p: int, s, pool: dict) -> dict:
+    """A pack's pool from the single sequence's of its padded length (``pool``): the ring
+    strategies' re-layout moves rows outside the pool (no ``zigzag_*`` buffers), and their
+    K/V slots hold the largest block that travels (``count`` tokens), none where no document
+    crosses a rank (tracker, p = 2: equal for every pack measured)."""
+    if strategy not in packs.RING_LIKE:
+        return dict(pool)
+    g = packs.geometry(s, p)
+    travels = g.hop_blocks > 0
+    out = {}
+    for name, v in pool.items():
+        if "zigzag_" in name:
+            continue
+        if "paradyse:kv_" in name:
+            if not travels:
+                continue
+            v = v * g.count / (g.tokens // p)
+        out[name] = v
+    return out
 
 
 class AnalyticCostModel(CostModel):
@@ -415,8 +534,7 @@ class AnalyticCostModel(CostModel):
     def _check(self, strategy, s, b):
         if strategy not in self.strategies:
             raise KeyError(f"unknown strategy {strategy!r}; the model knows {self.strategies}")
-        if s < 1 or b < 1 or s % self.shape.p:
-            raise ValueError(f"need s >= 1 divisible by p={self.shape.p} and b >= 1 (got s={s}, b={b})")
+        check_length(s, b, self.shape.p)
 
     def layer(self, strategy: str, s: int, b: int) -> LayerCost:
         self._check(strategy, s, b)
@@ -432,8 +550,9 @@ class AnalyticCostModel(CostModel):
     def pool(self, strategy: str, s: int, b: int) -> dict:
         return pool_buffers(strategy, self.shape, s, b)
 
-    def nonlayer(self, s: int, b: int) -> LayerCost:
+    def nonlayer(self, s, b: int) -> LayerCost:
         sh = self.shape
+        s, b = as_tokens(s, b, sh.p)
         saved, trans = nonlayer_memory(sh, s, b)
         T = s * b
         flops = 3 * 2 * 2 * T * sh.hidden * sh.vocab / sh.p  # output layer; embedding is a gather

@@ -21,10 +21,18 @@ communication pool of the micro-batch (each buffer name once, at its largest siz
 strategies used and the non-layer part; released between micro-batches). For a plan
 given as counts ``{strategy: n}`` the order is unknown and each transient is bounded by the
 whole stack's saved bytes (the peak of the worst order; exact for a stack of one strategy).
+
+``s`` is everywhere either an int (one sequence per row of the micro-batch, a multiple of p)
+or a :class:`~megatron_paradyse.parallel.packing.PackShape` (one row, ``b = 1``, of documents
+attending inside themselves, padded to a multiple of p as the plugin pads it): the layers'
+costs depend on the documents (``packs.py``); the non-layer part, the resident embedding
+output and the pool's token-sized buffers on the padded tokens (:func:`as_tokens`).
 """
 from __future__ import annotations
 
 from typing import NamedTuple
+
+from ..parallel.packing import PackShape
 
 
 class LayerCost(NamedTuple):
@@ -48,7 +56,8 @@ class CostModel:
     strategies: tuple = ()
     num_layers: int = 0
 
-    def layer(self, strategy: str, s: int, b: int) -> LayerCost:
+    def layer(self, strategy: str, s, b: int) -> LayerCost:
+        """One layer under ``strategy`` at ``s`` (a length or a pack) and ``b``."""
         raise NotImplementedError
 
     def static_bytes(self) -> float:
@@ -111,13 +120,31 @@ class CostModel:
         # all there in the backward, where the layers peak (a bound for the forward)
         return StepCost(seconds, self.static_bytes() + self.pool_bytes(counts, s, b) + peak)
 
-    def resident_bytes(self, s: int, b: int) -> float:
+    def resident_bytes(self, s, b: int) -> float:
         """Non-layer activations alive while the decoder layers run (the embedding's output,
         ``[s/p, b, h]``); default: all non-layer saved bytes (an upper bound)."""
         shape = getattr(self, "shape", None)
         if shape is not None:
+            s, b = as_tokens(s, b, shape.p)
             return s * b / shape.p * shape.hidden * shape.elt
         return self.nonlayer(s, b).saved_bytes
+
+
+def as_tokens(s, b: int, p: int) -> tuple:
+    """``(s, b)`` of the rows a micro-batch runs: a pack's padded tokens and b = 1, else as given."""
+    if isinstance(s, PackShape):
+        return s.padded(p).tokens, 1
+    return s, b
+
+
+def check_length(s, b, p: int) -> None:
+    """ValueError unless ``s`` is a length >= 1 divisible by p with b >= 1, or a pack with b = 1."""
+    if isinstance(s, PackShape):
+        if b != 1:
+            raise ValueError(f"a pack is one row of the micro-batch: b must be 1, got b={b}")
+        return
+    if s < 1 or b < 1 or s % p:
+        raise ValueError(f"need s >= 1 divisible by p={p} and b >= 1 (got s={s}, b={b})")
 
 
 def union_bytes(pools) -> float:

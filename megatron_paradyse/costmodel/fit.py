@@ -265,14 +265,20 @@ def fit_pool(rows, names, profile_path) -> dict | None:
 
 def fit_profile(profile_path, out_path: str, use_xgb: bool = False, time_stat: str = "median",
                 holdout_seqs=(), holdout_largest: bool = False, fit_max_seq: int | None = None,
-                time_model: str = "rates") -> dict:
+                time_model: str = "rates", holdout_packs=(), pack_correction: str = "ratio") -> dict:
     """Fit and save; lengths in ``holdout_seqs``, above ``fit_max_seq`` (and each strategy's
     largest, with ``holdout_largest``) are left out, so that ``report`` can test the model on
     them: measured in the same session as the fitted lengths, they share its machine conditions.
 
     ``profile_path``: one profile, or a list of profiles of one shape (e.g. an older profile
     and the pool rows of ``profile --pool-only``). ``time_model``: ``rates`` (the analytic work
-    with fitted rates) or ``poly`` (the earlier curve in s, degree by AICc; for comparison)."""
+    with fitted rates) or ``poly`` (the earlier curve in s, degree by AICc; for comparison).
+    Packs (``pack`` rows, ``profile --packs``): those whose index is in ``holdout_packs`` are
+    left out for ``report``, the others fit the pack terms (:func:`fit_packs`) after the single
+    sequences; ``pack_correction``: whether a pack's time takes the single sequence's residual
+    correction at its padded length (``ratio``) or not (``none``)."""
+    if pack_correction not in ("ratio", "none"):
+        raise ValueError(f"pack_correction must be 'ratio' or 'none', got {pack_correction!r}")
     paths = [profile_path] if isinstance(profile_path, str) else list(profile_path)
     header, rows = read_profiles(paths)
     shape = ModelShape.from_dict(header["shape"])
@@ -300,11 +306,82 @@ def fit_profile(profile_path, out_path: str, use_xgb: bool = False, time_stat: s
     nonlayer = _fit_nonlayer(rows)
     if nonlayer is not None:
         meta["nonlayer"] = nonlayer
+    meta["pack_correction"] = pack_correction
+    _save(meta, out_path)
+    if any(r.get("type") == "pack" for r in rows):
+        fit_packs(meta, rows, shape, out_path, holdout_packs)
+        _save(meta, out_path)
+    return meta
+
+
+def _save(meta: dict, out_path: str) -> None:
     tmp = out_path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(meta, f, indent=1)
     os.replace(tmp, out_path)
-    return meta
+
+
+def pack_rows(rows, strategies, exclude=()) -> list:
+    """The profile's ``pack`` rows of ``strategies``, those whose pack index is in ``exclude`` left out."""
+    return [r for r in rows if r.get("type") == "pack" and r["strategy"] in strategies and r["pack"] not in exclude]
+
+
+def fit_packs(meta: dict, rows: list, shape: ModelShape, out_path: str, holdout=()) -> None:
+    """The pack terms of ``meta`` from the profile's packs (those not in ``holdout``): the
+    rates of the pack features (:func:`fit_pack_rates`) and, per strategy and memory target,
+    the median ratio measured / predicted - 1 (``pack_memory``)."""
+    from .fitted import FittedCostModel
+
+    fitted = pack_rows(rows, meta["strategies"], set(holdout))
+    meta["pack_fitted"] = sorted({r["pack"] for r in fitted})
+    meta["pack_held_out"] = sorted({r["pack"] for r in rows if r.get("type") == "pack"} - set(meta["pack_fitted"]))
+    if not fitted:
+        return
+    model = FittedCostModel.load(out_path, shape)
+    if all(meta["targets"][st]["seconds"]["physics"]["kind"] == "rates" for st in meta["strategies"]):
+        meta["pack_rates"] = fit_pack_rates(model, fitted, shape)
+    meta["pack_memory"] = {}
+    for st in meta["strategies"]:
+        mine = [r for r in fitted if r["strategy"] == st]
+        if not mine:
+            continue
+        out = {}
+        for tg in ("saved_bytes", "transient_bytes"):
+            ratios = [float(r[tg]) / p - 1.0 for r in mine
+                      if (p := model.predict_pack(st, tg, _pack_of(r))) > 0]
+            out[tg] = float(np.median(ratios)) if ratios else 0.0
+        meta["pack_memory"][st] = out
+
+
+def _pack_of(row):
+    from .packs import PackShape
+
+    return PackShape(tuple(row["lengths"]))
+
+
+def fit_pack_rates(model, fitted: list, shape: ModelShape) -> dict:
+    """``{strategy: {pack feature: seconds per unit}}`` (``analytic.PACK_FEATURES``): one
+    non-negative least squares over the profiled packs of what the model without them leaves
+    (measured - predicted), weighted by 1/measured: a fixed cost per strategy, the extra kernel
+    calls per kernel class (``analytic.ATTENTION_KERNEL``), colossal's rows."""
+    cols, X, y, w = [], [], [], []
+    names = {}
+    for r in fitted:
+        st = r["strategy"]
+        names[st] = {"pack": f"pack@{st}", "pack_calls": f"pack_calls@{analytic.ATTENTION_KERNEL.get(st, st)}",
+                     "pack_rows": f"pack_rows@{st}"}
+        cols.extend(c for c in names[st].values() if c not in cols)
+    for r in fitted:
+        st, pk = r["strategy"], _pack_of(r)
+        f = analytic.time_features(st, shape, pk, 1)
+        x = np.zeros(len(cols))
+        for k, c in names[st].items():
+            x[cols.index(c)] = f[k]
+        X.append(x)
+        y.append(float(r["seconds"]) - model.predict_pack(st, "seconds", pk))
+        w.append(1.0 / float(r["seconds"]))
+    got = dict(zip(cols, (float(v) for v in _nnls(np.array(X), np.array(y), np.array(w)))))
+    return {st: {k: got[c] for k, c in m.items()} for st, m in names.items()}
 
 
 def _metadata(header: dict, shape: ModelShape, strategies: list, rows: list, paths: list, time_stat: str) -> dict:
@@ -436,23 +513,42 @@ def main(argv=None):
                     help="also leave out each strategy's largest measured length (to test extrapolation)")
     ap.add_argument("--fit-max-seq", type=int, default=None,
                     help="leave out every length above this one (to test extrapolation to 2x, 4x ...)")
+    ap.add_argument("--holdout-packs", default="",
+                    help="comma-separated pack indices (the profile's `pack` field) left out of the fit, "
+                         "for `report` to test packs on")
+    ap.add_argument("--pack-correction", choices=("ratio", "none"), default="ratio",
+                    help="a pack's time: with the single sequence's residual correction at its padded length "
+                         "(ratio, default) or the rates alone (none)")
     ap.add_argument("--time-model", choices=("rates", "poly"), default="rates",
                     help="rates (default): the analytic work of each strategy with rates fitted; "
                          "poly: the earlier curve in s with its degree chosen by AICc (for comparison)")
     args = ap.parse_args(argv)
-    try:
-        hold = [int(x) for x in args.holdout_seqs.split(",") if x.strip()]
-    except ValueError:
-        raise SystemExit(f"error: --holdout-seqs must be comma-separated integers, got {args.holdout_seqs!r}") from None
+    hold = _ints(args.holdout_seqs, "--holdout-seqs")
     meta = fit_profile(args.profile, args.output, use_xgb=args.xgb, time_stat=args.time_stat,
                        holdout_seqs=hold, holdout_largest=args.holdout_largest, fit_max_seq=args.fit_max_seq,
-                       time_model=args.time_model)
+                       time_model=args.time_model, holdout_packs=_ints(args.holdout_packs, "--holdout-packs"),
+                       pack_correction=args.pack_correction)
     shape = ModelShape.from_dict(meta["shape"])
     print(f"wrote {args.output} for {shape.describe()}: strategies {', '.join(meta['strategies'])}")
     if meta["pool"] is None:
         log.warning("warning: no pool rows in the profile: the communication pool is not modelled (run "
                     "`profile --pool-only` with the same shape and give its file as a second PROFILE)")
     print("\n".join(rates_table(meta)))
+    if meta.get("pack_fitted") is not None:
+        print(f"packs: fitted on {len(meta['pack_fitted'])}, held out {meta['pack_held_out']}; "
+              f"time correction at the padded length: {meta['pack_correction']}")
+        for st, r in (meta.get("pack_rates") or {}).items():
+            mem = (meta.get("pack_memory") or {}).get(st, {})
+            print(f"  {st:9s} pack: fixed {r['pack'] * 1e3:.2f} ms, {r['pack_calls'] * 1e6:.0f} us per extra kernel "
+                  f"call" + (f", rows {r['pack_rows'] * 1e12:.1f} ms per GFLOP" if st == "colossal" else "")
+                  + "; memory x (1 + " + ", ".join(f"{k} {v:+.3f}" for k, v in mem.items()) + ")")
+
+
+def _ints(text: str, what: str) -> list:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"error: {what} must be comma-separated integers, got {text!r}") from None
 
 
 def rates_table(meta: dict) -> list:

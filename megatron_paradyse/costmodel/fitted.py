@@ -17,6 +17,9 @@ Prediction of a target ``y`` (layer seconds, saved bytes, transient bytes) at ``
   ``measured / phi - 1`` interpolated piecewise-linearly in log s between the profiled
   lengths (an XGBoost regressor instead when fitted with ``--xgb``); for memory, plus the
   difference ``measured - phi`` interpolated linearly in s (memory is piecewise linear in s);
+* a pack (``packs``; :meth:`FittedCostModel.predict_pack`): the same rates on the pack's
+  analytic work, the pack's own fitted rates, memory as the single sequence of its padded
+  length plus the analytic difference;
 * beyond the largest profiled length ``s_max``: for time, the correction at ``s_max`` fades
   linearly in log2 s to none at ``2 * s_max`` (:func:`fade`), so far beyond the profile the
   rates alone predict (a format-1 file carries the ratio at ``s_max`` on); for memory,
@@ -32,8 +35,8 @@ import os
 
 import numpy as np
 
-from . import analytic
-from .base import CostModel, LayerCost
+from . import analytic, packs
+from .base import CostModel, LayerCost, as_tokens, check_length
 from .shape import ModelShape
 
 FORMAT = "paradyse-costmodel/2"
@@ -205,24 +208,51 @@ class FittedCostModel(CostModel):
             r *= fade(s, s_max)
         return self._phi(st, tg, s, b) * (1.0 + r)
 
-    def layer(self, strategy: str, s: int, b: int) -> LayerCost:
+    def predict_pack(self, st, tg, s):
+        """A pack ``s`` (``packs``): time, the rates on the pack's analytic work
+        (``analytic.time_features``), times the single sequence's correction at the pack's
+        padded length where the model says so (``pack_correction``: ``ratio``; ``none``: the
+        rates alone), plus the pack's own rates (``pack_rates``: a fixed cost, kernel calls,
+        colossal's rows; fitted on profiled packs); memory, the single sequence of the padded
+        length plus the analytic difference the pack makes (``analytic.pack_memory``), times
+        ``1 + pack_memory`` (the median ratio measured on profiled packs, if any). A format-1
+        time curve predicts the single sequence of the padded length."""
+        T = packs.geometry(s, self.shape.p).tokens
+        one = self.predict(st, tg, T, 1)
+        if tg == "seconds":
+            phys = self.meta["targets"][st][tg]["physics"]
+            if phys["kind"] != "rates":
+                return one
+            feats = analytic.time_features(st, self.shape, s, 1)
+            phi_one = self._phi(st, tg, T, 1)
+            corr = one / phi_one if self.meta.get("pack_correction", "ratio") == "ratio" and phi_one > 0 else 1.0
+            extra = rates_predict((self.meta.get("pack_rates") or {}).get(st, {}), feats)
+            return rates_predict(phys["rates"], feats) * corr + extra
+        i = TARGETS.index(tg) - 1
+        delta = analytic.layer_memory(st, self.shape, s, 1)[i] - analytic.layer_memory(st, self.shape, T, 1)[i]
+        ratio = ((self.meta.get("pack_memory") or {}).get(st) or {}).get(tg, 0.0)
+        return (one + delta) * (1.0 + ratio)
+
+    def layer(self, strategy: str, s, b: int) -> LayerCost:
+        """One layer at ``s`` (a length, or a pack: :meth:`predict_pack`) and ``b``."""
         if strategy not in self.strategies:
             raise KeyError(f"unknown strategy {strategy!r}; the model {self.path!r} knows {self.strategies}")
-        if s < 1 or b < 1 or s % self.shape.p:
-            raise ValueError(f"need s >= 1 divisible by p={self.shape.p} and b >= 1 (got s={s}, b={b})")
+        check_length(s, b, self.shape.p)
         key = (strategy, s, b)
         if key not in self._cache:
-            vals = [max(0.0, self.predict(strategy, tg, s, b)) for tg in TARGETS]
+            fn = self.predict_pack if packs.is_pack(s) else (lambda st, tg, x: self.predict(st, tg, x, b))
+            vals = [max(0.0, fn(strategy, tg, s)) for tg in TARGETS]
             self._cache[key] = LayerCost(*vals)
         return self._cache[key]
 
     def static_bytes(self) -> float:
         return analytic.static_bytes(self.shape)
 
-    def nonlayer(self, s: int, b: int) -> LayerCost:
+    def nonlayer(self, s, b: int) -> LayerCost:
         nl = self.meta.get("nonlayer")
         if not nl:
             return LayerCost(0.0, 0.0, 0.0)
+        s, b = as_tokens(s, b, self.shape.p)
         x = np.array([1.0, b * s])
         return LayerCost(*(max(0.0, float(x @ np.asarray(nl[tg]))) for tg in TARGETS))
 
@@ -230,8 +260,11 @@ class FittedCostModel(CostModel):
         # a model fitted before the update was kept apart counted its optimizer step in nonlayer
         return float((self.meta.get("nonlayer") or {}).get("update_seconds", 0.0))
 
-    def pool(self, strategy: str, s: int, b: int) -> dict:
-        """The pool's buffers from the profile's pool rows (empty for a model fitted without them)."""
+    def pool(self, strategy: str, s, b: int) -> dict:
+        """The pool's buffers from the profile's pool rows (empty for a model fitted without
+        them); a pack's from its padded length's (``analytic.pack_pool``)."""
+        if packs.is_pack(s):
+            return analytic.pack_pool(strategy, self.shape.p, s, self.pool(strategy, *as_tokens(s, b, self.shape.p)))
         got = (self.meta.get("pool") or {}).get(strategy, {})
         return {n: max(0.0, c0 + c1 * b * s) for n, (c0, c1) in got.items()}
 

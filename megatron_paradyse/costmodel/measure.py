@@ -36,6 +36,7 @@ from ..model import (FUSION_SWITCHES, add_model_args, build_gpt_from_args, compl
                      transformer_config)
 from ..parallel.buffers import pool_sizes, release_pool
 from ..parallel.dispatch import install, set_plan
+from ..parallel.packing import PackShape
 from .ranks import init_parallel
 from .shape import ModelShape
 
@@ -358,21 +359,32 @@ class LayerRunner:
         gc.freeze()
 
     def _inputs(self, s, b):
+        """The layer's input ``[T/p, b, h]``, its RoPE table and, for a pack (``s`` a
+        ``PackShape``, padded to a multiple of p as the plugin pads it), its ``PackedSeqParams``."""
+        params = None
+        if isinstance(s, PackShape):
+            if b != 1:
+                raise ValueError(f"a pack is one micro-batch row (b = 1), got b={b}")
+            s = s.padded(self.shape.p)
+            params = packed_params(s.lengths, self.device)
+            s = s.tokens
         g = torch.Generator().manual_seed(s * 31 + b)
         x = torch.randn(s // self.shape.p, b, self.shape.hidden, generator=g).to(self.device, self.dtype)
         rope = getattr(self.gpt, "rotary_pos_emb", None)  # None without RoPE
-        return x.requires_grad_(True), rope(s) if rope is not None else None
+        return x.requires_grad_(True), rope(s) if rope is not None else None, params
 
-    def pass_fn(self, part: str, s: int, b: int):
-        """``(forward, backward)`` closures for ``part`` in {"layer", "attn", "mlp"}."""
-        x, rope = self._inputs(s, b)
+    def pass_fn(self, part: str, s, b: int):
+        """``(forward, backward)`` closures for ``part`` in {"layer", "attn", "mlp"}; ``s`` a
+        length or a ``PackShape`` (its documents attend inside themselves, megatron's THD)."""
+        x, rope, params = self._inputs(s, b)
         layer = self.layer
+        kw = {} if params is None else {"packed_seq_params": params}
 
         def forward():
             if part == "layer":
-                return layer(x, attention_mask=None, rotary_pos_emb=rope)[0]
+                return layer(x, attention_mask=None, rotary_pos_emb=rope, **kw)[0]
             if part == "attn":
-                out, bias = layer.self_attention(x, attention_mask=None, rotary_pos_emb=rope)
+                out, bias = layer.self_attention(x, attention_mask=None, rotary_pos_emb=rope, **kw)
             else:
                 out, bias = layer.mlp(x)
             return out if bias is None else out + bias
@@ -409,6 +421,18 @@ class LayerRunner:
             saved_min = saved if saved_min is None else min(saved_min, saved)
             peak_min = peak if peak_min is None else min(peak_min, peak)
         return saved_min, peak_min - saved_min
+
+
+def packed_params(lengths, dev=None):
+    """megatron's THD ``PackedSeqParams`` of documents of ``lengths`` (one row of tokens)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    bounds = [0]
+    for d in lengths:
+        bounds.append(bounds[-1] + int(d))
+    cu = torch.tensor(bounds, dtype=torch.int32, device=dev)
+    m = max(int(d) for d in lengths)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=m, max_seqlen_kv=m)
 
 
 def pool_after(forward, backward) -> dict:

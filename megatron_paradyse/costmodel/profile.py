@@ -22,8 +22,10 @@ memory (scaled from the last measured length) exceeds the free device memory is 
 started. An OOM on one rank only, before a collective its peers already wait in, cannot be
 rescued by any decision (they never reach it): the process group's timeout ends that job.
 
-Lines: a header (``type: header``: shape, p, dtype, hardware, versions, mode, sweep), then one
-``type: layer`` line per (strategy, s, b) with the median and spread of fwd+bwd time of the
+Lines: a header (``type: header``: shape, p, dtype, hardware, versions, mode, sweep, the packs'
+totals and seed), then one ``type: layer`` line per (strategy, s, b) and one ``type: pack``
+line per (strategy, pack) (``--packs``: its ``lengths``, padded total ``s``, index ``pack``;
+the same fields otherwise; a reader that knows no packs skips these rows) with the median and spread of fwd+bwd time of the
 whole layer, the attention and the MLP, saved and transient bytes (max over ranks); ``type:
 limit`` where a strategy's sweep stopped (memory limit reached, or out of memory on GPU);
 ``type: nonlayer`` per (s, b) (embedding, output layer and loss); ``type: optimizer`` once
@@ -64,6 +66,7 @@ from ..paths import shown_argv
 from . import measure as M
 from .analytic import load_config
 from .measure import add_model_flags
+from .packs import random_packs
 from .ranks import run_ranks
 from .shape import ModelShape
 from .sweep import rank_sweep
@@ -100,9 +103,16 @@ class ProfileConfig:
     interconnect_path: str | None = None
     command: str | None = None
     model_args: dict | None = None
+    packs: tuple = ()
+    packs_per_length: int = 3
+    pack_seed: int = 0
+
+    def pack_shapes(self, p: int) -> list:
+        """The profile's packs: ``packs.random_packs`` of the totals ``packs`` (fixed seed)."""
+        return random_packs(self.packs, self.packs_per_length, self.pack_seed, p) if self.packs else []
 
     def __post_init__(self):
-        for name in ("seqs", "strategies", "batches", "parts"):
+        for name in ("seqs", "strategies", "batches", "parts", "packs"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         for name in ("seqs", "batches"):
             values = getattr(self, name)
@@ -196,7 +206,7 @@ def merge_ranks(per_rank: list) -> list:
             elif key == "buffers":
                 names = sorted({n for r in rows for n in r[key]})
                 m[key] = {n: max(r[key].get(n, 0) for r in rows) for n in names}
-        if row.get("type") == "layer":
+        if row.get("type") in ("layer", "pack"):
             m["seconds"] = m["layer_seconds"] + m.get("comm_seconds", 0.0)
             m["saved_by_rank"] = [r["saved_bytes"] for r in rows]
             m["transient_by_rank"] = [r["transient_bytes"] for r in rows]
@@ -305,6 +315,7 @@ def _header(shape: ModelShape, cfg: ProfileConfig, mode: str, dev_type: str, don
             "versions": versions(), "model": M.describe_args(done),
             "warmup": cfg.warmup, "repeats": cfg.repeats,
             "seqs": list(cfg.seqs), "batches": list(cfg.batches), "strategies": list(cfg.strategies),
+            "packs": list(cfg.packs), "packs_per_length": cfg.packs_per_length, "pack_seed": cfg.pack_seed,
             "memory_limit": cfg.memory_limit, "command": cfg.command,
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0))}
 
@@ -352,6 +363,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--interconnect-config", default=None, help="your own interconnects JSON")
     ap.add_argument("--seqs", default="128,256,512,1024,2048,4096")
     ap.add_argument("--batches", default="1")
+    ap.add_argument("--packs", default="",
+                    help="comma-separated pack totals T: per total, --packs-per-length deterministic random "
+                         "packs (many short documents, log-uniform lengths, one long among short ones) are "
+                         "profiled per strategy at b = 1 (`pack` rows; `fit` and `report` use them)")
+    ap.add_argument("--packs-per-length", type=int, default=3)
+    ap.add_argument("--pack-seed", type=int, default=0)
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
     ap.add_argument("--parts", default="layer,attn,mlp", help="which passes to time")
     ap.add_argument("--warmup", type=int, default=1)
@@ -395,7 +412,8 @@ def main(argv=None):
     if rows:
         n = sum(1 for r in rows if r.get("type") == "layer")
         k = sum(1 for r in rows if r.get("type") == "pool")
-        print(f"wrote {args.output}: {n} layer and {k} pool measurements of {shape.describe()} in "
+        np_ = sum(1 for r in rows if r.get("type") == "pack")
+        print(f"wrote {args.output}: {n} layer, {np_} pack and {k} pool measurements of {shape.describe()} in "
               f"{time.time() - t0:.0f} s")
 
 
@@ -404,6 +422,8 @@ def _config(args, argv) -> ProfileConfig:
     return ProfileConfig(
         seqs=parse_ints(args.seqs, "--seqs"), batches=parse_ints(args.batches, "--batches"),
         strategies=[s for s in args.strategies.split(",") if s], parts=[x for x in args.parts.split(",") if x],
+        packs=parse_ints(args.packs, "--packs") if args.packs.strip() else (),
+        packs_per_length=args.packs_per_length, pack_seed=args.pack_seed,
         warmup=args.warmup, repeats=args.repeats, memory_limit=_bytes(args.memory_limit),
         nonlayer=not args.no_nonlayer, pool_only=args.pool_only, backend=args.backend,
         fake_world=args.fake_world, fake_rank=args.fake_rank, interconnect=args.interconnect,

@@ -2,7 +2,8 @@
 
 Per strategy: mean and worst absolute percentage error of layer time, saved bytes and
 transient bytes on the held-out profile's lengths, split into interpolated (inside the
-model's profiled range) and extrapolated (beyond it). ``--png`` draws predicted against
+model's profiled range) and extrapolated (beyond it); the same on the profile's packs the
+model was not fitted on (``profile --packs``, ``fit --holdout-packs``). ``--png`` draws predicted against
 measured curves per strategy (time and memory against s, log axes). ``--steps`` measures
 whole training steps (forward, backward, ``finalize_model_grads`` and megatron's Adam step,
 as ``measure.TrainingUpdate`` sets them up; per-rank peak memory) for mixed plans end to end
@@ -66,6 +67,35 @@ def layer_errors(model, rows, profiled=frozenset()) -> dict:
                             **{f"pred_{t}": v for t, v in zip(TARGETS, pred)},
                             **{f"meas_{t}": r[t] for t in TARGETS}, "spread": r.get("layer_spread")})
     return out
+
+
+def pack_errors(model, rows) -> dict:
+    """``{strategy: {target: [errors %]}, "points": [...]}`` on the profile's packs that the model
+    was not fitted on (``pack_fitted`` in its file; a model without packs: every pack)."""
+    from .packs import PackShape
+
+    seen = set(getattr(model, "meta", {}).get("pack_fitted") or ())
+    out = {}
+    for r in rows:
+        if r.get("type") != "pack" or r["strategy"] not in model.strategies or r["pack"] in seen:
+            continue
+        pk = PackShape(tuple(r["lengths"]))
+        pred = model.layer(r["strategy"], pk, 1)
+        d = out.setdefault(r["strategy"], {**{t: [] for t in TARGETS}, "points": []})
+        for tg, pv in zip(TARGETS, pred):
+            d[tg].append(ape(pv, r[tg]))
+        d["points"].append({"pack": r["pack"], "s": r["s"], "docs": len(r["lengths"]),
+                            **{f"pred_{t}": v for t, v in zip(TARGETS, pred)}, **{f"meas_{t}": r[t] for t in TARGETS}})
+    return out
+
+
+def pack_table(errs) -> str:
+    lines = ["| strategy | packs | time mean / worst % | saved mean / worst % | transient mean / worst % |",
+             "|---|---:|---:|---:|---:|"]
+    for st, d in errs.items():
+        cells = [f"{np.mean(d[t]):.1f} / {np.max(d[t]):.1f}" for t in TARGETS]
+        lines.append(f"| {st} | {len(d['seconds'])} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def table(errs) -> str:
@@ -333,6 +363,13 @@ def main(argv=None):
         print("\nbeyond the fitted range, by multiple of the largest fitted length:\n")
         print(ext)
     result = {"layers": errs}
+    perrs = pack_errors(model, rows)
+    if perrs:
+        held = getattr(model, "meta", {}).get("pack_held_out")
+        print(f"\npacks the model was not fitted on ({'indices ' + str(held) if held is not None else 'all'}; "
+              "b = 1, padded to a multiple of p):\n")
+        print(pack_table(perrs))
+        result["packs"] = perrs
     if args.png:
         plot(model, errs, train, args.png)
         print(f"\nwrote {args.png}")

@@ -2,8 +2,9 @@
 this rank measured, the same sequence on every rank.
 
 Phases: the communication pool at three (s, b) per strategy; then, per (strategy, b), memory
-and a warm-up at every length up to the memory limit; then the timed repeats in rounds over
-every cell; then the non-layer part and the step's update. Whether a cell fits is decided by
+and a warm-up at every length up to the memory limit, and per strategy on every pack of the
+profile (``--packs``: ``pack`` rows, none longer than the strategy's longest length that fit);
+then the timed repeats in rounds over every cell (packs among them); then the non-layer part and the step's update. Whether a cell fits is decided by
 all ranks together (each reports, one all-reduce MAX): a cell that ran out of memory on any
 rank is skipped on every rank, with a ``limit`` row, and its strategy goes no longer.
 """
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from .. import device
 from . import analytic
 from . import measure as M
+from .packs import PackShape
 from .shape import ModelShape
 
 log = logging.getLogger(__name__)
@@ -131,6 +133,8 @@ def rank_sweep(rank, world, shape_d, cfg):
     pool_points = pool_lengths(cfg.seqs, sw.shape.p)
     _pool_rows(sw, pool_points)
     cells = [] if cfg.pool_only else [row for st, b in sw.groups for row in _memory_cells(sw, st, b)]
+    if not cfg.pool_only:
+        cells += [row for st in cfg.strategies for row in _pack_cells(sw, st, cells)]
     dropped = _timed_rounds(sw, cells)
     _layer_rows(sw, [row for i, row in enumerate(cells) if i not in dropped])
     if cfg.nonlayer:
@@ -188,6 +192,43 @@ def _memory_cells(sw: Sweep, st: str, b: int) -> list:
         prev = (s, saved, trans)
         sw.done_w += sw.weights[(st, s, b)]
     sw.progress(f"{st} b={b}: memory measured at {len(todo)} lengths")
+    return todo
+
+
+def length_of(row):
+    """What a cell runs: its length, or its pack (``PackShape``)."""
+    return PackShape(tuple(row["lengths"])) if row.get("type") == "pack" else row["s"]
+
+
+def _pack_cells(sw: Sweep, st: str, singles: list) -> list:
+    """Memory and warm-up of ``st`` on every pack of the profile (``cfg.pack_shapes()``), up to
+    the longest single length of ``st`` that fit (b = 1; none longer than that is run): the
+    ``pack`` rows to time."""
+    fit = [r["s"] for r in singles if r["strategy"] == st and r["b"] == 1]
+    top = max(fit) if fit else None
+    M.set_strategy(sw.model, st)
+    todo = []
+    for i, pk in enumerate(sw.cfg.pack_shapes(sw.shape.p)):
+        T = pk.padded(sw.shape.p).tokens
+        if top is not None and T > top:
+            continue
+        got, bad = sw.attempt(lambda: sw.runner.memory("layer", pk, 1), f"{st} pack {i} (memory)")
+        if bad:
+            sw.progress(f"{st} pack {i}: {oom_reason(bad)}, left out")
+            continue
+        _, bad = sw.attempt(lambda: [sw.runner.time(part, pk, 1, sw.cfg.warmup, 0) for part in sw.cfg.parts],
+                            f"{st} pack {i} (warm-up)")
+        if bad:
+            continue
+        row = {"type": "pack", "strategy": st, "s": T, "b": 1, "pack": i, "lengths": list(pk.lengths),
+               "rank": sw.rank, "saved_bytes": got[0], "transient_bytes": got[1], "buffer_bytes": M.buffer_bytes()}
+        row.update({f"{part}_times": [] for part in sw.cfg.parts})
+        w = sw.weights.setdefault((st, T, 1), T * (1 + T / 2048))
+        sw.total_w += w  # its timed passes (the memory pass is not counted in the estimate)
+        if sw.fake:
+            row["comm_seconds"] = analytic.comm_seconds(st, sw.shape, pk, 1, sw.net)
+        todo.append(row)
+    sw.progress(f"{st}: memory measured on {len(todo)} packs")
     return todo
 
 
@@ -250,7 +291,7 @@ def _timed_visit(sw: Sweep, cells: list, i: int, dropped: set) -> bool:
     """One untimed and one timed pass of ``cells[i]``, its times appended; False (and the cell
     and its strategy's longer ones dropped, a ``limit`` row) where any rank ran out of memory."""
     row, parts = cells[i], sw.cfg.parts
-    got, bad = sw.attempt(lambda: [sw.runner.time(part, row["s"], row["b"], 1 if j == 0 else 0, 1)
+    got, bad = sw.attempt(lambda: [sw.runner.time(part, length_of(row), row["b"], 1 if j == 0 else 0, 1)
                                    for j, part in enumerate(parts)],
                           f"{row['strategy']} s={row['s']} b={row['b']} (timed)")
     if bad:
@@ -269,7 +310,8 @@ def _layer_rows(sw: Sweep, cells: list) -> None:
     for row in cells:
         sw.rows.append(row)
         times = sorted(row["layer_times"])
-        sw.progress(f"{row['strategy']:8s} s={row['s']:5d} b={row['b']}: {times[len(times) // 2] * 1e3:8.1f} ms, "
+        what = f"pack {row['pack']:2d} T={row['s']:5d}" if row["type"] == "pack" else f"s={row['s']:5d} b={row['b']}"
+        sw.progress(f"{row['strategy']:8s} {what}: {times[len(times) // 2] * 1e3:8.1f} ms, "
                     f"saved {row['saved_bytes'] / 2**20:7.2f} MiB, transient {row['transient_bytes'] / 2**20:7.2f} MiB")
 
 

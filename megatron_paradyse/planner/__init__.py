@@ -4,6 +4,7 @@
     planner = build_planner("optimal", cost_model, memory_budget_bytes=70 * 2**30)
     choice = planner.plan(seq_len=32768, micro_batch=1)
     choice.layers, choice.seconds, choice.peak_bytes, choice.fits, choice.reason
+    planner.plan(PackShape((72, 900, 31)), 1)   # a pack: planned on its documents (b = 1)
 
 Depends only on :mod:`megatron_paradyse.costmodel.base` (the ``CostModel`` interface),
 :mod:`megatron_paradyse.units` and :mod:`megatron_paradyse.parallel.plans`. See ``README.md`` here and ``docs/planner.md``.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import logging
 
+from ..parallel.packing import PackShape
 from .core import NoFitError, PlanChoice, Planner, default_margin_fraction, pareto
 from .heuristic import HeuristicPlanner
 from .optimal import OptimalPlanner, solve_counts
@@ -68,6 +70,10 @@ def make_plan_fn(planner: Planner, on_no_fit: str = "error", multiple: int = 1):
 
     Rank 0 logs the warnings (this module's logger; its switching group decides the same).
 
+    A packed micro-batch (its ``plan_length`` a ``PackShape``: several documents in one row)
+    is planned on its documents; when nothing fits it, :class:`NoFitError` whatever the policy
+    (the packing scheduler asks the planner which packs fit before it forms them).
+
     The returned function records the last choices in ``plan_fn.choices`` (index -> PlanChoice).
     """
     if on_no_fit not in ON_NO_FIT:
@@ -78,12 +84,14 @@ def make_plan_fn(planner: Planner, on_no_fit: str = "error", multiple: int = 1):
 
     def plan_fn(mb, step, index):
         b, s = int(mb.tokens.shape[0]), int(mb.tokens.shape[1])
-        choice = planner.plan(s, b)
+        packed = isinstance(getattr(mb, "plan_length", None), PackShape)
+        choice = planner.plan(mb.plan_length if packed else s, b)
         if not choice.fits:
             what = (f"step {step} micro-batch {index} (documents of lengths "
                     f"{', '.join(str(int(x)) for x in mb.lengths)})")
-            if on_no_fit == "error":
-                raise NoFitError(f"{what}: {choice.reason} (--paradyse-on-no-fit error)")
+            if on_no_fit == "error" or packed:  # a pack is not cut: its scheduler packs what fits
+                raise NoFitError(f"{what}: {choice.reason} (--paradyse-on-no-fit "
+                                 f"{on_no_fit}{'; a pack is never truncated or skipped' if packed else ''})")
             keep = planner.longest_fit(b, multiple=mult, upper=s) if on_no_fit == "truncate" else 0
             if on_no_fit == "truncate" and keep == 0:
                 raise NoFitError(f"{what}: {choice.reason}; nothing to truncate to (--paradyse-on-no-fit truncate)")

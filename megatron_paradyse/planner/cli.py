@@ -2,6 +2,7 @@
 planners' choice per sequence length as a table, without starting a training run.
 
     python -m megatron_paradyse.plan --cost-model M.json --seq-lens 4k,32k,256k --memory-budget 70
+    python -m megatron_paradyse.plan --p 2 --pack 72,900,31 --memory-budget 0.03   # a pack
 
 Per length: every candidate (each uniform plan, the heuristic's two-strategy mixes, the
 optimal plan) with its predicted time and peak, whether it fits the budget minus the margin,
@@ -21,7 +22,8 @@ from ..costmodel.fitted import FittedCostModel
 from ..parallel.plans import describe
 from ..units import GiB, MiB
 from . import build_planner
-from .core import fmt_bytes
+from ..parallel.packing import PackShape
+from .core import describe_length, fmt_bytes
 from .heuristic import HeuristicPlanner
 
 
@@ -50,7 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--hidden-size", type=int, default=None)
     ap.add_argument("--num-attention-heads", type=int, default=None)
     ap.add_argument("--ffn-hidden-size", type=int, default=None)
-    ap.add_argument("--seq-lens", required=True, help="comma list of padded lengths: 4096,32k,1m")
+    ap.add_argument("--seq-lens", default="", help="comma list of padded lengths: 4096,32k,1m")
+    ap.add_argument("--pack", action="append", default=[], metavar="D1,D2,...",
+                    help="a pack's document lengths (one micro-batch row, b = 1, padded to a multiple of p); "
+                         "repeat for several")
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--memory-budget", type=float, required=True, help="GiB per rank")
     ap.add_argument("--memory-margin", type=float, default=None,
@@ -92,7 +97,8 @@ def explain(planners: dict, s: int, b: int) -> str:
         c = pl.choose(s, b)
         chosen[kind] = c
         rows.setdefault(c.layers, [c.seconds, c.peak_bytes, c.fits, "exact search"])
-    out = [f"\n== s = {s}, micro-batch {b}: budget {fmt_bytes(h.budget)} - margin {fmt_bytes(h.margin)} "
+    where = describe_length(s) if isinstance(s, PackShape) else f"s = {s}"
+    out = [f"\n== {where}, micro-batch {b}: budget {fmt_bytes(h.budget)} - margin {fmt_bytes(h.margin)} "
            f"= {fmt_bytes(h.limit)} per rank"]
     w = max(len(describe(k)) for k in rows) + 2
     unit, div = ("GiB", GiB) if h.budget >= GiB else ("MiB", MiB)
@@ -111,8 +117,15 @@ def main(argv=None) -> int:
     logs.setup(stream="stderr")  # the tables are the output (stdout)
     try:
         lens = [parse_length(x) for x in a.seq_lens.split(",") if x.strip()]
-    except argparse.ArgumentTypeError as e:
+        lens += [PackShape(tuple(parse_length(x) for x in pk.split(",") if x.strip())) for pk in a.pack]
+    except (argparse.ArgumentTypeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not lens:
+        print("error: give --seq-lens and/or --pack", file=sys.stderr)
+        return 2
+    if a.pack and a.micro_batch != 1:
+        print("error: a pack is one micro-batch row: --micro-batch must be 1 with --pack", file=sys.stderr)
         return 2
     if a.memory_budget <= 0:
         print("error: --memory-budget must be positive (GiB)", file=sys.stderr)

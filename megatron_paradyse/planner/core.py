@@ -1,6 +1,10 @@
 """What every planner shares: the budget, per-(s, b) layer costs, plan evaluation, the cache,
 the hysteresis, the no-fit message and the longest length that fits.
 
+``s`` is a padded length (int) or a pack (``parallel.packing.PackShape``, b = 1): the cost
+model prices a pack's layers on its documents (``costmodel/packs.py``) and everything below
+(the exact search, the order, the pool) is the same; plans and costs are cached per pack.
+
 Memory model (that of :meth:`megatron_paradyse.costmodel.base.CostModel.step` for a plan given
 as counts): a plan with ``k_i`` layers of strategy ``i`` at padded length ``s`` and micro-batch
 size ``b`` peaks at
@@ -29,7 +33,22 @@ import math
 from typing import NamedTuple
 
 from ..costmodel.base import plan_counts, union_bytes
+from ..parallel.packing import PackShape
 from ..units import GiB, MiB
+
+
+def plan_key(s):
+    """What plans and costs are cached by: a length (int) or a pack (``PackShape``, hashable;
+    never equal to an int of its token count)."""
+    return s if isinstance(s, PackShape) else int(s)
+
+
+def describe_length(s) -> str:
+    """``sequence length 4096`` or ``pack of 3 documents (72, 900, 31: 1003 tokens)``."""
+    if isinstance(s, PackShape):
+        shown = ", ".join(str(d) for d in s.lengths[:8]) + (", ..." if s.num_docs > 8 else "")
+        return f"pack of {s.num_docs} documents ({shown}: {s.tokens} tokens)"
+    return f"sequence length {int(s)}"
 
 
 def fmt_bytes(x: float) -> str:
@@ -185,7 +204,7 @@ class Planner:
     def costs(self, s: int, b: int) -> Costs:
         """Per-strategy costs at (s, b) with the refinement's factors (cached with the plans)."""
         self._check_version()
-        key = (int(s), int(b))
+        key = (plan_key(s), int(b))
         got = self._costs.get(key)
         if got is None:
             if len(self._costs) >= self._cache_size:
@@ -265,11 +284,14 @@ class Planner:
     def _version(self):
         return None if self.refinement is None else self.refinement.version
 
-    def choose(self, seq_len: int, micro_batch: int) -> PlanChoice:
-        """The best plan at (s, b) without hysteresis; cached per (padded length, micro-batch size)."""
-        s, b = int(seq_len), int(micro_batch)
-        if s < 1 or b < 1:
+    def choose(self, seq_len, micro_batch: int) -> PlanChoice:
+        """The best plan at (s, b) without hysteresis; cached per (padded length, micro-batch
+        size). ``seq_len``: a length, or a pack (``PackShape``, b = 1: planned on its documents)."""
+        s, b = plan_key(seq_len), int(micro_batch)
+        if int(s) < 1 or b < 1:
             raise ValueError(f"sequence length and micro-batch size must be positive, got s={s}, b={b}")
+        if isinstance(s, PackShape) and b != 1:
+            raise ValueError(f"a pack is one row of a micro-batch: b must be 1, got {b}")
         self._check_version()
         key = (s, b)
         hit = self._cache.get(key)
@@ -291,7 +313,7 @@ class Planner:
         new = self.choose(seq_len, micro_batch)
         prior = self.prior
         if (prior is not None and new.fits and self.gamma > 0 and prior != new.layers):
-            costs = self.costs(int(seq_len), int(micro_batch))
+            costs = self.costs(plan_key(seq_len), int(micro_batch))
             sec, peak = (self.evaluate_layers(costs, prior) if self.order == "ordered"
                          else self.evaluate(costs, plan_counts(prior)))
             if peak <= self.limit and sec <= (1.0 + self.gamma) * new.seconds:
@@ -333,10 +355,10 @@ class Planner:
 
         return last_true(fits, None if upper is None else int(upper) // mult) * mult
 
-    def no_fit_message(self, s: int, b: int, choice: PlanChoice | None = None) -> str:
+    def no_fit_message(self, s, b: int, choice: PlanChoice | None = None) -> str:
         name, sec, peak = self.leanest(s, b)
-        longest = self.longest_fit(b, multiple=1, upper=s)
-        return (f"nothing fits the memory budget at sequence length {s}, micro-batch size {b}: the "
+        longest = self.longest_fit(b, multiple=1, upper=int(s))
+        return (f"nothing fits the memory budget at {describe_length(s)}, micro-batch size {b}: the "
                 f"leanest uniform plan ({name} on all {self.num_layers} layers) needs {peak / GiB:.3f} GiB, the "
                 f"budget is {self.budget / GiB:.3f} GiB minus a margin of {self.margin / GiB:.3f} GiB = "
                 f"{self.limit / GiB:.3f} GiB per rank; the longest length that fits "

@@ -1,0 +1,92 @@
+"""The planners on packs (``PackShape``, b = 1) with the analytic and the shipped fitted cost
+models of the demo shape: exact (equal to brute force over every per-layer tuple of the pack's
+costs, ``CostModel.step``), never over budget by the model, cached apart from single lengths."""
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from megatron_paradyse.costmodel import AnalyticCostModel, build_cost_model, demo_shape
+from megatron_paradyse.costmodel.packs import random_packs
+from megatron_paradyse.parallel.packing import PackShape
+from megatron_paradyse.planner import build_planner
+from megatron_paradyse.planner.core import plan_key
+
+
+def _models():
+    return [AnalyticCostModel(demo_shape(2)), AnalyticCostModel(demo_shape(4)), build_cost_model(demo_shape(2))]
+
+
+def _brute(cm, pack, limit):
+    """(seconds, layers) of the fastest per-layer tuple whose ordered peak fits, or None."""
+    best = None
+    for layers in itertools.product(cm.strategies, repeat=cm.num_layers):
+        c = cm.step(layers, pack, 1)
+        if c.peak_bytes <= limit and (best is None or c.seconds < best[0]):
+            best = (c.seconds, layers)
+    return best
+
+
+def _packs(rng, n):
+    out = []
+    for _ in range(n):
+        T = rng.choice([96, 512, 1000, 2048])
+        out.append(random_packs([T], 1, seed=rng.randrange(10 ** 6))[0])
+    return out + [PackShape((72, 900, 31)), PackShape((4,) * 64)]
+
+
+@pytest.mark.parametrize("which", range(3))
+def test_optimal_on_packs_equals_brute_force_and_fits(which):
+    cm = _models()[which]
+    rng = random.Random(25 + which)
+    for pack in _packs(rng, 6):
+        uniform = sorted(cm.step((st,) * cm.num_layers, pack, 1).peak_bytes for st in cm.strategies)
+        for budget in (uniform[0] * 0.9, uniform[0] * 1.02, rng.uniform(uniform[0], uniform[-1]), uniform[-1] * 1.1):
+            pl = build_planner("optimal", cm, budget)
+            got = pl.choose(pack, 1)
+            want = _brute(cm, pack, pl.limit)
+            if want is None:
+                assert not got.fits and not pl.fits_at(pack, 1)
+                continue
+            assert got.fits, (pack, budget)
+            # memory-safe: the plan as run (its layers in order) is within budget - margin by the model
+            step = cm.step(got.layers, pack, 1)
+            assert step.peak_bytes <= pl.limit and abs(step.peak_bytes - got.peak_bytes) <= 1e-6 * step.peak_bytes
+            assert got.seconds == pytest.approx(want[0], rel=1e-9), (pack, budget, got.layers, want)
+            h = build_planner("heuristic", cm, budget).choose(pack, 1)
+            if h.fits:  # the heuristic plans with the order-free bound: never over budget either
+                assert cm.step(h.layers, pack, 1).peak_bytes <= pl.limit * (1 + 1e-12)
+
+
+def test_packs_are_planned_and_cached_apart_from_lengths():
+    cm = AnalyticCostModel(demo_shape(2))
+    pl = build_planner("optimal", cm, 2 ** 30)
+    one, pack = pl.choose(1024, 1), pl.choose(PackShape((1024,)), 1)
+    assert plan_key(PackShape((1024,))) != plan_key(1024)
+    assert len(pl._cache) == 2 and one.fits and pack.fits
+    # many short documents: less attention than one sequence of the same length
+    short = pl.choose(PackShape((16,) * 64), 1)
+    assert short.seconds < one.seconds
+    assert pl.plan(PackShape((16,) * 64), 1) == short
+    with pytest.raises(ValueError, match="b must be 1"):
+        pl.choose(PackShape((16,) * 64), 2)
+    # a pack of 1003 tokens is padded to a multiple of p by the model (no divisibility error)
+    assert pl.choose(PackShape((72, 900, 31)), 1).fits
+
+
+def test_no_fit_on_a_pack_names_it():
+    cm = AnalyticCostModel(demo_shape(2))
+    pl = build_planner("optimal", cm, cm.static_bytes() * 1.01)
+    c = pl.choose(PackShape((72, 900, 31)), 1)
+    assert not c.fits and "pack of 3 documents (72, 900, 31: 1003 tokens)" in c.reason
+
+
+def test_plan_command_takes_a_pack(capsys):
+    from megatron_paradyse.planner.cli import main
+
+    assert main(["--p", "2", "--analytic", "--pack", "72,900,31", "--seq-lens", "1024", "--memory-budget", "0.05"]) == 0
+    out = capsys.readouterr().out
+    assert "== s = 1024" in out and "== pack of 3 documents (72, 900, 31: 1003 tokens)" in out
+    assert main(["--p", "2", "--analytic", "--pack", "72,900", "--micro-batch", "2", "--memory-budget", "1"]) == 2
