@@ -90,3 +90,21 @@ def test_plan_command_takes_a_pack(capsys):
     out = capsys.readouterr().out
     assert "== s = 1024" in out and "== pack of 3 documents (72, 900, 31: 1003 tokens)" in out
     assert main(["--p", "2", "--analytic", "--pack", "72,900", "--micro-batch", "2", "--memory-budget", "1"]) == 2
+
+
+def test_trainer_hook_plans_a_packed_micro_batch_on_its_documents():
+    import types
+
+    import torch
+
+    from megatron_paradyse.planner import NoFitError, make_plan_fn
+
+    cm = AnalyticCostModel(demo_shape(2))
+    pack = PackShape((72, 900, 32))
+    mb = types.SimpleNamespace(tokens=torch.zeros(1, 1004, dtype=torch.long), lengths=(72, 900, 32), plan_length=pack)
+    pl = build_planner("optimal", cm, 2 ** 30)
+    fn = make_plan_fn(pl, on_no_fit="truncate")
+    assert fn(mb, 0, 0) == pl.choose(pack, 1).layers and fn.choices[0] == pl.choose(pack, 1)
+    tight = make_plan_fn(build_planner("optimal", cm, cm.static_bytes() * 1.01), on_no_fit="truncate")
+    with pytest.raises(NoFitError, match="never truncated"):
+        tight(mb, 0, 1)
