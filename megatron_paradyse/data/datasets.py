@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from .. import paths
+from ..parallel.packing import PackShape
 from .preprocess import read_meta
 
 log = logging.getLogger(__name__)
@@ -320,6 +321,15 @@ class MicroBatch:
     @property
     def shape(self) -> tuple:
         return tuple(self.tokens.shape)
+
+    @property
+    def plan_length(self):
+        """What a planner plans this micro-batch by: its padded length, or for a pack its
+        documents (:class:`~megatron_paradyse.parallel.packing.PackShape`, padding included)."""
+        if self.cu_seqlens is None:
+            return self.seq_length
+        c = self.cu_seqlens
+        return PackShape(tuple(b - a for a, b in zip(c, c[1:])))
 
     def to(self, device) -> "MicroBatch":
         return dataclasses.replace(

@@ -377,3 +377,34 @@ class PackScheduler:
             tokens = [sum(lens[g] for g in p) for p in packs]
             lines.append(f"  replica {r}: {len(packs)} pack(s), tokens {tokens}, predicted {t:.4g}")
         return "\n".join(lines)
+
+
+class PackedLoader:
+    """An endless iterator of one data-parallel replica's packed micro-batches, step by step.
+
+    Step ``k``'s packs are ``scheduler.replica_packs(k, dp_rank)``, collated by
+    :func:`pack_documents` (padded to a multiple of ``multiple``); :meth:`counts` says how many
+    micro-batches this replica and the busiest one run at a step (replicas differ, which the
+    trainer's plan check needs to know). Resuming at ``start_step`` needs nothing else.
+    """
+
+    def __init__(self, dataset, scheduler: PackScheduler, dp_rank: int, multiple: int = 1,
+                 start_step: int = 0, pad_id: int = 0):
+        self.dataset, self.scheduler, self.dp_rank = dataset, scheduler, dp_rank
+        self.multiple, self.pad_id = multiple, pad_id
+        self.step, self._queue = start_step, []
+
+    def counts(self, step: int) -> tuple:
+        """(this replica's micro-batches, the most any replica runs) at ``step``."""
+        packs = self.scheduler.step_packs(step)
+        return len(packs[self.dp_rank]), max(len(x) for x in packs)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> MicroBatch:
+        if not self._queue:
+            self._queue = list(self.scheduler.replica_packs(self.step, self.dp_rank))
+            self.step += 1
+        pack = self._queue.pop(0)
+        return pack_documents([self.dataset[int(g)] for g in pack], self.multiple, self.pad_id)

@@ -184,6 +184,14 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
                         "(megatron_paradyse.data.LengthAwareSampler)")
     g.add_argument("--paradyse-sampler-window", type=int, default=8,
                    help="the length-aware sampler sorts and balances within windows of this many steps")
+    g.add_argument("--paradyse-pack", choices=("none", "greedy", "balanced"), default="none",
+                   help="pack documents into micro-batches of [1, T] tokens with attention inside each "
+                        "document (megatron's THD PackedSeqParams): 'greedy' first-fit in stream order, "
+                        "'balanced' the data-parallel replicas' predicted step times balanced "
+                        "(megatron_paradyse.data.PackScheduler); --global-batch-size counts documents")
+    g.add_argument("--paradyse-pack-tokens", type=int, default=None,
+                   help="token cap of one pack (default --seq-length); documents longer than half of it "
+                        "keep a micro-batch of their own")
 
 
 def _add_checkpointing_args(p: argparse.ArgumentParser) -> None:
@@ -355,12 +363,34 @@ def _check_data(args) -> None:
         _err("--data-path takes one IndexedDataset prefix here (no weighted blends)")
     if args.paradyse_sampler_window < 1:
         _err("--paradyse-sampler-window must be >= 1")
+    _check_packing(args)
     if args.data_path and not os.path.exists(args.data_path[0] + ".idx"):
         _err(f"--data-path {args.data_path[0]}: {args.data_path[0]}.idx not found")
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.position_embedding_type == "learned_absolute" and args.seq_length > args.max_position_embeddings:
         _err(f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}")
+
+
+def _check_packing(args) -> None:
+    """Packed micro-batches: one row each, documents per step, the token cap."""
+    if args.paradyse_pack == "none":
+        if args.paradyse_pack_tokens is not None:
+            _err("--paradyse-pack-tokens needs --paradyse-pack greedy or balanced")
+        return
+    if not args.paradyse:
+        _err("--paradyse-pack needs --paradyse: stock megatron-core's local attention refuses packed "
+             "(THD) input; run the stock baseline on the same documents unpacked")
+    if args.micro_batch_size != 1:
+        _err(f"--paradyse-pack packs documents into one row per micro-batch: --micro-batch-size "
+             f"must be 1 (got {args.micro_batch_size})")
+    if args.paradyse_sampler != "megatron":
+        _err("--paradyse-pack schedules the micro-batches itself: leave --paradyse-sampler at 'megatron'")
+    if args.paradyse_pack_tokens is None:
+        args.paradyse_pack_tokens = args.seq_length
+    if args.paradyse_pack_tokens < 1 or args.paradyse_pack_tokens > args.seq_length:
+        _err(f"--paradyse-pack-tokens {args.paradyse_pack_tokens} must be in 1..--seq-length "
+             f"{args.seq_length} (documents are at most --seq-length tokens)")
 
 
 def _complete_model(args, tp: int) -> None:

@@ -31,5 +31,16 @@ def forward_step(data_iterator, model, paradyse: bool = True):
         set_plan(model, mb.plan)
     dev = next(model.parameters()).device
     mb = mb.to(dev)
-    output = model(mb.tokens, mb.position_ids, None, labels=mb.labels)
+    extra = {} if mb.cu_seqlens is None else {"packed_seq_params": packed_seq_params(mb.cu_seqlens, dev)}
+    output = model(mb.tokens, mb.position_ids, None, labels=mb.labels, **extra)
     return output, partial(loss_func, mb.loss_mask)
+
+
+def packed_seq_params(cu_seqlens, device):
+    """megatron's ``PackedSeqParams`` (THD) of a pack's document boundaries ``(0, ..., T)``."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=device)
+    longest = max(b - a for a, b in zip(cu_seqlens, cu_seqlens[1:]))
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)

@@ -25,8 +25,9 @@ class PlannedIterator:
     """
 
     def __init__(self, source, plan_fn, num_microbatches, group_index: int = 0, num_groups: int = 1,
-                 start_step: int = 0, check: bool = True, group=None):
+                 start_step: int = 0, check: bool = True, group=None, counts=None):
         self.source = source
+        self.counts = counts  # step -> (this group's micro-batches, the most any group runs)
         self.plan_fn = plan_fn
         self._nmb = num_microbatches
         self.group_index, self.num_groups = group_index, num_groups
@@ -38,7 +39,14 @@ class PlannedIterator:
         self.last_check_seconds = 0.0
 
     def num_microbatches(self) -> int:
+        """This group's micro-batches at the next step (packed steps differ per group)."""
+        if self.counts is not None:
+            return int(self.counts(self.step)[0])
         return int(self._nmb() if callable(self._nmb) else self._nmb)
+
+    def _check_width(self, n: int) -> int:
+        """Micro-batch slots of the plan check: the same on every rank (the most any group runs)."""
+        return int(self.counts(self.step)[1]) if self.counts is not None else n
 
     def __iter__(self):
         return self
@@ -65,8 +73,8 @@ class PlannedIterator:
             error = traceback.format_exc()
         t0 = time.perf_counter()
         if self.check:
-            verify_plans(self.step, [(mb.plan, mb.shape) for mb in items], n, self.group_index,
-                         self.num_groups, error, self.group)
+            verify_plans(self.step, [_entry(mb) for mb in items], self._check_width(n),
+                         self.group_index, self.num_groups, error, self.group)
         else:
             # check=False skips comparing the plans, not agreeing on errors: a rank that failed
             # to read or plan alone must not leave its peers in the step's first collective.
@@ -82,3 +90,10 @@ class PlannedIterator:
         if not self._buffer:
             self.prefetch()
         return self._buffer.popleft()
+
+
+def _entry(mb) -> tuple:
+    """What every rank of a switching group must agree on for a micro-batch: its plan and shape,
+    and a pack's document boundaries."""
+    cu = getattr(mb, "cu_seqlens", None)
+    return (mb.plan, mb.shape) if cu is None else (mb.plan, mb.shape, tuple(cu))

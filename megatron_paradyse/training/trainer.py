@@ -194,7 +194,13 @@ class Trainer:
         max_fit = None if self.planner is None else pdata.longest_fitting(
             self.planner, args.micro_batch_size, args.seq_length, args.paradyse_pad_multiple)
         self.dataset = pdata.build_dataset(args, max_length=max_fit)
-        self.sampler = None
+        self.sampler = self.packer = None
+        plan_fn = self.plan_fn or self._planner_fn
+        if plan_fn is None and args.paradyse:
+            plan_fn = rule_plan_fn(parse_plan(args.paradyse_plan, args.num_layers))
+        if args.paradyse_pack != "none":
+            self._build_packed_data(plan_fn if args.paradyse else None)
+            return
         if args.paradyse_sampler == "length":
             self.sampler = pdata.LengthAwareSampler(
                 self.dataset, args.micro_batch_size, args.global_batch_size, self.dp_size, seed=args.seed,
@@ -204,12 +210,27 @@ class Trainer:
             self.dataset, args.micro_batch_size, args.global_batch_size, self.dp_rank, self.dp_size,
             args.paradyse_pad_multiple, consumed_samples=self.iteration * args.global_batch_size,
             sampler=self.sampler)
-        plan_fn = self.plan_fn or self._planner_fn
-        if plan_fn is None and args.paradyse:
-            plan_fn = rule_plan_fn(parse_plan(args.paradyse_plan, args.num_layers))
         self.data_iterator = PlannedIterator(
             loader, plan_fn if args.paradyse else None, args.num_microbatches,
             group_index=self.dp_rank, num_groups=self.dp_size, start_step=self.iteration)
+
+    def _build_packed_data(self, plan_fn):
+        """``--paradyse-pack``: the packing scheduler (with a planner: packs that fit its budget,
+        replicas balanced by its predicted seconds), this replica's packed loader, the planned
+        iterator with per-step micro-batch counts (replicas run different numbers of packs)."""
+        args = self.args
+        cost_fn = fits_fn = None
+        if self.planner is not None:
+            cost_fn, fits_fn = pdata.make_pack_fns(self.planner)
+        self.packer = pdata.PackScheduler(
+            self.dataset.length, args.global_batch_size, self.dp_size, token_cap=args.paradyse_pack_tokens,
+            seed=args.seed, mode=args.paradyse_pack, cost_fn=cost_fn, fits_fn=fits_fn)
+        multiple = args.paradyse_pad_multiple or args.tensor_model_parallel_size
+        loader = pdata.PackedLoader(self.dataset, self.packer, self.dp_rank, multiple=multiple,
+                                    start_step=self.iteration)
+        self.data_iterator = PlannedIterator(
+            loader, plan_fn, args.num_microbatches, group_index=self.dp_rank, num_groups=self.dp_size,
+            start_step=self.iteration, counts=loader.counts)
 
     # ------------------------------------------------------------------ one step, measured
     def measured_step(self, report=None):
@@ -251,7 +272,7 @@ class Trainer:
         pred_m = max((c.peak_bytes for c in choices if c is not None), default=0.0)
         ref = planner.refinement
         if ref is not None:
-            micro = [(mb.plan, mb.seq_length) for mb in self.data_iterator.current if mb.plan is not None]
+            micro = [(mb.plan, mb.plan_length) for mb in self.data_iterator.current if mb.plan is not None]
             b = self.args.micro_batch_size
             idx = {n: i for i, n in enumerate(planner.strategies)}
             vec = ref.contribution(micro, pred_s, stats.seconds, pred_m, measured,

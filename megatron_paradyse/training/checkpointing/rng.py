@@ -25,6 +25,29 @@ def rng_state() -> dict:
     return state
 
 
+def portable(x):
+    """``x`` with every tensor as a numpy array (tagged), for ``all_gather_object``: torch 2.13's
+    unpickling of a tensor's storage there fails ("UntypedStorage has no attribute dtype")."""
+    if torch.is_tensor(x):
+        return ("__tensor__", x.cpu().numpy())
+    if isinstance(x, dict):
+        return {k: portable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(portable(v) for v in x)
+    return x
+
+
+def from_portable(x):
+    """The inverse of :func:`portable`."""
+    if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) and x[0] == "__tensor__":
+        return torch.from_numpy(x[1])
+    if isinstance(x, dict):
+        return {k: from_portable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(from_portable(v) for v in x)
+    return x
+
+
 def set_rng_state(state: dict) -> None:
     """Restore what :func:`rng_state` returned."""
     from megatron.core import tensor_parallel

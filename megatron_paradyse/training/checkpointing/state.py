@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from ...parallel.dispatch import unwrap
-from .rng import rng_sharded_object, rng_state
+from .rng import from_portable, portable, rng_sharded_object, rng_state
 
 CHECKPOINT_VERSION = 3.0
 
@@ -58,6 +58,7 @@ def sharded_state_dict(model, optimizer=None, scheduler=None, iteration: int = 0
             dp = parallel_state.get_data_parallel_world_size()
             if dp > 1:
                 states = [None] * dp
-                dist.all_gather_object(states, local, group=parallel_state.get_data_parallel_group())
+                dist.all_gather_object(states, portable(local), group=parallel_state.get_data_parallel_group())
+                states = [from_portable(x) for x in states]
             sd["rng_state"] = rng_sharded_object(states)
     return sd
