@@ -211,8 +211,8 @@ class FittedCostModel(CostModel):
     def predict_pack(self, st, tg, s):
         """A pack ``s`` (``packs``): time, the rates on the pack's analytic work
         (``analytic.time_features``), times the single sequence's correction at the pack's
-        padded length where the model says so (``pack_correction``: ``ratio``; ``none``: the
-        rates alone), plus the pack's own rates (``pack_rates``: a fixed cost, kernel calls,
+        padded length where the model says so (``pack_correction``: ``ratio``; ``none``, the
+        default and what files without the field get: the rates alone), plus the pack's own rates (``pack_rates``: a fixed cost, kernel calls,
         colossal's rows; fitted on profiled packs); memory, the single sequence of the padded
         length plus the analytic difference the pack makes (``analytic.pack_memory``), times
         ``1 + pack_memory`` (the median ratio measured on profiled packs, if any). A format-1
@@ -225,7 +225,7 @@ class FittedCostModel(CostModel):
                 return one
             feats = analytic.time_features(st, self.shape, s, 1)
             phi_one = self._phi(st, tg, T, 1)
-            corr = one / phi_one if self.meta.get("pack_correction", "ratio") == "ratio" and phi_one > 0 else 1.0
+            corr = one / phi_one if self.meta.get("pack_correction", "none") == "ratio" and phi_one > 0 else 1.0
             extra = rates_predict((self.meta.get("pack_rates") or {}).get(st, {}), feats)
             return rates_predict(phys["rates"], feats) * corr + extra
         i = TARGETS.index(tg) - 1
