@@ -70,6 +70,7 @@ def _mixed_plan_pool(p):
             self.tokens, self.labels = T.make_batch(spec, B, s, seed=s)
             self.position_ids = torch.arange(s).unsqueeze(0).expand_as(self.tokens)
             self.loss_mask = torch.ones_like(self.tokens, dtype=torch.float)
+            self.cu_seqlens = None  # one sequence per row, not a pack (forward_step reads it)
 
         def to(self, device):
             return self

@@ -103,7 +103,7 @@ SAVED = {
         "t*4": 4
     },
     "ring": {
-        "t*h": 6,
+        "t*h": 7,
         "t*kv": 2,
         "rope/p": 2,
         "t*f1": 2,
@@ -135,7 +135,8 @@ SAVED_NOTES = {
              "cos/sin for q and k over the whole sequence",
     "ulysses": "q, k, v after the all-to-all, flash out + lse, the gathered-back context; RoPE over "
                "local positions",
-    "ring": "local q, k, v, the merged out (fp32) and lse, the context; no all-to-all copy",
+    "ring": "local q, k, v, the merged out (fp32) and lse, the context; no all-to-all copy; since the "
+            "packed-micro-batch change (20b98e7) one more [s/p, b, h] (the tracker: +t*h at every s, b, p)",
     "colossal": "local q, k, v and the probabilities [b, heads, s/p, s] instead of out/lse",
     "metp": "only the attention and MLP inputs (recomputed in backward), the residuals and output",
 }
