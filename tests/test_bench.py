@@ -77,6 +77,41 @@ def test_measured_world_small(tmp_path):
     assert srch["metp"]["longest_fitting"] >= srch["tp_sp"]["longest_fitting"] >= srch["stock"]["longest_fitting"]
 
 
+def test_packed_systems_train_the_same_documents(tmp_path):
+    """``<system>+pack``: the same documents in fewer steps (packs up to the token cap), every
+    system's tokens equal; the packed planner plans each pack; the summary keeps its keys."""
+    from megatron_paradyse import data
+    from megatron_paradyse.bench import report
+    from megatron_paradyse.bench.__main__ import demo_argv
+    from megatron_paradyse.bench.config import BenchConfig
+    from megatron_paradyse.bench.world import bench_world
+    from megatron_paradyse.testing.spawn import run_world
+
+    rng = np.random.default_rng(1)
+    prefix = str(tmp_path / "docs")
+    data.write_indexed_dataset(prefix, [rng.integers(0, 256, n) for n in (40, 100, 25, 70, 30, 61)], 258)
+    argv = demo_argv(2, 256, 1234)
+    for k, v in (("--num-layers", "2"), ("--hidden-size", "64"), ("--num-attention-heads", "4"),
+                 ("--ffn-hidden-size", "128")):
+        argv[argv.index(k) + 1] = v
+    systems = ["tp_sp", "tp_sp+pack", "ring+pack", "paradyse_optimal", "paradyse_optimal+pack"]
+    cfg = BenchConfig(argv=argv, data_prefix=prefix, long_docs="skip", steps=6, budget_bytes=64 * MiB,
+                      systems=systems, verbose=False, pack_tokens=256)
+    out = run_world(bench_world, 2, cfg, timeout=240)[0]
+    rec = out["records"]
+    summary = report.summarize(rec, cfg.budget_bytes)
+    assert {summary[n]["tokens"] for n in systems} == {sum(r["length"] for r in rec["tp_sp"])}
+    assert len(rec["tp_sp"]) == 6 and all(len(rec[n]) < 6 for n in systems if n.endswith("+pack"))
+    assert all(r["documents"] > 1 for r in rec["tp_sp+pack"][:1])
+    assert all(r["plan"] == "ring*2" for r in rec["ring+pack"])
+    assert all(r["plan"] is not None and r["planner_fits"] for r in rec["paradyse_optimal+pack"])
+    assert all(np.isfinite(r["loss"]) and r["seconds"] > 0 for n in systems for r in rec[n])
+    for n in systems:
+        assert {"tokens", "total_seconds", "steps", "steps_over_budget", "all_steps_fit"} <= set(summary[n])
+    head = report.headline(summary, None)
+    assert "paradyse_optimal+pack_tokens_per_s_vs_paradyse_optimal" in head
+
+
 def test_simulation(tmp_path):
     from megatron_paradyse.bench.simulate import H100Roofline, simulate, summary
 

@@ -41,7 +41,10 @@ def build_parser():
     ap = argparse.ArgumentParser(prog="python -m megatron_paradyse.bench", allow_abbrev=False,
                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--p", type=int, default=4, help="gloo ranks = switching group size (TP)")
-    ap.add_argument("--steps", type=int, default=24, help="measured steps (one document each)")
+    ap.add_argument("--steps", type=int, default=24,
+                    help="documents (one step each; the +pack systems pack them into fewer steps)")
+    ap.add_argument("--pack-tokens", type=int, default=None,
+                    help="token cap of the +pack systems' packs (default --seq-length)")
     ap.add_argument("--seq-length", type=int, default=4096, help="longest training sequence of the data")
     ap.add_argument("--min-len", type=int, default=1, help="leave out documents shorter than this")
     ap.add_argument("--data-path", default=None, help="IndexedDataset prefix (default: the stdlib corpus)")
@@ -99,7 +102,8 @@ def main(argv=None) -> int:
                           budget_bytes=budget, systems=systems, cost_model=a.cost_model,
                           margin_bytes=None if a.margin_mib is None else a.margin_mib * MiB,
                           search=a.max_seq_len_search, search_cap=a.search_cap, search_probes=a.search_probes,
-                          search_resolution=a.search_resolution, verbose=not a.quiet, memory_pass=a.memory_pass)
+                          search_resolution=a.search_resolution, verbose=not a.quiet, memory_pass=a.memory_pass,
+                          pack_tokens=a.pack_tokens)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -109,7 +113,7 @@ def main(argv=None) -> int:
     out = run_ranks(bench_world, a.p, cfg, timeout=a.timeout)[0]
     wall = time.perf_counter() - t0
     records = out["records"]
-    orc = report.oracle(records, budget, [s for s in systems if s != "stock"])
+    orc = report.oracle(records, budget, [s for s in systems if s != "stock" and not s.endswith("+pack")])
     if orc:
         records["oracle"] = [dict(r, predicted_seconds=None, predicted_peak_bytes=None) for r in orc]
     summary = report.summarize(records, budget)

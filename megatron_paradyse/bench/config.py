@@ -3,8 +3,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ALL_SYSTEMS = ("stock", "tp_sp", "ulysses", "ring", "colossal", "metp", "paradyse_heuristic",
-               "paradyse_optimal")
+UNPACKED = ("stock", "tp_sp", "ulysses", "ring", "colossal", "metp", "paradyse_heuristic",
+            "paradyse_optimal")
+# "<system>+pack": the same documents packed (THD) up to a token cap; stock's local attention
+# refuses packed input, so it has no packed form
+PACKED = tuple(f"{s}+pack" for s in UNPACKED if s != "stock")
+ALL_SYSTEMS = UNPACKED + PACKED
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,7 @@ class BenchConfig:
     search_resolution: int = 256
     verbose: bool = True
     memory_pass: str = "separate"
+    pack_tokens: int | None = None  # the packed systems' token cap (None: the model's seq_length)
 
     def __post_init__(self):
         object.__setattr__(self, "argv", tuple(self.argv))

@@ -72,6 +72,7 @@ def headline(summary: dict, search: dict | None) -> dict:
         if summary.get("oracle", {}).get("total_seconds"):
             h[f"{pl}_vs_oracle"] = s["total_seconds"] / summary["oracle"]["total_seconds"]
         h[f"{pl}_all_steps_fit"] = s["all_steps_fit"]
+    h.update(packed_headline(summary))
     if search:
         longest = {n: v["longest_fitting"] for n, v in search.items()}
         h["longest_fitting"] = longest
@@ -82,6 +83,26 @@ def headline(summary: dict, search: dict | None) -> dict:
     return h
 
 
+def packed_headline(summary: dict) -> dict:
+    """Tokens/s of each packed planner against its unpacked self and against the fastest packed
+    static strategy whose steps all fit (the issue's aims), where both sides exist."""
+    h = {}
+    statics = {n: s for n, s in summary.items() if n.endswith("+pack") and not n.startswith("paradyse_")
+               and s["all_steps_fit"] and s["tokens_per_second"]}
+    best = max(statics.items(), key=lambda kv: kv[1]["tokens_per_second"]) if statics else None
+    h["fastest_all_fitting_packed_static"] = best[0] if best else None
+    for pl in ("paradyse_heuristic", "paradyse_optimal"):
+        s = summary.get(pl + "+pack")
+        if not s or not s["tokens_per_second"]:
+            continue
+        h[f"{pl}+pack_all_steps_fit"] = s["all_steps_fit"]
+        if summary.get(pl, {}).get("tokens_per_second"):
+            h[f"{pl}+pack_tokens_per_s_vs_{pl}"] = s["tokens_per_second"] / summary[pl]["tokens_per_second"]
+        if best:
+            h[f"{pl}+pack_tokens_per_s_vs_{best[0]}"] = s["tokens_per_second"] / best[1]["tokens_per_second"]
+    return h
+
+
 def write_json(result: dict, path: str) -> str:
     with open(path, "w") as fh:
         json.dump(result, fh, indent=1, default=float)
@@ -89,12 +110,12 @@ def write_json(result: dict, path: str) -> str:
 
 
 def table(summary: dict, budget: float) -> str:
-    lines = [f"{'system':20s} {'total s':>9s} {'tok/s':>8s} {'over':>5s} {'longest ok':>10s} "
+    lines = [f"{'system':24s} {'total s':>9s} {'tok/s':>8s} {'over':>5s} {'longest ok':>10s} "
              f"{'max peak MiB':>12s}   (budget {budget / MiB:.1f} MiB)"]
     for name, s in summary.items():
         tot = f"{s['total_seconds']:.1f}" if s["total_seconds"] else "n/a"
         tps = f"{s['tokens_per_second']:.0f}" if s["tokens_per_second"] else "n/a"
-        lines.append(f"{name:20s} {tot:>9s} {tps:>8s} {s['steps_over_budget']:5d} "
+        lines.append(f"{name:24s} {tot:>9s} {tps:>8s} {s['steps_over_budget']:5d} "
                      f"{s['longest_trained_within_budget']:10d} {s['max_peak_mib']:12.1f}")
     return "\n".join(lines)
 
@@ -111,6 +132,8 @@ def plot(result: dict, out_dir: str) -> list:
     paths = []
     fig, ax = plt.subplots(figsize=(8, 5))
     for name, recs in records.items():
+        if name.endswith("+pack"):  # a pack's length is its total: not this plot's axis
+            continue
         pts = sorted((r["length"], r["seconds"], r["peak_bytes"] is not None and r["peak_bytes"] > budget)
                      for r in recs if r["seconds"] is not None)
         if not pts:

@@ -6,7 +6,12 @@
   (``tp_sp`` is the same TP+SP layer as stock with the plugin's memory-linear attention);
 * ``paradyse_heuristic``, ``paradyse_optimal``: the planners
   (``megatron_paradyse.planner.build_planner``) under the memory budget;
-* the per-batch oracle is computed afterwards from the measured steps (``report.py``).
+* the per-batch oracle is computed afterwards from the measured steps (``report.py``);
+* ``<system>+pack``: the same documents packed into micro-batches of several documents (THD,
+  attention inside each document) up to a token cap: a static strategy with megatron's usual
+  token-cap packing (greedy first-fit in stream order, no memory model: what a Megatron user
+  runs today), a planner with ``data.PackScheduler``'s balanced packing (packs that fit its
+  budget by its cost model) and a plan per pack.
 
 Planners and the cost model are used where their packages exist; a system that cannot be
 built is left out with a note saying why (nothing is stubbed).
@@ -17,6 +22,7 @@ import dataclasses
 
 from ..costmodel import ModelShape, build_cost_model
 from ..costmodel.analytic import AnalyticCostModel
+from ..parallel.packing import PackShape
 from ..parallel.strategies import supports
 from ..planner import build_planner
 from ..training.arguments import transformer_config_from_args
@@ -36,6 +42,12 @@ class SystemSpec:
     budget: float = 0.0
     last_fits: bool | None = None
     errors: list = dataclasses.field(default_factory=list)
+    packed: bool = False
+
+    @property
+    def pack_mode(self) -> str:
+        """How this packed system forms packs: greedy (static) or balanced (a planner's)."""
+        return "balanced" if self.kind == "planner" else "greedy"
 
     def plan_for(self, s: int, b: int):
         if self.kind == "stock":
@@ -43,14 +55,14 @@ class SystemSpec:
         if self.kind == "uniform":
             return (self.strategy,) * self.num_layers
         try:
-            choice = self.planner.plan(int(s), int(b))
+            choice = self.planner.plan(_length(s), int(b))
         except Exception as e:  # noqa: BLE001 - the planner failed: run its leanest plan, say so
             if not hasattr(self.planner, "leanest"):
                 raise
             self.errors.append(f"{self.name}: planner.plan({s}, {b}) raised {type(e).__name__}: {e}; "
                                "ran the leanest uniform plan")
             self.last_fits = False
-            return (self.planner.leanest(int(s), int(b))[0],) * self.num_layers
+            return (self.planner.leanest(_length(s), int(b))[0],) * self.num_layers
         self.last_fits = bool(choice.fits)
         return tuple(choice.layers)
 
@@ -58,7 +70,7 @@ class SystemSpec:
         if plan is None or self.cost_model is None:
             return None
         try:
-            c = self.cost_model.step(plan, int(s), int(b))
+            c = self.cost_model.step(plan, _length(s), int(b))
         except Exception:  # noqa: BLE001 - a model without this strategy predicts nothing
             return None
         return float(c.seconds + self.cost_model.update_seconds()), float(c.peak_bytes)  # a step of one micro-batch
@@ -85,7 +97,12 @@ class SystemSpec:
         return lo * res or None
 
     def describe(self) -> dict:
-        return {"name": self.name, "kind": self.kind, "strategy": self.strategy}
+        return {"name": self.name, "kind": self.kind, "strategy": self.strategy, "packed": self.packed}
+
+
+def _length(s):
+    """A length as planners take it: an int, or a pack's ``PackShape`` as it is."""
+    return s if isinstance(s, PackShape) else int(s)
 
 
 def load_cost_model(args, path=None):
@@ -114,25 +131,33 @@ def build_systems(cfg, args):
         notes.append(note)
     budget = float(cfg.budget_bytes)
     specs = []
-    for name in cfg.systems:
-        if name == "stock":
-            specs.append(SystemSpec("stock", "stock", args.num_layers, cost_model=None, budget=budget))
-        elif name in UNIFORM:
-            ok, why = supports(name, config, p)
-            if not ok:
-                notes.append(f"{name} left out: {why}")
-                continue
-            specs.append(SystemSpec(name, "uniform", args.num_layers, strategy=name, cost_model=cost_model,
-                                    budget=budget))
-        elif name.startswith("paradyse_") and name[len("paradyse_"):] in PLANNERS:
-            kind = name[len("paradyse_"):]
-            if cost_model is None:
-                notes.append(f"{name} left out: needs a cost model")
-                continue
-            kw = {} if cfg.margin_bytes is None else {"margin_bytes": cfg.margin_bytes}
-            planner = build_planner(kind, cost_model, budget, **kw)
-            specs.append(SystemSpec(name, "planner", args.num_layers, planner=planner, cost_model=cost_model,
-                                    budget=budget))
-        else:
-            raise ValueError(f"unknown system {name!r}")
+    for full in cfg.systems:
+        name = full[:-len("+pack")] if full.endswith("+pack") else full
+        before = len(specs)
+        _add_system(specs, notes, name, cfg, args, config, p, cost_model, budget)
+        if full != name and len(specs) > before:
+            specs[-1] = dataclasses.replace(specs[-1], name=full, packed=True, errors=[])
     return specs, notes
+
+
+def _add_system(specs, notes, name, cfg, args, config, p, cost_model, budget):
+    """Append the spec of the unpacked system ``name`` (its own planner), or a note why not."""
+    if name == "stock":
+        specs.append(SystemSpec("stock", "stock", args.num_layers, cost_model=None, budget=budget))
+    elif name in UNIFORM:
+        ok, why = supports(name, config, p)
+        if not ok:
+            notes.append(f"{name} left out: {why}")
+            return
+        specs.append(SystemSpec(name, "uniform", args.num_layers, strategy=name, cost_model=cost_model,
+                                budget=budget))
+    elif name.startswith("paradyse_") and name[len("paradyse_"):] in PLANNERS:
+        if cost_model is None:
+            notes.append(f"{name} left out: needs a cost model")
+            return
+        kw = {} if cfg.margin_bytes is None else {"margin_bytes": cfg.margin_bytes}
+        planner = build_planner(name[len("paradyse_"):], cost_model, budget, **kw)
+        specs.append(SystemSpec(name, "planner", args.num_layers, planner=planner, cost_model=cost_model,
+                                budget=budget))
+    else:
+        raise ValueError(f"unknown system {name!r}")

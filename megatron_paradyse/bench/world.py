@@ -110,16 +110,19 @@ def bench_world(rank, world, cfg):
     dataset = pdata.DocumentDataset(cfg.data_prefix, args.seq_length, seed=args.seed,
                                     long_docs=cfg.long_docs, vocab_size=args.vocab_size)
     mult = args.tensor_model_parallel_size
-    # the batches: the dataset's seeded order, lengths in [min_len, seq_length]
-    batches, g = [], cfg.first_sample
-    while len(batches) < cfg.steps:
+    # the documents: the dataset's seeded order, lengths in [min_len, seq_length]
+    docs, g = [], cfg.first_sample
+    while len(docs) < cfg.steps:
         if dataset.length(g) >= cfg.min_len:
-            batches.append(pdata.pad_to_multiple([dataset[g]], mult))
+            docs.append(g)
         g += 1
+    batches = [pdata.pad_to_multiple([dataset[g]], mult) for g in docs]
     specs, notes = build_systems(cfg, args)
     systems = []
     for spec in specs:
         systems.append((spec, System(spec.name, args, spec.plan_for)))
+    steps_of = {spec.name: _packed_steps(spec, docs, dataset, cfg, args, mult) if spec.packed else batches
+                for spec in specs}
     warm = pdata.pad_to_multiple([dataset[0][:65]], mult)
     for spec, sysm in systems:  # warm-up: creates optimizer state, communication pools
         warm.plan = spec.plan_for(warm.seq_length, 1)
@@ -127,29 +130,23 @@ def bench_world(rank, world, cfg):
         sysm.static = static_bytes(sysm.model, sysm.optimizer)
     records = {spec.name: [] for spec, _ in systems}
     t_start = time.perf_counter()
-    for k, mb in enumerate(batches):
+    for k in range(max(len(v) for v in steps_of.values())):
         order = systems[k % len(systems):] + systems[:k % len(systems)]
         for spec, sysm in order:
-            mb.plan = spec.plan_for(mb.seq_length, 1)
-            sec, peak, loss = _measure(sysm, mb, cfg.memory_pass)
-            sec, peak = _max_over_ranks([sec, peak])
-            pred = spec.predict(mb.plan, mb.seq_length, 1)
-            records[spec.name].append(dict(
-                step=k, length=int(mb.lengths[0]), padded=mb.seq_length, seconds=sec, peak_bytes=peak,
-                loss=loss, plan=None if mb.plan is None else describe(mb.plan),
-                plan_layers=None if mb.plan is None else list(mb.plan),
-                predicted_seconds=None if pred is None else pred[0],
-                predicted_peak_bytes=None if pred is None else pred[1],
-                planner_fits=spec.last_fits))
+            if k < len(steps_of[spec.name]):
+                records[spec.name].append(_record(spec, sysm, steps_of[spec.name][k], k, cfg))
         if rank == 0 and cfg.verbose:
-            line = "  ".join(f"{spec.name}={records[spec.name][-1]['seconds']:.2f}s" for spec, _ in systems)
-            log.info(f"  step {k + 1:3d}/{len(batches)} s={mb.lengths[0]:5d} | {line}")
+            line = "  ".join(f"{spec.name}={records[spec.name][-1]['seconds']:.2f}s" for spec, _ in systems
+                             if k < len(steps_of[spec.name]))
+            log.info(f"  step {k + 1:3d} | {line}")
     out = {"records": records, "static_bytes": {spec.name: s.static for spec, s in systems},
            "notes": notes, "seconds": time.perf_counter() - t_start,
            "systems": [spec.describe() for spec, _ in systems]}
     if cfg.search:
         out["search"] = {}
         for spec, sysm in systems:
+            if spec.packed:  # the search is over single sequences
+                continue
             try:
                 out["search"][spec.name] = _search(spec, sysm, cfg, args, dataset, mult, rank)
             except Exception as e:  # noqa: BLE001 - same on every rank (deterministic); keep the rest
@@ -157,6 +154,32 @@ def bench_world(rank, world, cfg):
     for spec, _ in systems:
         out["notes"].extend(dict.fromkeys(spec.errors))
     return out if rank == 0 else None
+
+
+def _record(spec, sysm, mb, k, cfg) -> dict:
+    """One measured step of ``spec`` on micro-batch ``mb`` (its plan set here)."""
+    mb.plan = spec.plan_for(mb.plan_length, 1)
+    sec, peak, loss = _measure(sysm, mb, cfg.memory_pass)
+    sec, peak = _max_over_ranks([sec, peak])
+    pred = spec.predict(mb.plan, mb.plan_length, 1)
+    return dict(step=k, length=int(sum(mb.lengths)), padded=mb.seq_length, documents=len(mb.lengths),
+                seconds=sec, peak_bytes=peak, loss=loss, plan=None if mb.plan is None else describe(mb.plan),
+                plan_layers=None if mb.plan is None else list(mb.plan),
+                predicted_seconds=None if pred is None else pred[0],
+                predicted_peak_bytes=None if pred is None else pred[1], planner_fits=spec.last_fits)
+
+
+def _packed_steps(spec, docs, dataset, cfg, args, mult) -> list:
+    """The packed system's micro-batches over ``docs``: one step per pack
+    (``data.PackScheduler`` with every document in one step: greedy token-cap packing for a
+    static strategy, balanced packing with the planner's fit and cost for a planner)."""
+    lengths = [dataset.length(g) for g in docs]
+    cost_fn = fits_fn = None
+    if spec.pack_mode == "balanced":
+        cost_fn, fits_fn = pdata.make_pack_fns(spec.planner)
+    sched = pdata.PackScheduler(lambda i: lengths[i], len(docs), 1, token_cap=cfg.pack_tokens or args.seq_length,
+                                seed=args.seed, mode=spec.pack_mode, cost_fn=cost_fn, fits_fn=fits_fn)
+    return [pdata.pack_documents([dataset[docs[i]] for i in pack], mult) for pack in sched.step_packs(0)[0]]
 
 
 def _probe(spec, sysm, s, mult, vocab):

@@ -103,7 +103,7 @@ SAVED = {
         "t*4": 4
     },
     "ring": {
-        "t*h": 7,
+        "t*h": 6,
         "t*kv": 2,
         "rope/p": 2,
         "t*f1": 2,
@@ -135,8 +135,7 @@ SAVED_NOTES = {
              "cos/sin for q and k over the whole sequence",
     "ulysses": "q, k, v after the all-to-all, flash out + lse, the gathered-back context; RoPE over "
                "local positions",
-    "ring": "local q, k, v, the merged out (fp32) and lse, the context; no all-to-all copy; since the "
-            "packed-micro-batch change (20b98e7) one more [s/p, b, h] (the tracker: +t*h at every s, b, p)",
+    "ring": "local q, k, v, the merged out (fp32) and lse, the context; no all-to-all copy",
     "colossal": "local q, k, v and the probabilities [b, heads, s/p, s] instead of out/lse",
     "metp": "only the attention and MLP inputs (recomputed in backward), the residuals and output",
 }
@@ -168,7 +167,7 @@ def layer_memory(strategy: str, shape: ModelShape, s, b: int) -> tuple[float, fl
 # layout, count(rank) tokens instead of T/p (equal to the tracker for the ranks holding 312,
 # 500, 524, 574, 712 of 1024 tokens); colossal's score rows are [b, heads, count, T].
 PACK_EXTRA_SAVED = {"tp_sp": {"t*h": 1}}
-PACK_LAYOUT_SAVED = {"ring": {"t*h": 4, "t*kv": 2, "rope/p": 2, "t*lse": 1},
+PACK_LAYOUT_SAVED = {"ring": {"t*h": 3, "t*kv": 2, "rope/p": 2, "t*lse": 1},
                      "colossal": {"t*h": 3, "t*kv": 2, "rope/p": 2, "rows": 1},
                      "metp": {"t*h": 1}}
 # transient terms of the attention phase, which run over the packed layout's tokens (the

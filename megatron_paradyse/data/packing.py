@@ -30,8 +30,9 @@ The two modes:
   order, first-fit into packs, packs dealt round-robin to the replicas. Balances nothing.
 * ``"balanced"``: the replicas' *predicted step times* (the sum of ``cost_fn`` over their packs)
   are balanced, not their token counts. (1) Documents sorted by cost, most expensive first
-  (ties by stream index), best-fit into packs (the fullest pack that still takes the
-  document): few packs, since every pack has a fixed cost; (2) packs to replicas
+  (ties by stream index), each into the pack where joining saves the most predicted time
+  (ties: the fullest), or a pack of its own where joining saves nothing: few packs, since
+  every pack has a fixed cost, but no pack so large that its plan is slower than two packs'; (2) packs to replicas
   longest-processing-time first; (3) a deterministic local search between the most loaded
   replica and the others (least loaded first): move or swap a document or a whole pack, or
   merge two packs of the loaded replica, taking the change that lowers the pair's maximum
@@ -189,15 +190,20 @@ def greedy_step(P: _Packer, gs: list, dp_size: int) -> list:
 
 
 def _best_fit(P: _Packer, gs: list) -> list:
-    """Most expensive document first, each into the fullest pack that still takes it."""
+    """Most expensive document first, each into the pack where joining saves the most predicted
+    time (ties: the fullest), or a pack of its own where joining none saves any: a pack that
+    would need a slower plan to fit the budget costs more than two, and is not formed."""
     packs: list = []
     for g in sorted(gs, key=lambda g: (-P.cost((g,)), g)):
-        best, best_tokens = None, -1
+        best, best_key, alone = None, None, P.cost((g,))
         for i, p in enumerate(packs):
             cand = _add(p, g)
-            tokens = sum(P.lengths(cand))
-            if tokens > best_tokens and P.ok(cand):
-                best, best_tokens = i, tokens
+            if not P.ok(cand):
+                continue
+            gain = P.cost(p) + alone - P.cost(cand)
+            key = (gain, sum(P.lengths(cand)))
+            if gain > 0 and (best_key is None or key > best_key):
+                best, best_key = i, key
         if best is None:
             packs.append((g,))
         else:
@@ -408,3 +414,46 @@ class PackedLoader:
             self.step += 1
         pack = self._queue.pop(0)
         return pack_documents([self.dataset[int(g)] for g in pack], self.multiple, self.pad_id)
+
+
+class PackedStream:
+    """Packs of consecutive documents of a stream, next-fit up to ``token_cap`` tokens: pack
+    ``k`` is ``dataset[starts[k] .. starts[k+1])``, computed once in order and kept (so any pack
+    is found again after a restart). For Megatron-LM's data path, where a sample is a pack and
+    Megatron's own sampler deals samples to replicas (no balancing here). A document longer
+    than the cap is an error naming it."""
+
+    def __init__(self, dataset, token_cap: int, first: int = 0):
+        self.dataset, self.cap = dataset, int(token_cap)
+        self._starts = [int(first)]
+
+    def _length(self, g: int) -> int:
+        ds = self.dataset
+        return int(ds.length(g)) if hasattr(ds, "length") else len(ds[g]) - 1
+
+    def pack(self, k: int) -> range:
+        """Stream indices of pack ``k``."""
+        while len(self._starts) <= k + 1:
+            g, total = self._starts[-1], 0
+            while True:
+                d = self._length(g)
+                if d > self.cap:
+                    raise ValueError(f"document {g} holds {d} tokens, more than the pack's cap {self.cap}")
+                if total + d > self.cap:
+                    break
+                total, g = total + d, g + 1
+            self._starts.append(g)
+        return range(self._starts[k], self._starts[k + 1])
+
+    def __getitem__(self, k: int) -> MicroBatch:
+        return pack_documents([self.dataset[g] for g in self.pack(int(k))])
+
+
+def cu_seqlens_from_positions(position_ids, length: int) -> tuple:
+    """A pack's document boundaries from its positions (they restart at 0 in every document),
+    within its first ``length`` tokens: what Megatron-LM's TP broadcast carries of a pack."""
+    row = position_ids.reshape(-1)[:length]
+    starts = torch.nonzero(row == 0).reshape(-1).tolist()
+    if not starts or starts[0] != 0:
+        raise ValueError("a packed micro-batch's positions must start at 0 (position_ids restart per document)")
+    return tuple(starts) + (int(length),)

@@ -51,14 +51,20 @@ def ring_forward(q, kv_steps, layout, rank, scale):
     (None where no block came); returns (out, lse) in fp32. Every row sees at least its own
     token, so no row is left at lse -inf."""
     b, n, sl, d = q.shape
-    out = torch.zeros((b, n, sl, d), dtype=torch.float32, device=q.device)
-    lse = torch.full((b, n, sl), float("-inf"), dtype=torch.float32, device=q.device)
+    out = lse = None
     for src, kv in kv_steps:
         if kv is None:
             continue
         cur_k, cur_v = kv
         for rows, keys, causal in layout.kernel_blocks(rank, src):
             o, l = attn_forward(q[:, :, rows], cur_k[:, :, keys], cur_v[:, :, keys], causal, scale)
+            if out is None and rows == slice(0, sl):  # one block over every row: it is the start
+                out, lse = merge_lse(None, None, o, l)
+                continue
+            if out is None:  # a pack's first block covers some rows only; laid out [b, s, n, d]
+                # as the kernels return out, so the context's [s, b, n*d] is a view, not a copy
+                out = torch.zeros((b, sl, n, d), dtype=torch.float32, device=q.device).transpose(1, 2)
+                lse = torch.full((b, n, sl), float("-inf"), dtype=torch.float32, device=q.device)
             _merge_rows(out, lse, rows, o, l)
     return out, lse
 

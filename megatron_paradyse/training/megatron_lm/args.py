@@ -19,6 +19,11 @@ def add_megatron_lm_args(parser):
                         "log-uniform lengths; --data-path PREFIX: an IndexedDataset's documents). "
                         "Works with and without --paradyse; the ParaDySe forward step cuts each "
                         "micro-batch after its last real token (rounded up to the TP size).")
+    g.add_argument("--paradyse-pack", choices=("none", "greedy"), default="none",
+                   help="with --paradyse-document-data --paradyse: each sample packs consecutive "
+                        "documents up to --seq-length tokens (never splitting one), attention inside "
+                        "each document (megatron's THD); Megatron-LM's sampler deals the packs "
+                        "(pretrain_gpt_paradyse.py also has 'balanced' packing)")
     return parser
 
 
@@ -41,6 +46,8 @@ def check_paradyse_args(args) -> None:
     """
     if getattr(args, "paradyse_document_data", False):  # absent where the script added the flags
         _check_document_data(args)
+    elif getattr(args, "paradyse_pack", "none") != "none":
+        raise ValueError("--paradyse-pack needs --paradyse-document-data (the packs are built from its documents)")
     if not getattr(args, "paradyse", False):
         return
     _check_switchable(args)
@@ -48,7 +55,15 @@ def check_paradyse_args(args) -> None:
 
 
 def _check_document_data(args) -> None:
-    """``--paradyse-document-data`` reads one source: mock documents or one prefix."""
+    """``--paradyse-document-data`` reads one source: mock documents or one prefix; packs need
+    --paradyse and one row per micro-batch."""
+    if getattr(args, "paradyse_pack", "none") != "none":
+        if not args.paradyse:
+            raise ValueError("--paradyse-pack needs --paradyse: stock megatron-core's local attention "
+                             "refuses packed (THD) input")
+        if args.micro_batch_size != 1:
+            raise ValueError(f"--paradyse-pack packs documents into one row per micro-batch: "
+                             f"--micro-batch-size must be 1 (got {args.micro_batch_size})")
     if bool(args.mock_data) == bool(args.data_path):
         raise ValueError("--paradyse-document-data needs exactly one of --mock-data and "
                          "--data-path PREFIX")

@@ -18,8 +18,11 @@ def tp_batches(holder: list, args, multiple: int):
             batch = get_batch_on_this_tp_rank(holder[0])
         else:  # 0.19: megatron.core.utils's takes the batch read on TP rank 0
             batch = get_batch_019(holder[0], args)
-        yield pdata.trim_to_multiple(batch["tokens"], batch["labels"], batch["loss_mask"], multiple,
-                                     batch.get("position_ids"))
+        mb = pdata.trim_to_multiple(batch["tokens"], batch["labels"], batch["loss_mask"], multiple,
+                                    batch.get("position_ids"))
+        if getattr(args, "paradyse_pack", "none") != "none":  # a pack: boundaries where positions restart
+            mb.cu_seqlens = pdata.cu_seqlens_from_positions(mb.position_ids, mb.seq_length)
+        yield mb
 
 
 def get_batch_019(data_iterator, args):

@@ -56,10 +56,16 @@ def paradyse_datasets_provider(train_val_test_num_samples, vp_stage=None):
         ds = pdata.DocumentDataset(args.data_path[0], args.seq_length, seed=args.seed)
     # train, validation, test: disjoint index ranges (mock: different synthetic documents; an
     # IndexedDataset: later reshuffled epochs of the same documents, no held-out split)
+    packed = getattr(args, "paradyse_pack", "none") == "greedy"
     views = []
     for k, n in enumerate(train_val_test_num_samples):
-        views.append(_MaskedView(ds, args.seq_length, int(n), args.create_attention_mask_in_dataloader,
-                                 offset=k << 30) if n else None)
+        if not n:
+            views.append(None)
+        elif packed:
+            views.append(_PackedView(pdata.PackedStream(ds, args.seq_length, first=k << 30), args.seq_length, int(n)))
+        else:
+            views.append(_MaskedView(ds, args.seq_length, int(n), args.create_attention_mask_in_dataloader,
+                                     offset=k << 30))
     return tuple(views)
 
 
@@ -80,6 +86,29 @@ class _MaskedView(pdata.FixedLengthView):
         if self.with_mask:  # Megatron's convention: True = masked out
             s = self.seq_length
             out["attention_mask"] = ~torch.tril(torch.ones((1, s, s), dtype=torch.bool))
+        return out
+
+
+class _PackedView:
+    """Samples that are packs (``data.PackedStream``: consecutive documents up to --seq-length
+    tokens), each padded to --seq-length by one padding document (positions from 0, zero loss
+    mask), so the forward step finds every document boundary in ``position_ids``."""
+
+    def __init__(self, stream, seq_length: int, num_samples: int):
+        self.stream, self.seq_length, self.num_samples = stream, seq_length, max(1, num_samples)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i):
+        if not 0 <= int(i) < len(self):
+            raise IndexError(i)
+        mb = self.stream[int(i)]
+        pad = self.seq_length - mb.seq_length
+        out = {}
+        for key, t in (("tokens", mb.tokens), ("labels", mb.labels), ("loss_mask", mb.loss_mask)):
+            out[key] = torch.nn.functional.pad(t[0], (0, pad), value=0)
+        out["position_ids"] = torch.cat([mb.position_ids[0], torch.arange(pad, dtype=torch.long)])
         return out
 
 
