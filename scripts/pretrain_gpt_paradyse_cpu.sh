@@ -14,6 +14,8 @@
 #   PLANNER=optimal  the planner (heuristic | optimal) choosing each micro-batch's plan under BUDGET
 #   BUDGET=...       memory budget in GiB per rank (--paradyse-memory-budget)
 #   PLAN=...         a fixed --paradyse-plan instead of the planner (a name, per layer, or a length rule)
+#   PACK=none        balanced | greedy: packed micro-batches (--paradyse-pack; needs PARADYSE=1),
+#                    DOCS documents per step (--global-batch-size counts documents then)
 #   CORPUS=1         train on the default corpus (scripts/run_demo.sh sets it); default: --mock-data
 #   DATA_PATH=PREFIX train on your own IndexedDataset (python -m megatron_paradyse.data preprocess)
 #   PYTHON=.venv/bin/python
@@ -65,6 +67,9 @@ if [ "$PARADYSE" = "1" ]; then
                    --paradyse-memory-budget "${BUDGET:-0.03}")
   else  # no planner package in this checkout: a fixed length rule
     PARADYSE_ARGS=(--paradyse --paradyse-plan "rule:1024=tp_sp,2048=ulysses*2+ring*2,metp")
+  fi
+  if [ "${PACK:-none}" != "none" ]; then
+    PARADYSE_ARGS+=(--paradyse-pack "$PACK" --global-batch-size "${DOCS:-8}")
   fi
 fi
 

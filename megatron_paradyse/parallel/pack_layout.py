@@ -24,37 +24,22 @@ and back (point-to-point with every rank that holds a piece; each the other's ad
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from .collectives import group_info, wait
 from .packing import Documents
+from .zigzag import Block, Segment  # noqa: F401 - Block: the blocks' type, here for callers
 
 
-class Piece(NamedTuple):
-    """Tokens ``[start, stop)`` of document ``doc``, held at local offset ``offset``."""
+@dataclasses.dataclass(frozen=True)
+class Piece(Segment):
+    """A :class:`~.zigzag.Segment` inside document ``doc``."""
 
-    doc: int
-    start: int
-    stop: int
-    offset: int
-
-    @property
-    def local(self) -> slice:
-        return slice(self.offset, self.offset + self.stop - self.start)
-
-
-class Block(NamedTuple):
-    """One attention block: local query ``rows`` over the visiting rank's local ``keys``
-    (global positions ``cols``); ``causal``: the same tokens on both sides (a causal square)."""
-
-    rows: slice
-    keys: slice
-    cols: slice
-    causal: bool
+    doc: int = 0
 
 
 def _halves(start: int, stop: int) -> list:
@@ -99,9 +84,9 @@ class PackedLayout:
         out, offset = [], 0
         for d, a, b in ranges:
             if out and out[-1].doc == d and out[-1].stop == a:  # adjacent pieces: one
-                out[-1] = out[-1]._replace(stop=b)
+                out[-1] = dataclasses.replace(out[-1], stop=b)
             else:
-                out.append(Piece(d, a, b, offset))
+                out.append(Piece(a, b, offset, d))
             offset += b - a
         return tuple(out)
 

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from .buffers import pool_buffer
 from .collectives import group_info, wait
-from .pack_layout import Block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +50,16 @@ class Segment:
     @property
     def cols(self) -> slice:
         return slice(self.start, self.stop)
+
+
+class Block(NamedTuple):
+    """One attention block: local query ``rows`` over the visiting rank's local ``keys``
+    (global positions ``cols``); ``causal``: the same tokens on both sides (a causal square)."""
+
+    rows: slice
+    keys: slice
+    cols: slice
+    causal: bool
 
 
 @dataclasses.dataclass(frozen=True)
