@@ -291,7 +291,8 @@ def test_indexed_dataset():
         _assert_close(got.losses, stock.losses, range(1, ITERS + 1), f"indexed dataset {extra}")
 
 
-def test_packed_documents_equal_stock_unpacked():
+@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=full)])
+def test_packed_documents_equal_stock_unpacked(nproc):
     """``--paradyse-pack greedy``: each sample packs consecutive documents up to --seq-length
     (THD, attention inside each document), the forward step reading the boundaries from the
     broadcast positions. Documents of one length (16 tokens, 4 to a pack of 64) make every
@@ -307,16 +308,16 @@ def test_packed_documents_equal_stock_unpacked():
     prefix = os.path.join(_TMP, "equal_docs")
     rng = np.random.default_rng(3)
     write_indexed_dataset(prefix, [rng.integers(1, 250, size=17) for _ in range(400)], vocab_size=256)
-    base = model_flags(2, seq=64) + ["--data-path", prefix, "--split", "100,0,0", "--eval-iters", "0",
+    base = model_flags(nproc, seq=64) + ["--data-path", prefix, "--split", "100,0,0", "--eval-iters", "0",
                                      "--paradyse-document-data"]
 
     def with_batches(mbs, gbs):
         out = list(base)
         out[out.index("--micro-batch-size") + 1], out[out.index("--global-batch-size") + 1] = str(mbs), str(gbs)
         return out
-    stock = launch(with_batches(1, 8)).check()
+    stock = launch(with_batches(1, 8), nproc).check()
     packed = launch(with_batches(1, 2) + ["--paradyse", "--paradyse-plan", "tp_sp+ulysses+ring+metp",
-                                          "--paradyse-pack", "greedy"]).check()
+                                          "--paradyse-pack", "greedy"], nproc).check()
     assert len(stock.losses) == ITERS
     _assert_close(packed.losses, stock.losses, range(1, ITERS + 1), "packed vs stock unpacked")
     assert {lens for lens, _ in packed.plans.values()} == {"64,64"}, packed.plans  # two packs of 64 a step

@@ -69,7 +69,7 @@ def ring_blocks_selfcheck(device, dtype, seed: int = 0) -> dict:
     dks, dvs = ([torch.zeros_like(x, dtype=torch.float32) for x in xs] for xs in (ks, vs))
     for r in range(P):
         for s in _order(r):
-            blocks = ring._blocks(layout, r, s, L)
+            blocks = layout.kernel_blocks(r, s)
             contrib = ring.step_backward(douts[r], qs[r], outs[r], lses[r], dqs[r], ks[s], vs[s], blocks, scale)
             if contrib is not None:
                 dks[s] += contrib[0]
