@@ -9,7 +9,7 @@ import os
 from ..costmodel import ModelShape, build_cost_model
 from ..device import current as current_device
 from ..device import is_cpu
-from ..planner import NoFitError, build_planner, make_plan_fn
+from ..planner import build_planner, make_plan_fn
 from ..units import GiB
 from .arguments import default_memory_budget_gib
 
@@ -46,27 +46,8 @@ def planner_from_args(args, can_refine: bool = True):
     if note:
         log_single_rank(log, logging.WARNING, f"> warning: {note}")
     multiple = args.paradyse_pad_multiple or args.tensor_model_parallel_size
-    plan_fn = pack_aware(make_plan_fn(planner, args.paradyse_on_no_fit, multiple=multiple), planner)
+    plan_fn = make_plan_fn(planner, args.paradyse_on_no_fit, multiple=multiple)  # plans packs too
     return planner, plan_fn
-
-
-def pack_aware(plan_fn, planner):
-    """``plan_fn`` that plans a packed micro-batch by its documents (``mb.plan_length``, a
-    ``PackShape``). The packing scheduler only forms packs that fit (``data.make_pack_fns``),
-    so a pack that does not fit is an error, never truncated (that would cut documents)."""
-    def fn(mb, step, index):
-        if getattr(mb, "cu_seqlens", None) is None:
-            return plan_fn(mb, step, index)
-        choice = planner.plan(mb.plan_length, 1)
-        if not choice.fits:
-            raise NoFitError(f"step {step} pack {index} (documents of lengths {', '.join(map(str, mb.lengths))}): "
-                             f"{choice.reason} (the packing scheduler forms packs that fit; was the "
-                             "planner's budget changed after it?)")
-        plan_fn.choices[index] = choice
-        return choice.layers
-
-    fn.choices = plan_fn.choices
-    return fn
 
 
 def allocator_mismatch(cm) -> str | None:
