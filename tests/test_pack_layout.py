@@ -69,10 +69,10 @@ def test_one_document_is_the_zigzag_layout():
 
 def test_local_documents_stay_and_need_no_hop():
     lay = PackedLayout(4, _docs([4, 4, 8, 8, 8]))  # chunks of 8: nothing crosses a boundary
-    assert all(not lay.moves(r) for r in range(4))
+    assert all(set(lay.moves_plan(r)[0]) == set(lay.moves_plan(r)[1]) == {r} for r in range(4))  # rows stay home
     assert lay.last_hops() == (0, 0, 0, 0)
     lay = PackedLayout(4, _docs([4, 16, 12]))  # the 16 crosses: its pieces are everywhere
-    assert lay.last_hops() == (3, 3, 3, 3) or max(lay.last_hops()) > 0
+    assert max(lay.last_hops()) > 0
 
 
 def test_spanning_documents_are_balanced():

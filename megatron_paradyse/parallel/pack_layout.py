@@ -113,13 +113,6 @@ class PackedLayout:
         """In-document positions of ``rank``'s tokens, in local order (RoPE)."""
         return self.docs.positions(self.ranges(rank), device)
 
-    def moves(self, rank: int) -> bool:
-        """Whether ``rank``'s tokens differ from its contiguous chunk."""
-        return self.ranges(rank) != [(a, b) for _, a, b in self.docs_in_chunk(rank)]
-
-    def docs_in_chunk(self, rank: int) -> list:
-        return self.docs.pieces(rank * self.chunk, (rank + 1) * self.chunk)
-
     @functools.lru_cache(maxsize=4096)
     def score_blocks(self, rank: int, src: int) -> tuple:
         """Blocks of ``src``'s keys that ``rank``'s queries see, one per pair of pieces."""
