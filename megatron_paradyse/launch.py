@@ -9,7 +9,7 @@ returns, with a timeout instead of a hang.
   forces the CPU); ``fn`` joins torch's fake group itself (``costmodel.measure.init_fake``).
 
 A failing rank is reported with its traceback; a world that does not finish is killed at the
-deadline. Each rank logs as the process that started it (``logs.current``). Used by the
+deadline; a rank whose parent is gone (killed) ends itself. Each rank logs as the process that started it (``logs.current``). Used by the
 profiler (``--nproc``), the cost-model report and calibration, and, through
 ``testing.spawn.run_world``, the tests and benchmarks.
 """
@@ -21,6 +21,7 @@ import os
 import pickle
 import queue
 import tempfile
+import threading
 import time
 import traceback
 
@@ -52,8 +53,21 @@ def process_env(env: dict):
                 os.environ[k] = v
 
 
+def _exit_with_parent(parent: int, every: float = 1.0) -> None:
+    """End this rank once the process that started it is gone: a parent killed by SIGTERM or
+    SIGKILL runs no cleanup, and its ranks would go on computing (a killed profile's ranks did,
+    at full CPU, beside the next one). A daemon thread polls the parent id once per ``every``."""
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(every)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="paradyse-parent-watch", daemon=True).start()
+
+
 def _worker(fn, rank, world_size, init_file, backend, fake_device, args, kwargs, results, env, coll_timeout,
-            setup, log_setup):
+            setup, log_setup, parent):
+    _exit_with_parent(parent)
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
     try:
@@ -107,7 +121,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, backend: str =
         init_file = os.path.join(tmpdir, "store")
         procs = [ctx.Process(target=_worker, daemon=False,
                              args=(fn, r, world_size, init_file, backend, fake_device, args, kwargs,
-                                   results, env, max(timeout, 1.0), setup, logs.current()))
+                                   results, env, max(timeout, 1.0), setup, logs.current(), os.getpid()))
                  for r in range(world_size)]
         with process_env(env):
             for p in procs:

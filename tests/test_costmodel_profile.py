@@ -49,6 +49,16 @@ def test_profile_writes_every_row_the_fit_needs(fitted):
     assert {r["strategy"] for r in rows if r["type"] == "pool"} == set(CFG.strategies) | {"nonlayer"}
     saved = json.loads((d / "m.json").read_text())
     assert saved["nonlayer"]["update_seconds"] == pytest.approx(cm.update_seconds())
+    # the attention kernel calibration: the flash class (all three strategies') at every length,
+    # and the fit takes its s**2 rate as theirs
+    kern = {(r["kernel"], r["s"]) for r in rows if r["type"] == "kernel"}
+    assert kern == {("flash", s) for s in CFG.seqs}
+    assert all(r["kernel_seconds"] > 0 for r in rows if r["type"] == "kernel")
+    for st in CFG.strategies:
+        phys = saved["targets"][st]["seconds"]["physics"]
+        if "flash" in saved["kernel_rates"]:  # absent only if the noise left no s**2 term
+            assert phys["attention_rate"] == "kernel"
+            assert phys["rates"]["attn_flops"] == saved["kernel_rates"]["flash"]["attn_flops"]
 
 
 def test_a_mixed_plans_training_step_peaks_where_the_model_says(fitted):

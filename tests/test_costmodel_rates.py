@@ -7,8 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from megatron_paradyse.costmodel import analytic, build_cost_model
-from megatron_paradyse.costmodel.fit import RATE_FEATURES, fit_profile, fit_time_rates, rate_features
+from megatron_paradyse.costmodel import analytic, build_cost_model, kernels
+from megatron_paradyse.costmodel.fit import (RATE_FEATURES, fit_kernel_rates, fit_profile, fit_time_rates,
+                                             rate_features)
 from megatron_paradyse.costmodel.fitted import FittedCostModel, fade
 from megatron_paradyse.costmodel.profile import FORMAT
 from megatron_paradyse.costmodel.shape import ModelShape, demo_shape
@@ -97,8 +98,8 @@ def test_nnls_rates_stay_nonnegative_under_noise():
         assert pred == pytest.approx(true_seconds(st, 8192, 1), rel=0.15), st
 
 
-def _profile(path, seqs, bump):
-    """A profile whose times are the feature model's times ``(1 + bump(s))``."""
+def _profile(path, seqs, bump, extra=()):
+    """A profile whose times are the feature model's times ``(1 + bump(s))``, ``extra`` rows after them."""
     rows = [{"type": "header", "format": FORMAT, "shape": SHAPE.key(), "p": SHAPE.p, "dtype": SHAPE.dtype,
              "strategies": list(analytic.STRATEGIES), "mode": "synthetic"}]
     for st in analytic.STRATEGIES:
@@ -107,8 +108,70 @@ def _profile(path, seqs, bump):
             rows.append({"type": "layer", "strategy": st, "s": s, "b": 1,
                          "seconds": true_seconds(st, s, 1) * (1 + bump(s)), "saved_bytes": sv,
                          "transient_bytes": tr})
+    rows += list(extra)
     with open(path, "w") as f:
         f.write("".join(json.dumps(r) + "\n" for r in rows))
+
+
+KERNEL_A, KERNEL_R = 1e-7, TRUE["attn_flops@flash"]  # the flash kernel's seconds per token and per FLOP
+
+
+def _kernel_rows(seqs, wrong=()):
+    """``kernel`` rows made by ``a*s + r*FLOPs``; at ``wrong`` lengths 3x that."""
+    return [{"type": "kernel", "kernel": "flash", "s": s, "b": 1,
+             "kernel_seconds": (KERNEL_A * s + KERNEL_R * kernels.kernel_flops("flash", SHAPE, s, 1))
+             * (3 if s in wrong else 1)} for s in seqs]
+
+
+def test_kernel_calibration_gives_the_rate_from_the_longest_fitted_lengths():
+    """The kernel rows' curve is recovered from the three longest lengths the class's strategies
+    are fitted on: rows at held-out lengths (here 3x off) and at the shortest ones (another
+    regime on a CPU) change nothing."""
+    tabs = {st: (np.array(SEQS, float), np.ones(len(SEQS)), np.ones(len(SEQS))) for st in analytic.STRATEGIES}
+    got = fit_kernel_rates(_kernel_rows(SEQS + (384, 4096), wrong=(128, 256, 384, 4096)), tabs, SHAPE)
+    assert set(got) == set(kernels.KERNELS) == {"flash"}
+    assert got["flash"]["lengths"] == list(SEQS[-3:])
+    assert (got["flash"]["tokens"], got["flash"]["attn_flops"]) == pytest.approx((KERNEL_A, KERNEL_R), rel=1e-6)
+    assert got["flash"]["GFLOPs"] == pytest.approx(1e-9 / KERNEL_R)
+    # fewer than three fitted lengths: not calibrated (the layers' fit rates it)
+    assert fit_kernel_rates(_kernel_rows(SEQS[:2]), tabs, SHAPE) == {}
+    with pytest.raises(ValueError, match="no calibration for attention kernel class 'rows'"):
+        kernels.kernel_flops("rows", SHAPE, 1024, 1)
+
+
+def test_a_fixed_attention_rate_is_kept_and_the_others_fit_what_it_leaves():
+    """Given the true attention rates the others come out exact; given a wrong one, it is kept
+    as given (the layers do not override the kernel calibration)."""
+    fixed = {f"attn_flops@{k}": TRUE[f"attn_flops@{k}"] for k in ("flash", "rows")}
+    got = fit_time_rates(_tables(), SHAPE, fixed=fixed)
+    for st, rates in got.items():
+        assert rates["gemm_flops"] == pytest.approx(TRUE["gemm_flops"], rel=1e-6)
+        assert rates["layer"] == pytest.approx(FIXED[st], rel=1e-6)
+    wrong = fit_time_rates(_tables(), SHAPE, fixed={"attn_flops@flash": 2 * TRUE["attn_flops@flash"]})
+    assert wrong["tp_sp"]["attn_flops"] == 2 * TRUE["attn_flops@flash"]
+    assert wrong["colossal"]["attn_flops"] > 0  # the other class still fitted
+
+
+def test_fit_takes_the_attention_rates_from_the_kernel_rows(tmp_path):
+    """A profile whose layer times at 2048 read 25% low (one noisy length): the joint fit's
+    flash rate moves with it, the kernel-calibrated one stays the kernel's and predicts 4x
+    beyond the fitted lengths within 10% where the joint one misses by more."""
+    _profile(tmp_path / "p.jsonl", SEQS + (8192,), lambda s: -0.25 if s == 2048 else 0.0,
+             extra=_kernel_rows(SEQS))
+    fit_profile(str(tmp_path / "p.jsonl"), str(tmp_path / "k.json"), fit_max_seq=2048)
+    fit_profile(str(tmp_path / "p.jsonl"), str(tmp_path / "j.json"), fit_max_seq=2048, attention_rate="joint")
+    k, j = (json.loads((tmp_path / f"{n}.json").read_text()) for n in "kj")
+    assert set(k["kernel_rates"]) == {"flash"} and j["kernel_rates"] == {}
+    mk, mj = build_cost_model(SHAPE, str(tmp_path / "k.json")), build_cost_model(SHAPE, str(tmp_path / "j.json"))
+    flash = [st for st in analytic.STRATEGIES if analytic.ATTENTION_KERNEL[st] == "flash"]
+    for st in analytic.STRATEGIES:
+        how = "kernel" if st in flash else "joint"  # colossal's rows: no calibration
+        assert k["targets"][st]["seconds"]["physics"]["attention_rate"] == how
+        assert j["targets"][st]["seconds"]["physics"]["attention_rate"] == "joint"
+    for st in flash:
+        assert k["targets"][st]["seconds"]["physics"]["rates"]["attn_flops"] == pytest.approx(KERNEL_R)
+        assert abs(mk.layer(st, 8192, 1).seconds / true_seconds(st, 8192, 1) - 1) < 0.10, st
+    assert max(abs(mj.layer(st, 8192, 1).seconds / true_seconds(st, 8192, 1) - 1) for st in flash) > 0.10
 
 
 def test_residual_correction_does_not_act_beyond_the_profiled_range(tmp_path):

@@ -58,6 +58,51 @@ def test_hung_rank_fails_within_timeout():
     assert elapsed < 45, elapsed
 
 
+def _write_pid_and_sleep(rank, world, folder):
+    import os
+    import pathlib
+
+    pathlib.Path(folder, f"rank{rank}").write_text(str(os.getpid()))
+    time.sleep(3600)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a container's init may not reap orphans at once)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(line.startswith("State:") and "Z" in line for line in f)
+    except FileNotFoundError:
+        return False
+
+
+def test_ranks_end_when_their_parent_is_killed(tmp_path):
+    """A parent killed by SIGKILL runs no cleanup: its ranks notice and end themselves within
+    seconds instead of computing on (a killed profile's ranks once did, beside the next one)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("from megatron_paradyse.launch import run_ranks\n"
+            "from tests.test_harness import _write_pid_and_sleep\n"
+            f"run_ranks(_write_pid_and_sleep, 2, {str(tmp_path)!r}, timeout=600)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=root, env={**os.environ, "PYTHONPATH": root})
+    deadline = time.monotonic() + 120
+    while len(list(tmp_path.glob("rank*"))) < 2 and time.monotonic() < deadline and parent.poll() is None:
+        time.sleep(0.2)
+    pids = [int(p.read_text()) for p in tmp_path.glob("rank*")]
+    parent.kill()
+    parent.wait()
+    assert len(pids) == 2, "the ranks did not start"
+    deadline = time.monotonic() + 15
+    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    alive = [p for p in pids if _running(p)]
+    for p in alive:  # do not leave them behind if the test fails
+        os.kill(p, 9)
+    assert not alive, f"ranks {alive} outlived their killed parent"
+
+
 def _start_env(rank, world):
     with open("/proc/self/environ", "rb") as f:  # the environment the process was started with
         return dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)

@@ -9,8 +9,12 @@ how a prediction is made:
   strategy's profiled times weighted by 1/measured (:func:`fit_time_rates`): one attention rate
   per kernel class (the four flash strategies share one, colossal's score rows their own),
   the others per strategy. s**2 enters only through the attention FLOPs, so the curve's form
-  is fixed by what each strategy does, not chosen by the noise; ``--time-model poly`` is the
-  earlier relative least squares on ``[1, b*s, b*s^2]`` with the degree chosen by AICc;
+  is fixed by what each strategy does, not chosen by the noise. The flash rate is taken from
+  the profile's kernel calibration where it has one (:func:`fit_kernel_rates`: the kernel
+  alone, ``kernels.py``), the others fitted to what it leaves; ``--attention-rate joint`` fits
+  it with them (the earlier way: on this CPU it swung 19-125 GFLOP/s between profiles fitted
+  to 2048 tokens); ``--time-model poly`` is the earlier relative least squares on
+  ``[1, b*s, b*s^2]`` with the degree chosen by AICc;
 * memory physics: the analytic formula's order in s (linear; quadratic for colossal),
   coefficients fitted (non-negative least squares) to the largest profiled lengths (2, or 3
   for quadratic);
@@ -45,7 +49,7 @@ import os
 import numpy as np
 from scipy.optimize import nnls
 
-from . import analytic
+from . import analytic, kernels
 from .fitted import FORMAT, TARGETS, XGB_FEATURES, rates_predict, sha256, time_features, xgb_features
 from .profile import read_profile
 from .shape import ModelShape
@@ -104,7 +108,38 @@ def _rate_columns(st: str, shared: bool) -> dict:
             "attn_flops": f"attn_flops@{cls}", **{k: f"{k}@" + ("all" if shared else st) for k in COMM_FEATURES}}
 
 
-def fit_time_rates(tables: dict, shape: ModelShape, shared: bool = True) -> dict:
+KERNEL_FIT_POINTS = 3
+
+
+def fit_kernel_rates(rows, tables: dict, shape: ModelShape) -> dict:
+    """``{kernel class: {"attn_flops": seconds per FLOP, "tokens": seconds per token, "GFLOPs",
+    "lengths", "worst_residual"}}`` from the profile's ``kernel`` rows (``kernels.py``): ``a*b*s +
+    r*FLOPs`` by relative non-negative least squares on the class's :data:`KERNEL_FIT_POINTS`
+    longest lengths among those its strategies are fitted on (``tables``, as for
+    :func:`fit_time_rates`; held-out lengths stay held out). The longest, because short calls run
+    in another regime (the CPU kernel's block sizes change below 768 tokens: 256 to 512 tokens
+    took 3.9x, 1024 to 2048 3.2x) and the s**2 rate is what extrapolates. A class with fewer
+    such lengths, or no s**2 rate, is left out (its rate is then fitted with the layers')."""
+    out = {}
+    for kernel in kernels.KERNELS:
+        fitted = {(int(si), int(bi)) for st, (s, b, _) in tables.items() if kernels.kernel_of(st) == kernel
+                  for si, bi in zip(s, b)}
+        sel = sorted((r for r in rows if r.get("type") == "kernel" and r["kernel"] == kernel
+                      and (r["s"], r["b"]) in fitted), key=lambda r: r["b"] * r["s"])[-KERNEL_FIT_POINTS:]
+        if len(sel) < KERNEL_FIT_POINTS:
+            continue
+        y = np.array([r["kernel_seconds"] for r in sel])
+        X = np.array([[r["b"] * r["s"], kernels.kernel_flops(kernel, shape, r["s"], r["b"])] for r in sel])
+        c = _nnls(X, y, 1.0 / y)
+        if c[1] <= 0:
+            log.warning(f"kernel {kernel}: no s**2 rate in its calibration; its rate is fitted with the layers'")
+            continue
+        out[kernel] = {"tokens": float(c[0]), "attn_flops": float(c[1]), "GFLOPs": 1e-9 / float(c[1]),
+                       "lengths": sorted(r["s"] for r in sel), "worst_residual": float(np.max(np.abs(X @ c / y - 1.0)))}
+    return out
+
+
+def fit_time_rates(tables: dict, shape: ModelShape, shared: bool = True, fixed: dict | None = None) -> dict:
     """``{strategy: {feature: seconds per unit}}`` by one non-negative least squares over all
     strategies' profiled layer times, relative (each point weighted by 1/measured, so the
     short lengths count as much as the long ones).
@@ -114,9 +149,12 @@ def fit_time_rates(tables: dict, shape: ModelShape, shared: bool = True) -> dict
     class: the strategies calling the flash kernel pin its s**2 rate together, where one
     strategy's own curvature over a few noisy short lengths let it swing, and the collective
     rate of a strategy is then told apart from its GEMMs (within one strategy both grow as
-    b*s). Without ``shared`` every rate is the strategy's own."""
+    b*s). Without ``shared`` every rate is the strategy's own. ``fixed``: ``{column: rate}`` taken
+    as given (the kernel classes' attention rates, :func:`fit_kernel_rates`), the rest fitted
+    to what they leave."""
     names = {st: _rate_columns(st, shared) for st in tables}
     cols = list(dict.fromkeys(c for m in names.values() for c in m.values()))
+    fixed = {c: v for c, v in (fixed or {}).items() if c in cols}
     X_rows, ys = [], []
     for st, (s, b, y) in tables.items():
         f = rate_features(st, shape, s, b)
@@ -126,7 +164,10 @@ def fit_time_rates(tables: dict, shape: ModelShape, shared: bool = True) -> dict
         X_rows.append(X)
         ys.append(np.asarray(y, float))
     X, y = np.concatenate(X_rows), np.concatenate(ys)
-    got = dict(zip(cols, (float(v) for v in _nnls(X, y, 1.0 / y))))
+    free = [c for c in cols if c not in fixed]
+    rest = y - sum(X[:, cols.index(c)] * v for c, v in fixed.items())
+    got = dict(zip(free, (float(v) for v in _nnls(X[:, [cols.index(c) for c in free]], rest, 1.0 / y))))
+    got.update(fixed)
     return {st: {k: got[c] for k, c in names[st].items()} for st in tables}
 
 
@@ -156,14 +197,22 @@ def fit_memory_physics(strategy, shape, s, b, y, target, top: int = 0):
 
     Fitted on the ``top`` largest profiled lengths (default: degree + 1, the fewest that fix
     the curve; at the largest lengths the activations dominate the
-    constant weight terms, and extrapolation starts there), non-negative least squares.
+    constant weight terms, and extrapolation starts there), by least squares with coefficients
+    of either sign (memory is deterministic: through the points; colossal's transient grew
+    5.0x, 4.4x, 4.2x, 4.1x per doubling from 512 on the unseen shape of docs/costmodel.md, a
+    quadratic with a negative linear term, which non-negative coefficients missed by 4.5-6.6%
+    at 2x and 4x); non-negative least squares where that curve's leading coefficient or a value
+    at a fitted length is not positive.
     """
     deg = memory_degree(strategy, shape)
     order = np.argsort(b * s)
     k = min(max(deg + 1, top), len(y))
     idx = order[-k:]
     X = time_features(s[idx], b[idx], deg)
-    c = _nnls(X, y[idx], 1.0 / np.maximum(y[idx], 1.0))
+    w = 1.0 / np.maximum(y[idx], 1.0)
+    c = np.linalg.lstsq(X * w[:, None], y[idx] * w, rcond=None)[0] if k > deg else None
+    if c is None or c[-1] <= 0 or np.any(X @ c <= 0):
+        c = _nnls(X, y[idx], w)
     return deg, [float(v) for v in c]
 
 
@@ -228,8 +277,8 @@ def read_profiles(paths) -> tuple[dict, list]:
                                      f"{h.get(key)!r} vs {header.get(key)!r}")
             rows = rows + rs
         for r in rs:
-            if r.get("type") in ("layer", "pool", "nonlayer"):
-                k = (r["type"], r.get("strategy"), r["s"], r["b"])
+            if r.get("type") in ("layer", "pool", "nonlayer", "kernel"):
+                k = (r["type"], r.get("strategy") or r.get("kernel"), r["s"], r["b"])
                 if k in seen and seen[k] != path:
                     raise ValueError(f"profiles {seen[k]!r} and {path!r} both measure {k[0]} "
                                      f"{k[1] or ''} s={k[2]} b={k[3]}: give each measurement once")
@@ -265,7 +314,8 @@ def fit_pool(rows, names, profile_path) -> dict | None:
 
 def fit_profile(profile_path, out_path: str, use_xgb: bool = False, time_stat: str = "median",
                 holdout_seqs=(), holdout_largest: bool = False, fit_max_seq: int | None = None,
-                time_model: str = "rates", holdout_packs=(), pack_correction: str = "none") -> dict:
+                time_model: str = "rates", holdout_packs=(), pack_correction: str = "none",
+                attention_rate: str = "kernel") -> dict:
     """Fit and save; lengths in ``holdout_seqs``, above ``fit_max_seq`` (and each strategy's
     largest, with ``holdout_largest``) are left out, so that ``report`` can test the model on
     them: measured in the same session as the fitted lengths, they share its machine conditions.
@@ -276,7 +326,11 @@ def fit_profile(profile_path, out_path: str, use_xgb: bool = False, time_stat: s
     Packs (``pack`` rows, ``profile --packs``): those whose index is in ``holdout_packs`` are
     left out for ``report``, the others fit the pack terms (:func:`fit_packs`) after the single
     sequences; ``pack_correction``: whether a pack's time takes the single sequence's residual
-    correction at its padded length (``ratio``) or not (``none``)."""
+    correction at its padded length (``ratio``) or not (``none``). ``attention_rate``: each
+    kernel class's s**2 rate from the profile's ``kernel`` rows where it has them (``kernel``,
+    :func:`fit_kernel_rates`) or fitted with the layers' other rates (``joint``, the earlier way)."""
+    if attention_rate not in ("kernel", "joint"):
+        raise ValueError(f"attention_rate must be 'kernel' or 'joint', got {attention_rate!r}")
     if pack_correction not in ("ratio", "none"):
         raise ValueError(f"pack_correction must be 'ratio' or 'none', got {pack_correction!r}")
     paths = [profile_path] if isinstance(profile_path, str) else list(profile_path)
@@ -297,12 +351,18 @@ def fit_profile(profile_path, out_path: str, use_xgb: bool = False, time_stat: s
                              f"{sorted(skips[st])}")
     rates = None
     if time_model == "rates":
-        rates = fit_time_rates({st: (s, b, ys["seconds"]) for st, (s, b, ys) in tables.items()}, shape)
+        tabs = {st: (s, b, ys["seconds"]) for st, (s, b, ys) in tables.items()}
+        meta["kernel_rates"] = fit_kernel_rates(rows, tabs, shape) if attention_rate == "kernel" else {}
+        rates = fit_time_rates(tabs, shape, fixed={f"attn_flops@{k}": v["attn_flops"]
+                                                    for k, v in meta["kernel_rates"].items()})
     elif time_model != "poly":
         raise ValueError(f"unknown time model {time_model!r} (rates or poly)")
     for st in strategies:
         _fit_strategy(meta, rows, st, shape, skips[st], use_xgb, out_path, tables[st],
                       rates[st] if rates else None)
+        if rates:
+            meta["targets"][st]["seconds"]["physics"]["attention_rate"] = (
+                "kernel" if kernels.kernel_of(st) in meta["kernel_rates"] else "joint")
     nonlayer = _fit_nonlayer(rows)
     if nonlayer is not None:
         meta["nonlayer"] = nonlayer
@@ -520,6 +580,11 @@ def main(argv=None):
                     help="a pack's time: the rates alone (none, default: on held-out packs of the p = 2 demo "
                          "profile, docs/costmodel.md 'Packs', 12.0%% mean error against 13.0%%) or times the single "
                          "sequence's residual correction at its padded length (ratio)")
+    ap.add_argument("--attention-rate", choices=("kernel", "joint"), default="kernel",
+                    help="kernel (default): each attention kernel class's s**2 rate from the profile's kernel "
+                         "calibration (`kernel` rows) where it has one; joint: fitted with the layers' other "
+                         "rates (the earlier way; at 4x the fitted length it missed by up to 42%%, "
+                         "docs/costmodel.md)")
     ap.add_argument("--time-model", choices=("rates", "poly"), default="rates",
                     help="rates (default): the analytic work of each strategy with rates fitted; "
                          "poly: the earlier curve in s with its degree chosen by AICc (for comparison)")
@@ -528,7 +593,7 @@ def main(argv=None):
     meta = fit_profile(args.profile, args.output, use_xgb=args.xgb, time_stat=args.time_stat,
                        holdout_seqs=hold, holdout_largest=args.holdout_largest, fit_max_seq=args.fit_max_seq,
                        time_model=args.time_model, holdout_packs=_ints(args.holdout_packs, "--holdout-packs"),
-                       pack_correction=args.pack_correction)
+                       pack_correction=args.pack_correction, attention_rate=args.attention_rate)
     shape = ModelShape.from_dict(meta["shape"])
     print(f"wrote {args.output} for {shape.describe()}: strategies {', '.join(meta['strategies'])}")
     if meta["pool"] is None:
@@ -556,7 +621,9 @@ def rates_table(meta: dict) -> list:
     """The fit's lines: per strategy its fitted rates as throughputs (or the curve's degree, for
     a ``poly`` model), its profiled range and its worst residual."""
     fmt = lambda v, f: "-" if v is None else f.format(v)  # noqa: E731
-    lines = []
+    lines = [f"  kernel {k}: {v['GFLOPs']:.1f} GFLOP/s (s**2), {v['tokens'] * 1e9:.1f} us per 1000 tokens; "
+             f"calibrated at s = {v['lengths']}, worst residual "
+             f"{v['worst_residual']:.1%}" for k, v in (meta.get("kernel_rates") or {}).items()]
     for st in meta["strategies"]:
         t = meta["targets"][st]["seconds"]["physics"]
         tail = (f"; s fitted {meta['s_min'][st]}..{meta['s_max'][st]}; worst physics residual "

@@ -195,12 +195,26 @@ class FittedCostModel(CostModel):
         lo, hi = spec.get("ratio_clip", (-0.5, 0.5))
         return 1.0 + min(max(r, lo), hi)
 
+    def _with_difference(self, st, tg, s, b):
+        """Memory inside the profiled range: physics plus the measured difference interpolated
+        linearly in s at the profiled micro-batch size nearest to b (another b scales it as the
+        physics does), never below 0. Added, not a ratio: the physics curve, fitted to the
+        longest lengths with coefficients of either sign, may be 0 or below at the shortest."""
+        pts = self.meta["targets"][st][tg]["residual_points"]
+        near = min({p[1] for p in pts}, key=lambda v: abs(v - b))
+        sel = sorted((p[0], p[2]) for p in pts if p[1] == near)
+        d = float(np.interp(s, [p[0] for p in sel], [p[1] for p in sel]))
+        phi_b, phi_n = self._phi(st, tg, s, b), self._phi(st, tg, s, near)
+        return max(0.0, phi_b + d * (phi_b / phi_n if near != b and phi_n > 0 else 1.0))
+
     def predict(self, st, tg, s, b):
         """Inside the profiled range the physics times the measured correction; beyond it the
         correction at ``s_max`` carried on, or, for a target fitted with ``beyond: fade`` (time
         since format 2), faded linearly in log2 s to none at ``2 * s_max``: the residual
         describes the profiled lengths, not the longer ones."""
         s_max = self.meta["s_max"][st]
+        if s <= s_max and self.meta["targets"][st][tg].get("residual") == "difference":
+            return self._with_difference(st, tg, s, b)
         if s <= s_max:
             return self._phi(st, tg, s, b) * self._ratio(st, tg, s, b)
         r = self._ratio(st, tg, s_max, b) - 1.0

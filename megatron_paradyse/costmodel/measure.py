@@ -37,6 +37,7 @@ from ..model import (FUSION_SWITCHES, add_model_args, build_gpt_from_args, compl
 from ..parallel.buffers import pool_sizes, release_pool
 from ..parallel.dispatch import install, set_plan
 from ..parallel.packing import PackShape
+from . import kernels
 from .ranks import init_parallel
 from .shape import ModelShape
 
@@ -316,6 +317,13 @@ def _timed(fwd, bwd, warmup, repeats):
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return times
+
+
+def time_kernel(kernel: str, shape: ModelShape, s: int, b: int, warmup: int = 1, repeats: int = 3) -> list:
+    """Wall seconds of the attention kernel class ``kernel`` alone, fwd+bwd (``kernels.pass_fn``),
+    on this rank's device: the profile's ``kernel`` rows."""
+    fwd, bwd = kernels.pass_fn(kernel, shape, s, b, device.current(), _TORCH_DTYPE[shape.dtype])
+    return _timed(fwd, bwd, warmup, repeats)
 
 
 def _sync():

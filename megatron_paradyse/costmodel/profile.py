@@ -28,6 +28,8 @@ line per (strategy, pack) (``--packs``: its ``lengths``, padded total ``s``, ind
 the same fields otherwise; a reader that knows no packs skips these rows) with the median and spread of fwd+bwd time of the
 whole layer, the attention and the MLP, saved and transient bytes (max over ranks); ``type:
 limit`` where a strategy's sweep stopped (memory limit reached, or out of memory on GPU);
+``type: kernel`` per (attention kernel class, s) (``kernels.py``: the class alone, fwd+bwd, at
+the lengths its strategies measured; ``--no-kernels`` skips them);
 ``type: nonlayer`` per (s, b) (embedding, output layer and loss); ``type: optimizer`` once
 (what a training step runs after its backward: gradient reduction and optimizer step, as
 megatron-core training runs them, ``measure.TrainingUpdate``); ``type:
@@ -90,11 +92,12 @@ class ProfileConfig:
     seqs: tuple
     strategies: tuple
     batches: tuple = (1,)
-    parts: tuple = ("layer", "attn", "mlp")
+    parts: tuple = ("layer",)
     warmup: int = 1
     repeats: int = 3
     memory_limit: float | None = None
     nonlayer: bool = True
+    kernels: bool = True
     pool_only: bool = False
     backend: str | None = None
     fake_world: int | None = None
@@ -316,7 +319,7 @@ def _header(shape: ModelShape, cfg: ProfileConfig, mode: str, dev_type: str, don
             "warmup": cfg.warmup, "repeats": cfg.repeats,
             "seqs": list(cfg.seqs), "batches": list(cfg.batches), "strategies": list(cfg.strategies),
             "packs": list(cfg.packs), "packs_per_length": cfg.packs_per_length, "pack_seed": cfg.pack_seed,
-            "memory_limit": cfg.memory_limit, "command": cfg.command,
+            "memory_limit": cfg.memory_limit, "kernels": cfg.kernels, "command": cfg.command,
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0))}
 
 
@@ -370,13 +373,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--packs-per-length", type=int, default=3)
     ap.add_argument("--pack-seed", type=int, default=0)
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
-    ap.add_argument("--parts", default="layer,attn,mlp", help="which passes to time")
+    ap.add_argument("--parts", default="layer",
+                    help="which passes to time: layer, and for information attn, mlp (the fit uses the "
+                         "layer's; each part adds a pass to every timed visit)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--memory-limit", default=None,
                     help="bytes per rank (suffix G/M allowed); a strategy's sweep stops where num_layers "
                          "layers' saved + one transient would exceed it")
     ap.add_argument("--no-nonlayer", action="store_true")
+    ap.add_argument("--no-kernels", action="store_true",
+                    help="skip the attention kernel calibration (`kernel` rows: each kernel class alone at the "
+                         "profiled lengths; `fit` takes the attention rates from them)")
     ap.add_argument("--pool-only", action="store_true",
                     help="measure only the communication pool (seconds): its rows can be added to an "
                          "older profile with a second PROFILE argument to `fit`")
@@ -425,7 +433,7 @@ def _config(args, argv) -> ProfileConfig:
         packs=parse_ints(args.packs, "--packs") if args.packs.strip() else (),
         packs_per_length=args.packs_per_length, pack_seed=args.pack_seed,
         warmup=args.warmup, repeats=args.repeats, memory_limit=_bytes(args.memory_limit),
-        nonlayer=not args.no_nonlayer, pool_only=args.pool_only, backend=args.backend,
+        nonlayer=not args.no_nonlayer, kernels=not args.no_kernels, pool_only=args.pool_only, backend=args.backend,
         fake_world=args.fake_world, fake_rank=args.fake_rank, interconnect=args.interconnect,
         interconnect_path=args.interconnect_config, command=_command(argv),
         model_args={k: getattr(args, k) for k in M.model_flag_names()})

@@ -4,7 +4,9 @@ this rank measured, the same sequence on every rank.
 Phases: the communication pool at three (s, b) per strategy; then, per (strategy, b), memory
 and a warm-up at every length up to the memory limit, and per strategy on every pack of the
 profile (``--packs``: ``pack`` rows, none longer than the strategy's longest length that fit);
-then the timed repeats in rounds over every cell (packs among them); then the non-layer part and the step's update. Whether a cell fits is decided by
+then the timed repeats in rounds over every cell (packs among them); then the attention kernel
+classes alone at the lengths their strategies measured (``kernel`` rows, ``kernels.py``); then
+the non-layer part and the step's update. Whether a cell fits is decided by
 all ranks together (each reports, one all-reduce MAX): a cell that ran out of memory on any
 rank is skipped on every rank, with a ``limit`` row, and its strategy goes no longer.
 """
@@ -17,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .. import device
-from . import analytic
+from . import analytic, kernels
 from . import measure as M
 from .packs import PackShape
 from .shape import ModelShape
@@ -26,8 +28,11 @@ log = logging.getLogger(__name__)
 
 
 def repeats_for(repeats: int, tokens: int) -> int:
-    """More repeats for short passes (the same on every rank: collectives stay in step)."""
-    return repeats * max(1, min(4, 1024 // max(tokens, 1)))
+    """More repeats for short passes (the same on every rank: collectives stay in step): 4x up
+    to 1024 tokens, 2x to 2048. Short passes are cheap and noisy (on this 2-core VM single
+    passes of 10-60 ms spread 2x; at 4096 and beyond within 10%), and the time model's rates
+    are fitted on them."""
+    return repeats * max(1, min(4, 4096 // max(tokens, 1)))
 
 
 def pool_lengths(seqs, p: int) -> list:
@@ -136,7 +141,10 @@ def rank_sweep(rank, world, shape_d, cfg):
     if not cfg.pool_only:
         cells += [row for st in cfg.strategies for row in _pack_cells(sw, st, cells)]
     dropped = _timed_rounds(sw, cells)
-    _layer_rows(sw, [row for i, row in enumerate(cells) if i not in dropped])
+    kept = [row for i, row in enumerate(cells) if i not in dropped]
+    _layer_rows(sw, kept)
+    if cfg.kernels and not cfg.pool_only:
+        _kernel_rows(sw, kept)
     if cfg.nonlayer:
         _nonlayer_rows(sw, pool_points)
     return sw.rows
@@ -313,6 +321,47 @@ def _layer_rows(sw: Sweep, cells: list) -> None:
         what = f"pack {row['pack']:2d} T={row['s']:5d}" if row["type"] == "pack" else f"s={row['s']:5d} b={row['b']}"
         sw.progress(f"{row['strategy']:8s} {what}: {times[len(times) // 2] * 1e3:8.1f} ms, "
                     f"saved {row['saved_bytes'] / 2**20:7.2f} MiB, transient {row['transient_bytes'] / 2**20:7.2f} MiB")
+
+
+def kernel_cells(sw: Sweep, layers: list) -> list:
+    """The ``kernel`` rows to time: each attention kernel class of the profiled strategies at
+    every length one of its strategies measured (b = the smallest profiled micro-batch size;
+    none longer, so the class's memory stays within what its strategies' layers used)."""
+    b = min(sw.cfg.batches)
+    out = []
+    for kernel in kernels.KERNELS:
+        lens = sorted({r["s"] for r in layers if r["type"] == "layer" and r["b"] == b
+                       and kernels.kernel_of(r["strategy"]) == kernel})
+        out += [{"type": "kernel", "kernel": kernel, "s": s, "b": b, "rank": sw.rank, "kernel_times": []}
+                for s in lens]
+    return out
+
+
+def _kernel_rows(sw: Sweep, layers: list) -> None:
+    """The attention kernel calibration (``kernels``): per class and length, a warm-up, then the
+    timed passes in rounds over all of them (alternating direction, each after an untimed pass,
+    as the layers'); a length out of memory on any rank drops it and the class's longer ones."""
+    cells = kernel_cells(sw, layers)
+    shape, cfg = sw.shape, sw.cfg
+    reps = [repeats_for(cfg.repeats, c["s"] * c["b"]) for c in cells]
+    dropped = set()
+    for rnd in range(max(reps, default=0)):
+        for i in (range(len(cells)) if rnd % 2 == 0 else reversed(range(len(cells)))):
+            c = cells[i]
+            if rnd >= reps[i] or i in dropped:
+                continue
+            got, bad = sw.attempt(lambda: M.time_kernel(c["kernel"], shape, c["s"], c["b"], 1, 1),
+                                  f"kernel {c['kernel']} s={c['s']}")
+            if bad:
+                dropped |= {j for j, o in enumerate(cells) if o["kernel"] == c["kernel"] and o["s"] >= c["s"]}
+                sw.progress(f"kernel {c['kernel']} s={c['s']}: {oom_reason(bad)}, it and longer left out")
+                continue
+            c["kernel_times"] += got
+    for i, c in enumerate(cells):
+        if i not in dropped:
+            sw.rows.append(c)
+            times = sorted(c["kernel_times"])
+            sw.progress(f"kernel {c['kernel']:5s} s={c['s']:5d} b={c['b']}: {times[len(times) // 2] * 1e3:8.1f} ms")
 
 
 def _nonlayer_rows(sw: Sweep, pool_points: list) -> None:
