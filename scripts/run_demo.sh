@@ -12,6 +12,8 @@
 #   PACK=none scripts/run_demo.sh            # one document per micro-batch
 #   PARADYSE=0 PACK=none scripts/run_demo.sh # stock Megatron TP+SP (stock cannot attend inside packs)
 #   BUDGET=0.05 PLANNER=heuristic scripts/run_demo.sh
+#   MEMORY_EVERY=1 scripts/run_demo.sh       # the peak on every step (default every 2nd: on CPU the
+#                                            # tracker slows its step; the others' times are compared)
 #   scripts/run_demo.sh --train-iters 100    # extra flags go to pretrain_gpt_paradyse.py
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -24,4 +26,5 @@ if [ "${PARADYSE:-1}" != "1" ] && [ "$PACK" != "none" ]; then
   exit 2
 fi
 PACK="$PACK" DOCS="${DOCS:-4}" PYTHON="$PY" CORPUS=1 NPROC=4 TP=4 exec bash "$ROOT/scripts/pretrain_gpt_paradyse_cpu.sh" \
-  --save "$SAVE" --save-interval 15 --paradyse-run-report "$SAVE" "$@"
+  --save "$SAVE" --save-interval 15 --paradyse-run-report "$SAVE" \
+  --paradyse-memory-every "${MEMORY_EVERY:-2}" "$@"

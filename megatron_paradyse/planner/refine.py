@@ -64,12 +64,13 @@ class Refinement:
 
         ``micro``: [(plan layers, padded s)] of this rank's micro-batches; ``layer_seconds(name,
         s)`` the predicted seconds of one layer (for the time shares; default: equal per layer).
+        ``measured_seconds`` or ``measured_peak`` None: that side was not measured this step.
         """
         n = len(self.families) * NUM_BUCKETS
         v = [0.0] * (4 * n)
-        if not micro or not predicted_seconds or predicted_seconds <= 0 or measured_seconds <= 0:
+        if not micro or not predicted_seconds or predicted_seconds <= 0:
             return v
-        rt = measured_seconds / predicted_seconds
+        rt = measured_seconds / predicted_seconds if measured_seconds and measured_seconds > 0 else None
         rm = (measured_peak / predicted_peak) if predicted_peak and measured_peak else None
         shares: dict = {}
         total = 0.0
@@ -82,7 +83,7 @@ class Refinement:
                 shares[c] = shares.get(c, 0.0) + w
                 total += w
                 lshare[c] = lshare.get(c, 0.0) + 1.0 / layers_total
-        for c, w in shares.items():
+        for c, w in shares.items() if rt is not None else ():
             w = w / total if total > 0 else 0.0
             v[4 * c] += w
             v[4 * c + 1] += w * rt

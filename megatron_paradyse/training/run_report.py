@@ -37,23 +37,27 @@ class RunReport:
         self.budget = budget_bytes
         self.steps: list = []
 
-    def record(self, stats, peak_bytes: float, static: float, micro, predicted=None) -> str:
+    def record(self, stats, peak_bytes: float | None, static: float, micro, predicted=None,
+               tracked: bool | None = None) -> str:
         """Store one step; returns the text appended to the iteration line. ``predicted``: the
         planner's ``(seconds, peak bytes)`` of the step, made when it planned the step's
-        micro-batches (None: no planner)."""
+        micro-batches (None: no planner). ``peak_bytes`` None: not measured this step
+        (``--paradyse-memory-every``); ``tracked``: whether the step ran under the memory
+        tracker, where some steps did not (None: every step did)."""
         pred_s, pred_m = predicted if predicted is not None else (None, None)
-        peak = peak_bytes + static
+        peak = None if peak_bytes is None else peak_bytes + static
         self.steps.append(dict(
             iteration=stats.iteration, seconds=stats.seconds, tokens=stats.tokens,
             lengths=[int(x) for mb in micro for x in mb.lengths], padded=list(stats.seq_lengths),
             plans=[None if p is None else list(p) for p in stats.plans], loss=stats.loss,
-            peak_bytes=peak, predicted_seconds=pred_s, predicted_peak_bytes=pred_m))
+            peak_bytes=peak, predicted_seconds=pred_s, predicted_peak_bytes=pred_m, tracked=tracked))
         out = []
         if pred_s is not None:
-            out.append(f"time pred/meas: {pred_s:.2f}/{stats.seconds:.2f} s")
-        out.append(f"peak {'pred/meas' if pred_m is not None else 'meas'}: "
-                   + (f"{pred_m / MiB:.1f}/" if pred_m is not None else "") + f"{peak / MiB:.1f} MiB"
-                   + (f" (budget {self.budget / MiB:.1f})" if self.budget else ""))
+            out.append(f"time pred/meas: {pred_s:.2f}/{stats.seconds:.2f} s" + (" (tracker)" if tracked else ""))
+        if peak is not None:
+            out.append(f"peak {'pred/meas' if pred_m is not None else 'meas'}: "
+                       + (f"{pred_m / MiB:.1f}/" if pred_m is not None else "") + f"{peak / MiB:.1f} MiB"
+                       + (f" (budget {self.budget / MiB:.1f})" if self.budget else ""))
         return " | ".join(out)
 
     # ------------------------------------------------------------------ end of run
@@ -68,21 +72,34 @@ class RunReport:
             for p in s["plans"]:
                 k = "stock" if p is None else describe(tuple(p))
                 plans[k] = plans.get(k, 0) + 1
-        peak = max(s["peak_bytes"] for s in st)
-        over = [s for s in st if self.budget and s["peak_bytes"] > self.budget]
+        peaks = [s for s in st if s["peak_bytes"] is not None]
+        peak = max((s["peak_bytes"] for s in peaks), default=0.0)
+        over = [s for s in peaks if self.budget and s["peak_bytes"] > self.budget]
         lens = [x for s in st for x in s["lengths"]]
         lines = [f"> run summary: {len(st)} steps, {toks:,} tokens in {secs:.1f} s ({toks / max(secs, 1e-9):.0f} tokens/s); "
                  f"lengths {min(lens)} .. {max(lens)}",
                  f"  peak memory {peak / MiB:.1f} MiB per rank"
+                 + (f" (measured on {len(peaks)} of {len(st)} steps)" if len(peaks) < len(st) else "")
                  + (f" against a budget of {self.budget / MiB:.1f} MiB: {len(over)} step(s) over" if self.budget else "")]
-        pe = [abs(s["predicted_seconds"] - s["seconds"]) / s["seconds"] for s in st if s["predicted_seconds"]]
-        me = [abs(s["predicted_peak_bytes"] - s["peak_bytes"]) / s["peak_bytes"] for s in st if s["predicted_peak_bytes"]]
-        if pe:
-            lines.append(f"  prediction error (mean |pred - meas| / meas): time {100 * sum(pe) / len(pe):.0f}%, "
-                         f"peak {100 * sum(me) / len(me):.0f}%")
+        lines += self._errors()
         lines.append("  plans used (micro-batches): " + ", ".join(
             f"{k} x{v}" for k, v in sorted(plans.items(), key=lambda kv: -kv[1])))
         return "\n".join(lines)
+
+    def _errors(self) -> list:
+        """The summary's prediction errors: time over the steps without the tracker where there
+        are any (the tracker's own cost is not in the prediction), peak over the measured ones."""
+        st = self.steps
+        untracked = [s for s in st if s.get("tracked") is False]
+        pe = [abs(s["predicted_seconds"] - s["seconds"]) / s["seconds"] for s in (untracked or st)
+              if s["predicted_seconds"]]
+        me = [abs(s["predicted_peak_bytes"] - s["peak_bytes"]) / s["peak_bytes"] for s in st
+              if s["predicted_peak_bytes"] and s["peak_bytes"]]
+        if not pe:
+            return []
+        how = f" (the {len(untracked)} steps without the memory tracker)" if untracked else ""
+        return [f"  prediction error (mean |pred - meas| / meas): time {100 * sum(pe) / len(pe):.0f}%{how}, "
+                + (f"peak {100 * sum(me) / len(me):.0f}%" if me else "peak not measured")]
 
     def write(self, out_dir: str) -> list:
         os.makedirs(out_dir, exist_ok=True)
@@ -132,7 +149,9 @@ class RunReport:
         ax.set_ylabel("step time (s)")
         ax.legend(fontsize=7)
         ax = axes[2]
-        ax.plot(it, [s["peak_bytes"] / MiB for s in st], "o-", label="measured peak", markersize=3)
+        meas = [s for s in st if s["peak_bytes"] is not None]
+        ax.plot([s["iteration"] for s in meas], [s["peak_bytes"] / MiB for s in meas], "o-", label="measured peak",
+                markersize=3)
         if any(s["predicted_peak_bytes"] for s in st):
             ax.plot(it, [(s["predicted_peak_bytes"] or 0) / MiB for s in st], "x--", label="predicted", markersize=4)
         if self.budget:

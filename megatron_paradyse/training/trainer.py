@@ -247,25 +247,33 @@ class Trainer:
         """
         if self._planner_fn is None and report is None:
             return self.train_step(), ""
+        every = self.args.paradyse_memory_every
+        tracked = self.iteration % every == 0  # the same on every rank
         static, held = static_bytes(self.model, self.optimizer), pool_bytes()  # live before the tracker
-        with PeakMemory() as m:
-            stats = self.train_step()
-        measured = m.peak_bytes + held + static  # this rank's
+        if tracked:
+            with PeakMemory() as m:
+                stats = self.train_step()
+            measured, reserved = m.peak_bytes + held + static, m.peak_reserved  # this rank's
+        else:
+            stats, measured, reserved = self.train_step(), None, None
         predicted, text = None, ""
         if self._planner_fn is not None:
-            predicted, text = self._refine(stats, measured, m.peak_reserved)
+            # with every > 1 the time is learnt from the untracked steps only
+            predicted, text = self._refine(stats, measured, reserved, time_ok=every == 1 or not tracked)
         if report is not None:
-            peak = max_over_ranks(measured) - static
-            text = report.record(stats, peak, max_over_ranks(static), self.data_iterator.current, predicted)
+            peak = None if measured is None else max_over_ranks(measured) - static
+            text = report.record(stats, peak, max_over_ranks(static), self.data_iterator.current, predicted,
+                                 tracked=tracked if every > 1 else None)
         ref = None if self.planner is None else self.planner.refinement
         if ref is not None:
             text += f" | refinement v{ref.version}"
         return stats, text
 
-    def _refine(self, stats, measured, reserved):
+    def _refine(self, stats, measured, reserved, time_ok: bool = True):
         """The planner's ``(predicted seconds, predicted peak)`` of the step just run; the
-        refinement's update from them, the measured time and this rank's ``measured`` peak; the
-        text for the log line without a report."""
+        refinement's update from them, the measured time (unless not ``time_ok``: a step under
+        the CPU tracker when untracked ones exist) and this rank's ``measured`` peak (None: not
+        measured this step); the text for the log line without a report."""
         planner = self.planner
         choices = [self._planner_fn.choices.get(i) for i in range(len(self.data_iterator.current))]
         pred_s = sum(c.seconds for c in choices if c is not None) + planner.update_seconds()
@@ -275,15 +283,16 @@ class Trainer:
             micro = [(mb.plan, mb.plan_length) for mb in self.data_iterator.current if mb.plan is not None]
             b = self.args.micro_batch_size
             idx = {n: i for i, n in enumerate(planner.strategies)}
-            vec = ref.contribution(micro, pred_s, stats.seconds, pred_m, measured,
+            vec = ref.contribution(micro, pred_s, stats.seconds if time_ok else None, pred_m, measured,
                                    layer_seconds=lambda n, s: planner.costs(s, b).t[idx[n]])
             ref.step(vec)  # one all-reduce over the world: every rank applies the same sum
         self.last_measure = dict(pred_seconds=pred_s, pred_peak=pred_m, peak=measured,
                                  peak_reserved=reserved, seconds=stats.seconds,
                                  budget=planner.budget, margin=planner.margin)
         res = "" if reserved is None else f", reserved {reserved / MiB:.1f} MiB"
+        meas = "not measured this step" if measured is None else f"{measured / MiB:.1f} MiB{res}"
         text = (f"pred: {pred_s:.3f} s, peak {pred_m / MiB:.1f} MiB | measured peak (rank "
-                f"{dist.get_rank() if dist.is_initialized() else 0}): {measured / MiB:.1f} MiB{res} "
+                f"{dist.get_rank() if dist.is_initialized() else 0}): {meas} "
                 f"(budget {planner.budget / MiB:.1f} MiB)")
         return (pred_s, pred_m), text
 
