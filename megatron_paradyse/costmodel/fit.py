@@ -16,8 +16,8 @@ how a prediction is made:
   to 2048 tokens); ``--time-model poly`` is the earlier relative least squares on
   ``[1, b*s, b*s^2]`` with the degree chosen by AICc;
 * memory physics: the analytic formula's order in s (linear; quadratic for colossal),
-  coefficients fitted (non-negative least squares) to the largest profiled lengths (2, or 3
-  for quadratic);
+  coefficients of either sign fitted to the largest profiled lengths (2, or 3 for quadratic;
+  non-negative least squares where that curve is not positive, :func:`fit_memory_physics`);
 * time, with ``--xgb``: an XGBoost regressor (``reg:squarederror``, depth 2, 40 rounds,
   shrinkage 0.3) of the residual ratio ``measured / physics - 1`` on ``(s, b, b*s, b*s^2, log s)``. Why a residual:
   on a handful of lengths, trees alone interpolate as a staircase and extrapolate flat; the

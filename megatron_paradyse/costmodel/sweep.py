@@ -264,6 +264,14 @@ def _predicted_stop(sw: Sweep, st: str, s: int, b: int, prev: tuple) -> bool:
     return False
 
 
+def round_visits(reps: list, rnd: int, dropped: set):
+    """The cells visited in round ``rnd``: every cell still in its first ``reps[i]`` rounds and
+    not ``dropped`` (read at each visit), in alternating direction from round to round."""
+    for i in (range(len(reps)) if rnd % 2 == 0 else reversed(range(len(reps)))):
+        if rnd < reps[i] and i not in dropped:
+            yield i
+
+
 def _timed_rounds(sw: Sweep, cells: list) -> set:
     """The timed passes, in rounds over every (strategy, s, b), alternating direction; returns
     the indices of the cells dropped (out of memory, with the longer lengths of their strategy).
@@ -281,10 +289,8 @@ def _timed_rounds(sw: Sweep, cells: list) -> set:
     n_rounds = max(reps, default=0)
     dropped, current = set(), None
     for rnd in range(n_rounds):
-        for i in (range(len(cells)) if rnd % 2 == 0 else reversed(range(len(cells)))):
+        for i in round_visits(reps, rnd, dropped):
             row = cells[i]
-            if rnd >= reps[i] or i in dropped:
-                continue
             if row["strategy"] != current:
                 current = row["strategy"]
                 M.set_strategy(sw.model, current)
@@ -346,10 +352,8 @@ def _kernel_rows(sw: Sweep, layers: list) -> None:
     reps = [repeats_for(cfg.repeats, c["s"] * c["b"]) for c in cells]
     dropped = set()
     for rnd in range(max(reps, default=0)):
-        for i in (range(len(cells)) if rnd % 2 == 0 else reversed(range(len(cells)))):
+        for i in round_visits(reps, rnd, dropped):
             c = cells[i]
-            if rnd >= reps[i] or i in dropped:
-                continue
             got, bad = sw.attempt(lambda: M.time_kernel(c["kernel"], shape, c["s"], c["b"], 1, 1),
                                   f"kernel {c['kernel']} s={c['s']}")
             if bad:
