@@ -26,7 +26,7 @@ Lines: a header (``type: header``: shape, p, dtype, hardware, versions, mode, sw
 totals and seed), then one ``type: layer`` line per (strategy, s, b) and one ``type: pack``
 line per (strategy, pack) (``--packs``: its ``lengths``, padded total ``s``, index ``pack``;
 the same fields otherwise; a reader that knows no packs skips these rows) with the median and spread of fwd+bwd time of the
-whole layer, the attention and the MLP, saved and transient bytes (max over ranks); ``type:
+whole layer (and, with ``--parts``, the attention and the MLP alone), saved and transient bytes (max over ranks); ``type:
 limit`` where a strategy's sweep stopped (memory limit reached, or out of memory on GPU);
 ``type: kernel`` per (attention kernel class, s) (``kernels.py``: the class alone, fwd+bwd, at
 the lengths its strategies measured; ``--no-kernels`` skips them);
