@@ -39,9 +39,10 @@ megatron-core functions that need it (checked on 0.16.1 and 0.19.x):
     ``filesystem_async._process_memory`` returns 0 when psutil is missing (its forked
     writer otherwise dies and the parent waits forever). Debug logging only.
 
-:data:`RANK_ENV` is the environment a CPU rank starts with (read by torch at its first
-allocation, so it must be set before the process starts: ``testing.spawn`` and the
-``scripts/*.sh`` launchers set it).
+:data:`RANK_ENV` is the environment a CPU rank starts with (read by glibc and torch when the
+process starts or first allocates, so it must be set before: ``launch``, ``testing.spawn`` and
+the ``scripts/*.sh`` launchers set it); :data:`ALLOCATOR_ENV` its allocator part, recorded in
+each profile, since CPU times of large tensors depend on it.
 """
 from __future__ import annotations
 
@@ -55,17 +56,24 @@ import torch
 from .device import is_cpu
 from .norms import install_sp_norm
 
-RANK_ENV = {
-    "OMP_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-    # PyTorch's CPU allocator has no cache: a tensor above glibc's mmap threshold (at most
-    # 32 MiB) is mapped and zero-filled 4 KiB page by page on every allocation, ~0.6 ms per
-    # MiB here, so ``colossal``'s score rows grew 4.9x from 4096 to 8192 tokens (s^2: 4x).
-    # With 2 MiB transparent huge pages (torch's own switch, c10/core/alloc_cpu.cpp) the
-    # same pass is 31% faster and grows 3.8x; strategies without large buffers are unchanged
-    # (docs/costmodel.md).
+# The allocator settings of a CPU rank. PyTorch's CPU allocator has no cache: a tensor above
+# glibc's mmap threshold (at most 32 MiB) is mapped afresh and zero-filled page by page on
+# every allocation, and handed back to the kernel when freed; a GPU rank's caching allocator
+# keeps such blocks. With 2 MiB transparent huge pages (torch's own switch,
+# c10/core/alloc_cpu.cpp) ``colossal``'s layer was 31% faster and grew 3.8x from 4096 to 8192
+# tokens (s^2: 4x), but still paid the page faults on every pass: its 8192-token layer took
+# 2.4-5.3 s from pass to pass, and 4.1-4.8 s after a whole profile (the kernel's memory state,
+# not the layer). glibc's own settings then keep freed memory in the process, as the CUDA
+# caching allocator does: no mmap per large block (``MALLOC_MMAP_MAX_=0``), no trimming of the
+# heap's top (``MALLOC_TRIM_THRESHOLD_``): the same layer took 2.3-3.4 s, kernel time per
+# pass halved (docs/costmodel.md, "The CPU allocator"). Memory is counted by the live-tensor
+# tracker, not the process's size, so no measured byte changes.
+ALLOCATOR_ENV = {
     "THP_MEM_ALLOC_ENABLE": "1",
+    "MALLOC_MMAP_MAX_": "0",
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 40),
 }
+RANK_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **ALLOCATOR_ENV}
 
 _APPLIED: set = set()
 ALL_SHIMS = ("device", "rng", "sp_norm", "factory", "clip_grad", "streams", "checkpoint")

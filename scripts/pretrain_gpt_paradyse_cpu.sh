@@ -25,9 +25,11 @@ PY="${PYTHON:-$ROOT/.venv/bin/python}"
 NPROC="${NPROC:-4}"
 TP="${TP:-$NPROC}"
 PARADYSE="${PARADYSE:-1}"
-# cpu_compat.RANK_ENV: one thread per rank; 2 MiB pages for large CPU tensors (torch's switch;
-# the shipped CPU cost models were profiled with it, docs/costmodel.md)
+# cpu_compat.RANK_ENV: one thread per rank; 2 MiB pages for large CPU tensors (torch's switch)
+# and freed memory kept in the process (glibc's), as a GPU's caching allocator keeps it; the
+# shipped CPU cost models were profiled with these (docs/costmodel.md, "The CPU allocator")
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 THP_MEM_ALLOC_ENABLE="${THP_MEM_ALLOC_ENABLE:-1}"
+export MALLOC_MMAP_MAX_="${MALLOC_MMAP_MAX_:-0}" MALLOC_TRIM_THRESHOLD_="${MALLOC_TRIM_THRESHOLD_:-1099511627776}"
 # One rank failing (an exception, or killed) ends every rank within seconds, with its error
 # above torchrun's summary (docs/faults.md); gloo notices a dead peer at once, so no NCCL-style
 # settings are needed here.

@@ -290,6 +290,7 @@ def test_shape_constructors():
 
 def test_shipped_demo_models():
     import megatron_paradyse.costmodel as cm
+    from megatron_paradyse.cpu_compat import ALLOCATOR_ENV
 
     for p in (4, 2):
         m = build_cost_model(demo_shape(p))
@@ -308,7 +309,7 @@ def test_shipped_demo_models():
         saved = {st: m.layer(st, 4096, 1).saved_bytes for st in m.strategies}
         assert min(saved, key=saved.get) == "metp" and max(saved, key=saved.get) == "colossal"
         # profiled as the CPU launchers run training (cpu_compat.RANK_ENV)
-        assert m.meta["profile"]["hardware"]["thp_mem_alloc_enable"] == "1", p
+        assert m.meta["profile"]["hardware"]["allocator_env"] == ALLOCATOR_ENV, p
 
 
 def test_training_warns_when_the_profile_had_another_allocator(monkeypatch):
@@ -319,12 +320,18 @@ def test_training_warns_when_the_profile_had_another_allocator(monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the check is CPU-only
-    cm = types.SimpleNamespace(meta={"profile": {"hardware": {"thp_mem_alloc_enable": "1"}}})
+    old = types.SimpleNamespace(meta={"profile": {"hardware": {"thp_mem_alloc_enable": "1"}}})
+    new = types.SimpleNamespace(meta={"profile": {"hardware": {
+        "thp_mem_alloc_enable": "1", "allocator_env": {"THP_MEM_ALLOC_ENABLE": "1", "MALLOC_MMAP_MAX_": "0"}}}})
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")
-    assert allocator_mismatch(cm) is None
+    monkeypatch.setenv("MALLOC_MMAP_MAX_", "0")
+    assert allocator_mismatch(old) is None and allocator_mismatch(new) is None
+    monkeypatch.delenv("MALLOC_MMAP_MAX_")
+    assert allocator_mismatch(old) is None  # an older profile recorded THP only
+    assert "MALLOC_MMAP_MAX_=0 (this rank: None)" in allocator_mismatch(new)
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE")
-    note = allocator_mismatch(cm)
-    assert "THP_MEM_ALLOC_ENABLE=1" in note and "has None" in note
+    note = allocator_mismatch(old)
+    assert "THP_MEM_ALLOC_ENABLE=1 (this rank: None)" in note
     assert allocator_mismatch(types.SimpleNamespace()) is None  # the analytic model: nothing to compare
 
 

@@ -108,6 +108,21 @@ def _start_env(rank, world):
         return dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
 
 
+def test_cpu_launcher_exports_the_allocator_settings():
+    """torchrun's ranks get their environment from the launcher script, not from RANK_ENV: its
+    defaults must be the allocator settings the shipped cost models were profiled with."""
+    import os
+    import re
+
+    from megatron_paradyse.cpu_compat import ALLOCATOR_ENV
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "scripts", "pretrain_gpt_paradyse_cpu.sh")) as f:
+        script = f.read()
+    exported = dict(re.findall(r'(\w+)="\$\{\1:-([^}]*)\}"', script))
+    assert {k: exported.get(k) for k in ALLOCATOR_ENV} == ALLOCATOR_ENV
+
+
 def test_ranks_start_with_the_cpu_rank_environment():
     """torch reads THP_MEM_ALLOC_ENABLE at its first allocation: it must be there at exec."""
     import os

@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 from .. import device
-from ..cpu_compat import RANK_ENV
+from ..cpu_compat import ALLOCATOR_ENV, RANK_ENV
 from ..device import default_backend
 from ..model import ModelArgsError
 from ..parallel.strategies import STRATEGIES, supports
@@ -168,13 +168,14 @@ def versions() -> dict:
 
 
 def hardware(rank_env: dict | None = None, dev_type: str | None = None) -> dict:
-    """The machine the ranks ran on, and ``THP_MEM_ALLOC_ENABLE`` as they had it (``rank_env``:
-    what the spawned ranks started with; default this process's environment): CPU times of
-    large tensors depend on it (``cpu_compat.RANK_ENV``). ``dev_type``: the ranks' device
+    """The machine the ranks ran on, and their allocator settings (``cpu_compat.ALLOCATOR_ENV``
+    as the ranks had it; ``rank_env``: what the spawned ranks started with; default this
+    process's environment): CPU times of large tensors depend on them. ``dev_type``: the ranks' device
     (``"cuda"``: the GPU's name and memory are recorded; CPU ranks on a GPU host record none)."""
     env = os.environ if rank_env is None else {**os.environ, **rank_env}
     hw = {"machine": platform.machine(), "cpus": os.cpu_count(), "node": platform.node(),
-          "thp_mem_alloc_enable": env.get("THP_MEM_ALLOC_ENABLE"), "device": dev_type}
+          "thp_mem_alloc_enable": env.get("THP_MEM_ALLOC_ENABLE"), "device": dev_type,
+          "allocator_env": {k: env.get(k) for k in ALLOCATOR_ENV}}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

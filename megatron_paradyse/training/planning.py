@@ -51,13 +51,18 @@ def planner_from_args(args, can_refine: bool = True):
 
 
 def allocator_mismatch(cm) -> str | None:
-    """On CPU, why ``cm``'s times may not hold here: its profile's ranks had another
-    ``THP_MEM_ALLOC_ENABLE`` (``cpu_compat.RANK_ENV``) than this process; else None."""
+    """On CPU, why ``cm``'s times may not hold here: its profile's ranks had other allocator
+    settings (``cpu_compat.ALLOCATOR_ENV``; a profile from before 2026-11-25 recorded only
+    ``THP_MEM_ALLOC_ENABLE``) than this process; else None."""
     hw = (getattr(cm, "meta", None) or {}).get("profile", {}).get("hardware") or {}
-    if not is_cpu() or "thp_mem_alloc_enable" not in hw:
+    then = hw.get("allocator_env")
+    if then is None and "thp_mem_alloc_enable" in hw:
+        then = {"THP_MEM_ALLOC_ENABLE": hw["thp_mem_alloc_enable"]}
+    if not is_cpu() or not then:
         return None
-    then, now = hw["thp_mem_alloc_enable"], os.environ.get("THP_MEM_ALLOC_ENABLE")
-    if then == now:
+    differ = [f"{k}={v} (this rank: {os.environ.get(k)})" for k, v in then.items() if os.environ.get(k) != v]
+    if not differ:
         return None
-    return (f"the cost model was profiled with THP_MEM_ALLOC_ENABLE={then}, this rank has {now}: "
-            "CPU times of large tensors differ (scripts/pretrain_gpt_paradyse_cpu.sh sets it to 1)")
+    return ("the cost model was profiled with other allocator settings: " + ", ".join(differ)
+            + "; CPU times of large tensors differ (cpu_compat.ALLOCATOR_ENV; "
+            "scripts/pretrain_gpt_paradyse_cpu.sh sets them)")
