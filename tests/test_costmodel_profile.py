@@ -36,6 +36,9 @@ def test_profile_writes_every_row_the_fit_needs(fitted):
     assert kinds[0] == "header" and kinds[-1] == "footer"
     head = rows[0]
     assert head["p"] == 2 and head["shape"] == SHAPE.key() and head["versions"]["torch"]
+    from megatron_paradyse.cpu_compat import ALLOCATOR_ENV  # the spawned ranks' settings, recorded
+
+    assert head["hardware"]["allocator_env"] == ALLOCATOR_ENV
     layers = {(r["strategy"], r["s"]) for r in rows if r["type"] == "layer"}
     assert layers == {(st, s) for st in CFG.strategies for s in CFG.seqs}
     for r in rows:

@@ -174,8 +174,7 @@ def hardware(rank_env: dict | None = None, dev_type: str | None = None) -> dict:
     (``"cuda"``: the GPU's name and memory are recorded; CPU ranks on a GPU host record none)."""
     env = os.environ if rank_env is None else {**os.environ, **rank_env}
     hw = {"machine": platform.machine(), "cpus": os.cpu_count(), "node": platform.node(),
-          "thp_mem_alloc_enable": env.get("THP_MEM_ALLOC_ENABLE"), "device": dev_type,
-          "allocator_env": {k: env.get(k) for k in ALLOCATOR_ENV}}
+          "device": dev_type, "allocator_env": {k: env.get(k) for k in ALLOCATOR_ENV}}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
