@@ -21,10 +21,23 @@ product code never imports it.
 """
 from __future__ import annotations
 
-from .parallel.dispatch import (check_model, get_plan, install, installed, set_plan, supports_model,
+import warnings
+
+# megatron-core's own notices that it runs without Transformer Engine and Apex (four at import,
+# more when a model is built, on every rank; both are optional and never installed on CPU),
+# 0.19's that absl is missing, and 0.16's deprecation notice for its own default
+# cuda_graph_scope ("full", warned at every TransformerConfig): matched exactly, in megatron's
+# modules only, before anything imports megatron
+for _msg in (r"Transformer Engine and Apex are not installed\. Falling back to ",
+             r"Apex is not installed\. Falling back to Torch Norm",
+             r"absl\.logging is not installed\. Using logging\.getLogger\(__name__\) instead\.",
+             r"full scope is deprecated\. Use empty cuda_graph_scope to capture the whole layer\."):
+    warnings.filterwarnings("ignore", message=_msg, category=UserWarning, module=r"megatron(\.|$)")
+
+from .parallel.dispatch import (check_model, get_plan, install, installed, set_plan, supports_model,  # noqa: E402
                                 uninstall, unwrap)
-from .parallel.plans import describe
-from .parallel.strategies import REGISTRY, STRATEGIES, supports
+from .parallel.plans import describe  # noqa: E402
+from .parallel.strategies import REGISTRY, STRATEGIES, supports  # noqa: E402
 
 __version__ = "0.1.0"
 

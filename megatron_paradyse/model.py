@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .device import current as current_device
+from .errors import UserError
 from .norms import SPTorchNorm
 
 # Megatron-LM's fusion switches: flag -> (args attribute, TransformerConfig field)
@@ -39,7 +40,7 @@ FUSION_SWITCHES = {
 }
 
 
-class ModelArgsError(ValueError):
+class ModelArgsError(UserError, ValueError):
     """A bad model flag or combination, found before anything is built."""
 
 

@@ -31,3 +31,33 @@ def shown_argv(argv) -> str:
         out.append(f"{flag}={recorded(value)}" if eq and os.path.isabs(value)
                    else recorded(a) if os.path.isabs(a) else a)
     return " ".join(out)
+
+
+def writable_dir(path, what: str) -> str:
+    """Create the folder ``path`` (and its parents) and check that a file can be written in it,
+    before any long work; a :class:`~megatron_paradyse.errors.UserError` naming ``what`` (the
+    flag) otherwise."""
+    from .errors import UserError
+
+    p = os.fspath(path)
+    try:
+        os.makedirs(p, exist_ok=True)
+        probe = os.path.join(p, f".paradyse_write_check.{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise UserError(f"{what} {shown(p)}: cannot write there ({e.strerror or e})") from None
+    return p
+
+
+def writable_file(path, what: str) -> str:
+    """The folder of the output file ``path`` created and checked (:func:`writable_dir`), and
+    ``path`` not an existing folder."""
+    from .errors import UserError
+
+    p = os.fspath(path)
+    if os.path.isdir(p):
+        raise UserError(f"{what} {shown(p)} is a folder: give a file name")
+    writable_dir(os.path.dirname(p) or ".", what)
+    return p

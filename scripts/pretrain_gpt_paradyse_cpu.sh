@@ -6,7 +6,10 @@
 # tokens, built into .cache/ on first use; no download), else on synthetic --mock-data.
 #
 # Usage: scripts/pretrain_gpt_paradyse_cpu.sh [more pretrain_gpt_paradyse.py flags]
-#   later flags override the defaults below (e.g. --train-iters 200 --save runs/ck)
+#   your flags override the defaults below (e.g. --train-iters 200 --save runs/ck): a default
+#   is left out where you give the flag or one it conflicts with (--lr-warmup-iters for the
+#   warm-up fraction; --paradyse-plan for the planner's flags). The flags are checked before
+#   torchrun starts: a mistake is one line and exit status 2.
 # Environment:
 #   NPROC=4          gloo ranks (torchrun --nproc-per-node)
 #   TP=$NPROC        switching-group size p (world = DP x TP)
@@ -44,11 +47,22 @@ GPT_MODEL_ARGS=(
   --vocab-size 258 --make-vocab-size-divisible-by 128
   --attention-dropout 0.0 --hidden-dropout 0.0
 )
+given() {  # whether the user's flags hold any of the named flags (as --flag V or --flag=V)
+  local a f
+  for a in "${USER_ARGS[@]}"; do
+    for f in "$@"; do [[ "$a" == "$f" || "$a" == "$f="* ]] && return 0; done
+  done
+  return 1
+}
+USER_ARGS=("$@")
+
 TRAINING_ARGS=(
   --micro-batch-size 1 --global-batch-size "$((2 * NPROC / TP))" --train-iters 30
-  --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 3
+  --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine
   --weight-decay 0.01 --clip-grad 1.0 --adam-beta2 0.95 --seed 1234
 )
+# 10% warm-up of whatever --train-iters you give (Megatron-LM's --lr-warmup-fraction)
+given --lr-warmup-iters --lr-warmup-fraction || TRAINING_ARGS+=(--lr-warmup-fraction 0.1)
 MODEL_PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --sequence-parallel --distributed-backend gloo)
 if [ "${CORPUS:-0}" = "1" ] && [ -z "${DATA_PATH:-}" ]; then
   DATA_PATH="$("$PY" -W ignore -m megatron_paradyse.data corpus)"   # built on first use
@@ -64,17 +78,20 @@ PARADYSE_ARGS=()
 if [ "$PARADYSE" = "1" ]; then
   if [ -n "${PLAN:-}" ]; then
     PARADYSE_ARGS=(--paradyse --paradyse-plan "$PLAN")
-  elif "$PY" -c "import megatron_paradyse.planner" 2>/dev/null; then
+  elif given --paradyse-plan; then  # your fixed plan: no planner flags beside it
+    PARADYSE_ARGS=(--paradyse)
+  else
     PARADYSE_ARGS=(--paradyse --paradyse-planner "${PLANNER:-optimal}"
                    --paradyse-memory-budget "${BUDGET:-0.03}")
-  else  # no planner package in this checkout: a fixed length rule
-    PARADYSE_ARGS=(--paradyse --paradyse-plan "rule:1024=tp_sp,2048=ulysses*2+ring*2,metp")
   fi
   if [ "${PACK:-none}" != "none" ]; then
     PARADYSE_ARGS+=(--paradyse-pack "$PACK" --global-batch-size "${DOCS:-8}")
   fi
 fi
 
-exec "$PY" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" "$ROOT/pretrain_gpt_paradyse.py" \
-  "${GPT_MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${MODEL_PARALLEL_ARGS[@]}" \
-  "${DATA_ARGS[@]}" "${EVAL_AND_LOGGING_ARGS[@]}" "${PARADYSE_ARGS[@]}" "$@"
+ARGS=("${GPT_MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${MODEL_PARALLEL_ARGS[@]}" "${DATA_ARGS[@]}"
+      "${EVAL_AND_LOGGING_ARGS[@]}" "${PARADYSE_ARGS[@]}" "$@")
+# the flags checked for NPROC ranks before torchrun starts: a mistake is one line and status 2
+# here, not a failed worker in torchrun's report
+PARADYSE_CHECK_FLAGS=1 WORLD_SIZE="$NPROC" RANK=0 "$PY" "$ROOT/pretrain_gpt_paradyse.py" "${ARGS[@]}"
+exec "$PY" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" "$ROOT/pretrain_gpt_paradyse.py" "${ARGS[@]}"

@@ -17,6 +17,7 @@ from megatron_paradyse.costmodel import analytic
 from megatron_paradyse.costmodel.fit import fit_profile
 from megatron_paradyse.costmodel.fitted import CostModelFileError, FittedCostModel
 from megatron_paradyse.costmodel.profile import FORMAT
+from megatron_paradyse.errors import UserError
 
 SHAPE = ModelShape(num_layers=4, hidden=64, heads=4, query_groups=4, ffn=256, swiglu=False, bias=True,
                    vocab=512, p=2, dtype="fp32")
@@ -390,5 +391,5 @@ def test_single_device_profile_beside_the_real_one(tmp_path):
     assert "| ring | 1024 | 31 | 10 | 2.0 | 3.00 / 3.00 | 1.00 / 1.00 |" in out, out
     rows[0]["mode"] = "spawn"
     fake.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(SystemExit, match="not a single-device profile"):
+    with pytest.raises(UserError, match="not a single-device profile"):
         fake_table(real, str(fake))

@@ -45,7 +45,9 @@ def test_preprocess_folder_and_jsonl(tmp_path):
     # the CLI (and scripts/preprocess_data.py's entry) report errors with exit code 2
     from megatron_paradyse.data.__main__ import main
 
-    assert main(["preprocess", "--input", str(tmp_path / "nothing"), "--output-prefix", str(tmp_path / "x")]) == 2
+    with pytest.raises(SystemExit) as e:
+        main(["preprocess", "--input", str(tmp_path / "nothing"), "--output-prefix", str(tmp_path / "x")])
+    assert e.value.code == 2
 
 
 def _has_matplotlib():
@@ -99,7 +101,7 @@ def test_bad_data_errors(tmp_path):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     data.write_indexed_dataset(a, [np.arange(10), np.arange(20)], 300)
     data.write_indexed_dataset(b, [np.arange(5)], 300)
-    with pytest.raises(FileNotFoundError, match=r"nope\.idx not found"):
+    with pytest.raises(data.DataError, match=r"nope\.idx not found"):
         data.DocumentDataset(str(tmp_path / "nope"), 16)
     os.replace(b + ".idx", a + ".idx")  # a's .bin with b's .idx
     with pytest.raises(ValueError, match="does not match"):

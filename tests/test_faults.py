@@ -48,7 +48,7 @@ def _script_argv() -> list:
     """The pretrain_gpt_paradyse.py argv that the CPU launcher builds (its defaults + OVERRIDES)."""
     env = dict(os.environ, PYTHON="echo", PLAN=PLAN)
     out = subprocess.run(["bash", SCRIPT] + OVERRIDES, env=env, capture_output=True, text=True, check=True)
-    words = out.stdout.split()
+    words = out.stdout.splitlines()[-1].split()  # the torchrun line (the flag check's comes first)
     return words[words.index(os.path.join(ROOT, "pretrain_gpt_paradyse.py")) + 1:]
 
 
@@ -351,9 +351,9 @@ def test_damaged_checkpoint_and_divergent_plans(harness):
     out = _ok(harness["last"])
     for rank, o in enumerate(out):
         kind, msg, sec = o["truncated"]
-        assert kind == "CheckpointError" and "__1_0.distcp" in msg and "truncated" in msg, (rank, msg)
+        assert kind == "CheckpointLoadError" and "__1_0.distcp" in msg and "truncated" in msg, (rank, msg)
         kind, msg2, sec2 = o["missing"]
-        assert kind == "CheckpointError" and "__2_0.distcp: missing" in msg2, (rank, msg2)
+        assert kind == "CheckpointLoadError" and "__2_0.distcp: missing" in msg2, (rank, msg2)
         assert o["good_load"] == 2
         kind, msg3, sec3 = o["set_plan"]
         assert kind == "PlanMismatchError" and "rank 3" in msg3 and "rank 0" in msg3, (rank, msg3)

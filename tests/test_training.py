@@ -523,7 +523,7 @@ def test_bad_flags_fail_before_any_collective():
         (_argv(4, ["--use-distributed-optimizer", "--distributed-backend", "gloo"]), 4, "distributed-optimizer"),
         ([a for a in _argv(4, []) if a != "--mock-data"], 4, "--mock-data"),
         (_argv(4, ["--paradyse", "--paradyse-memory-budget", "-1"]), 4, "must be positive"),
-        (_argv(4, ["--paradyse", "--paradyse-cost-model", "cm.json"]), 4, "no such file"),
+        (_argv(4, ["--paradyse", "--paradyse-cost-model", "cm.json"]), 4, "does not exist"),
         (_argv(4, ["--paradyse", "--paradyse-plan", "tp_sp", "--paradyse-planner", "optimal"]), 4,
          "give one or the other"),
         (_argv(4, ["--paradyse-gamma", "0.1"]), 4, "needs --paradyse"),

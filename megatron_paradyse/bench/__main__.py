@@ -16,8 +16,9 @@ import time
 
 from .. import data as pdata
 from .. import logs
+from ..errors import ArgumentParser, UserError, command
 from ..launch import run_ranks
-from ..paths import recorded, shown, shown_argv
+from ..paths import recorded, shown, shown_argv, writable_dir
 from ..training.arguments import parse_args
 from ..units import MiB
 from . import report
@@ -38,7 +39,7 @@ def demo_argv(p: int, seq_length: int, seed: int, extra=()) -> list:
 
 
 def build_parser():
-    ap = argparse.ArgumentParser(prog="python -m megatron_paradyse.bench", allow_abbrev=False,
+    ap = ArgumentParser(prog="python -m megatron_paradyse.bench", allow_abbrev=False,
                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--p", type=int, default=4, help="gloo ranks = switching group size (TP)")
     ap.add_argument("--steps", type=int, default=24,
@@ -81,16 +82,17 @@ def resolve_budget(a, args_argv, p):
     args = parse_args(args_argv, world_size=p)
     cm, note = load_cost_model(args, a.cost_model)
     if cm is None:
-        raise SystemExit(f"error: give --memory-budget-mib ({note})")
+        raise UserError(f"give --memory-budget-mib ({note})")
     at = a.budget_at_length or a.seq_length // 2
     peak = cm.step(("tp_sp",) * args.num_layers, at, 1).peak_bytes
     return float(peak), f"the cost model's tp_sp peak at s={at}"
 
 
+@command("python -m megatron_paradyse.bench")
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     logs.setup(logging.WARNING if a.quiet else logging.INFO)
-    os.makedirs(a.out, exist_ok=True)
+    writable_dir(a.out, "--out")
     if a.simulate:
         return sim_main(a)
     prefix = a.data_path or pdata.stdlib_corpus()
@@ -105,8 +107,7 @@ def main(argv=None) -> int:
                           search_resolution=a.search_resolution, verbose=not a.quiet, memory_pass=a.memory_pass,
                           pack_tokens=a.pack_tokens)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise UserError(str(e)) from None
     print(f"> benchmark: {len(systems)} systems x {a.steps} steps on {a.p} gloo ranks, demo shape, "
           f"data {shown(prefix)}, budget {budget / MiB:.1f} MiB per rank ({why})", flush=True)
     t0 = time.perf_counter()

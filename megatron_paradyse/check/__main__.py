@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 
 from .. import logs
+from ..errors import ArgumentParser, UserError, command
+from ..paths import writable_file
 from ..cpu_compat import RANK_ENV
 from ..device import default_backend
 from ..model import ModelArgsError, add_model_args, complete_model_args
@@ -46,12 +48,12 @@ COMMON_MODEL = ["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear
                 "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
-class CheckArgsError(ValueError):
+class CheckArgsError(UserError, ValueError):
     """A bad flag of the check or of the model, found before anything is launched."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m megatron_paradyse.check", allow_abbrev=False,
+    ap = ArgumentParser(prog="python -m megatron_paradyse.check", allow_abbrev=False,
                                  description=__doc__.split("\n\n")[0])
     g = ap.add_argument_group("the check")
     g.add_argument("--nproc", type=int, default=None,
@@ -106,8 +108,8 @@ def model_flags(opts, rest: list) -> list:
 
 def parse_model(argv: list, opts):
     """Completed model flags (``megatron_paradyse.model``) for TP = p; (args, notes)."""
-    ap = add_model_args(argparse.ArgumentParser(prog="python -m megatron_paradyse.check", allow_abbrev=False))
-    args = ap.parse_args(argv)  # an unknown flag: argparse's error, exit status 2
+    ap = add_model_args(ArgumentParser(prog="python -m megatron_paradyse.check", allow_abbrev=False))
+    args = ap.parse_args(argv)  # an unknown flag: a UserError, one line and exit status 2
     args.tensor_model_parallel_size, args.sequence_parallel, args.seed = opts.p, opts.p > 1, 1234
     try:
         notes = complete_model_args(args, opts.p, torch.device("cuda" if opts.backend == "nccl" else "cpu"))
@@ -120,8 +122,9 @@ def worker_main(opts, rest: list) -> int:
     """Under torchrun: run the sections in this world."""
     argv = model_flags(opts, rest)
     model_args, notes = parse_model(argv, opts)
+    writable_file(opts.out, "--out")  # every rank, before the world: rank 0 writes it at the end
     worker.init_world(opts.backend, opts.timeout)
-    with FailFast():
+    with FailFast(prog=PROG):
         lines = worker.run(opts, argv, model_args, notes)
         dist.barrier()
     rank = dist.get_rank()
@@ -136,7 +139,7 @@ def worker_main(opts, rest: list) -> int:
 def launch(opts, rest: list) -> int:
     """Not under torchrun: launch the world, then Megatron-LM's script, then print the table."""
     nproc = opts.nproc
-    os.makedirs(os.path.dirname(os.path.abspath(opts.out)) or ".", exist_ok=True)
+    writable_file(opts.out, "--out")
     if os.path.exists(opts.out):
         os.remove(opts.out)
     env = dict(os.environ, PARADYSE_CHECK_LAUNCHED="1", PYTHONUNBUFFERED="1",
@@ -182,12 +185,14 @@ def _run(cmd, env, timeout) -> int:
         return 124
 
 
+PROG = "python -m megatron_paradyse.check"
+
+
+@command(PROG)
 def main(argv=None) -> int:
-    try:
-        return _main(argv)
-    except CheckArgsError as e:
-        print(f"python -m megatron_paradyse.check: error: {e}", file=sys.stderr, flush=True)
-        return 2
+    """The check: launched here (a world of its own) or under torchrun; a user's mistake is one
+    line and exit status 2 (``errors``)."""
+    return _main(argv)
 
 
 def _main(argv=None) -> int:

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from .analytic import AnalyticCostModel
 from .base import CostModel, LayerCost, StepCost, plan_counts
-from .fitted import FittedCostModel, find_shipped
+from .fitted import FittedCostModel, extrapolation_note, find_shipped
 from .shape import ModelShape, demo_shape, pad_vocab
 
 __all__ = ["ModelShape", "build_cost_model", "CostModel", "LayerCost", "StepCost", "plan_counts",
-           "demo_shape", "pad_vocab", "shipped_model_path"]
+           "demo_shape", "pad_vocab", "shipped_model_path", "extrapolation_note"]
 
 
 def shipped_model_path(shape: ModelShape) -> str | None:

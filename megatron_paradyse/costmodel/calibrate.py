@@ -26,6 +26,7 @@ import os
 
 import numpy as np
 
+from ..errors import UserError
 from .. import logs
 from . import analytic
 from . import measure as M
@@ -151,7 +152,7 @@ def main(argv=None):
     logs.setup(stream="stderr")  # the ranks' warnings; the results go to stdout
     if args.refit:
         if not args.measurements:
-            raise SystemExit("error: --refit needs --measurements FILE")
+            raise UserError("--refit needs --measurements FILE")
         with open(args.measurements) as f:
             rows = json.load(f)
     else:

@@ -49,9 +49,11 @@ import os
 import numpy as np
 from scipy.optimize import nnls
 
+from ..errors import ArgumentParser, UserError, command
+from ..paths import writable_file
 from . import analytic, kernels
 from .fitted import FORMAT, TARGETS, XGB_FEATURES, rates_predict, sha256, time_features, xgb_features
-from .profile import read_profile
+from .profile import ProfileFileError, read_profile
 from .shape import ModelShape
 
 log = logging.getLogger(__name__)
@@ -263,6 +265,28 @@ def layer_table(rows, strategy, time_stat="median", exclude=()):
     return s, b, ys
 
 
+MIN_LENGTHS = 3  # a strategy's time is a fixed, a linear and a quadratic term in s
+
+
+def check_enough_lengths(tables: dict, path: str) -> None:
+    """Each strategy has at least :data:`MIN_LENGTHS` fitted lengths (at its smallest micro-batch
+    size): with fewer, the rates of the terms in s and s**2 are not determined (fitted on two
+    lengths they came out zero: the same time at 4K and 32K tokens). A
+    :class:`~.profile.ProfileFileError` naming the strategies and their lengths."""
+    few = {}
+    for st, (s, b, _) in tables.items():
+        b0 = min(b)
+        lens = sorted({int(x) for x, y in zip(s, b) if y == b0})
+        if len(lens) < MIN_LENGTHS:
+            few[st] = lens
+    if few:
+        raise ProfileFileError(
+            f"profile {path!r} has too few lengths to fit a time model: at least {MIN_LENGTHS} per "
+            "strategy (a fixed cost, a term in s, a term in s**2; 5 or more spread over the lengths you "
+            "train make a model that holds), here " + ", ".join(f"{st} {v}" for st, v in few.items())
+            + ": profile more --seqs (or hold fewer out)")
+
+
 def read_profiles(paths) -> tuple[dict, list]:
     """The first profile's header and every profile's rows; all must be of one shape, p and
     dtype, and no (kind, strategy, s, b) may be measured twice."""
@@ -273,14 +297,14 @@ def read_profiles(paths) -> tuple[dict, list]:
         if path != paths[0]:
             for key in ("shape", "p", "dtype"):
                 if h.get(key) != header.get(key):
-                    raise ValueError(f"profile {path!r} differs from {paths[0]!r} in {key}: "
+                    raise ProfileFileError(f"profile {path!r} differs from {paths[0]!r} in {key}: "
                                      f"{h.get(key)!r} vs {header.get(key)!r}")
             rows = rows + rs
         for r in rs:
             if r.get("type") in ("layer", "pool", "nonlayer", "kernel"):
                 k = (r["type"], r.get("strategy") or r.get("kernel"), r["s"], r["b"])
                 if k in seen and seen[k] != path:
-                    raise ValueError(f"profiles {seen[k]!r} and {path!r} both measure {k[0]} "
+                    raise ProfileFileError(f"profiles {seen[k]!r} and {path!r} both measure {k[0]} "
                                      f"{k[1] or ''} s={k[2]} b={k[3]}: give each measurement once")
                 seen[k] = path
     return header, rows
@@ -340,15 +364,16 @@ def fit_profile(profile_path, out_path: str, use_xgb: bool = False, time_stat: s
     strategies = [st for st in header["strategies"]
                   if any(r.get("type") == "layer" and r["strategy"] == st for r in rows)]
     if not strategies:
-        raise ValueError(f"profile {paths[0]!r} has no layer measurements")
+        raise ProfileFileError(f"profile {paths[0]!r} has no layer measurements")
     meta = _metadata(header, shape, strategies, rows, paths, time_stat)
     skips = {st: held_out(rows, st, holdout_seqs, holdout_largest, fit_max_seq) for st in strategies}
     tables = {}
     for st in strategies:
         tables[st] = layer_table(rows, st, time_stat, exclude=skips[st])
         if not len(tables[st][0]):
-            raise ValueError(f"profile {paths[0]!r}: nothing left to fit for {st!r} after holding out "
-                             f"{sorted(skips[st])}")
+            raise ProfileFileError(f"profile {paths[0]!r}: nothing left to fit for {st!r} after holding out "
+                                   f"{sorted(skips[st])}")
+    check_enough_lengths(tables, paths[0])
     rates = None
     if time_model == "rates":
         tabs = {st: (s, b, ys["seconds"]) for st, (s, b, ys) in tables.items()}
@@ -554,8 +579,9 @@ def _fit_nonlayer(rows: list) -> dict | None:
     return out
 
 
+@command("python -m megatron_paradyse.costmodel fit")
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m megatron_paradyse.costmodel fit",
+    ap = ArgumentParser(prog="python -m megatron_paradyse.costmodel fit",
                                  description="Fit the cost model to a profile (JSON lines).")
     ap.add_argument("profile", nargs="+",
                     help="profile(s) of one shape: e.g. a profile and the pool rows of `profile --pool-only`")
@@ -589,6 +615,7 @@ def main(argv=None):
                     help="rates (default): the analytic work of each strategy with rates fitted; "
                          "poly: the earlier curve in s with its degree chosen by AICc (for comparison)")
     args = ap.parse_args(argv)
+    writable_file(args.output, "-o")
     hold = _ints(args.holdout_seqs, "--holdout-seqs")
     meta = fit_profile(args.profile, args.output, use_xgb=args.xgb, time_stat=args.time_stat,
                        holdout_seqs=hold, holdout_largest=args.holdout_largest, fit_max_seq=args.fit_max_seq,
@@ -614,7 +641,7 @@ def _ints(text: str, what: str) -> list:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise SystemExit(f"error: {what} must be comma-separated integers, got {text!r}") from None
+        raise UserError(f"{what} must be comma-separated integers, got {text!r}") from None
 
 
 def rates_table(meta: dict) -> list:

@@ -35,6 +35,7 @@ import os
 
 import numpy as np
 
+from ..errors import UserError
 from . import analytic, packs
 from .base import CostModel, LayerCost, as_tokens, check_length
 from .shape import ModelShape
@@ -47,7 +48,7 @@ TARGETS = ("seconds", "saved_bytes", "transient_bytes")
 SHIPPED_DIR = os.path.join(os.path.dirname(__file__), "models")
 
 
-class CostModelFileError(ValueError):
+class CostModelFileError(UserError, ValueError):
     """A model file is missing, truncated, corrupt or does not match the run."""
 
 
@@ -281,6 +282,19 @@ class FittedCostModel(CostModel):
             return analytic.pack_pool(strategy, self.shape.p, s, self.pool(strategy, *as_tokens(s, b, self.shape.p)))
         got = (self.meta.get("pool") or {}).get(strategy, {})
         return {n: max(0.0, c0 + c1 * b * s) for n, (c0, c1) in got.items()}
+
+
+def extrapolation_note(cm, longest: int) -> str | None:
+    """Why ``cm``'s predictions for lengths up to ``longest`` tokens are guesses: ``longest`` is
+    beyond the longest length its profile measured (the factor named); None inside the range,
+    or for a model that was not fitted to a profile (the analytic model)."""
+    top = max((cm.meta.get("s_max") or {}).values(), default=None) if isinstance(cm, FittedCostModel) else None
+    if not top or longest <= top:
+        return None
+    return (f"lengths up to {longest} tokens are {longest / top:.1f}x the longest the cost model "
+            f"{os.path.basename(cm.path)} was profiled at ({int(top)} tokens): its times and peaks there "
+            "are extrapolated from the fitted rates and the analytic memory, not measured; profile "
+            "longer --seqs to plan them from measurements")
 
 
 def find_shipped(shape: ModelShape) -> str | None:

@@ -60,11 +60,12 @@ import torch
 import torch.distributed as dist
 
 from .. import device
+from ..errors import ArgumentParser, UserError, command
 from ..cpu_compat import ALLOCATOR_ENV, RANK_ENV
 from ..device import default_backend
 from ..model import ModelArgsError
 from ..parallel.strategies import STRATEGIES, supports
-from ..paths import shown_argv
+from ..paths import shown_argv, writable_file
 from . import measure as M
 from .analytic import load_config
 from .measure import add_model_flags
@@ -152,9 +153,9 @@ def parse_ints(text: str, what: str) -> list:
     try:
         vals = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise SystemExit(f"error: {what} must be comma-separated integers, got {text!r}") from None
+        raise UserError(f"{what} must be comma-separated integers, got {text!r}") from None
     if not vals or any(v < 1 for v in vals):
-        raise SystemExit(f"error: {what} must be positive integers, got {text!r}")
+        raise UserError(f"{what} must be positive integers, got {text!r}")
     return sorted(set(vals))
 
 
@@ -295,7 +296,7 @@ def _sweep_ranks(mode: str, backend: str, shape: ModelShape, cfg: ProfileConfig,
     ranks other than 0 (rank 0 gathers them)."""
     if mode == "fake":
         if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
-            raise SystemExit("error: --fake-world runs in one process; do not launch it with torchrun")
+            raise UserError("--fake-world runs in one process; do not launch it with torchrun")
         return run_ranks(rank_sweep, 1, shape.key(), cfg, timeout=timeout, backend="fake", fake_device=backend)
     if mode == "spawn":
         return run_ranks(rank_sweep, nproc or shape.p, shape.key(), cfg, timeout=timeout)
@@ -323,8 +324,13 @@ def _header(shape: ModelShape, cfg: ProfileConfig, mode: str, dev_type: str, don
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0))}
 
 
+class ProfileFileError(UserError, ValueError):
+    """A profile file that is missing, truncated, corrupt or not a profile."""
+
+
 def _write_rows(out: str, rows: list) -> None:
-    """JSON lines, through a temporary file replaced at once."""
+    """JSON lines, through a temporary file replaced at once (its folder made first)."""
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     tmp = out + ".tmp"
     with open(tmp, "w") as f:
         for r in rows:
@@ -333,27 +339,33 @@ def _write_rows(out: str, rows: list) -> None:
 
 
 def read_profile(path: str) -> tuple[dict, list]:
-    """``(header, rows)`` of a profile file; a clear error for a broken one."""
+    """``(header, rows)`` of a profile file; a :class:`ProfileFileError` for a broken one."""
     if not os.path.isfile(path):
-        raise SystemExit(f"error: profile {path!r} does not exist")
+        raise ProfileFileError(f"profile {path!r} does not exist")
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except UnicodeDecodeError:
+        raise ProfileFileError(f"profile {path!r} is not a text file of JSON lines") from None
     rows = []
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"profile {path!r} line {i} is not valid JSON ({exc}): truncated or corrupt") from None
-    if not rows or rows[0].get("type") != "header" or rows[0].get("format") != FORMAT:
-        raise ValueError(f"profile {path!r} does not start with a {FORMAT} header line")
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise ProfileFileError(f"profile {path!r} line {i} is not valid JSON ({exc}): truncated or "
+                                   "corrupt") from None
+    if not rows or not isinstance(rows[0], dict) or rows[0].get("type") != "header" \
+            or rows[0].get("format") != FORMAT:
+        raise ProfileFileError(f"profile {path!r} does not start with a {FORMAT} header line")
     return rows[0], rows[1:]
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The profiler's command line: the trainer's model flags (``measure.add_model_flags``) and
     the sweep's."""
-    ap = argparse.ArgumentParser(prog="python -m megatron_paradyse.costmodel profile",
+    ap = ArgumentParser(prog="python -m megatron_paradyse.costmodel profile",
                                  description="Profile one decoder layer per strategy over a sweep of lengths.")
     add_model_flags(ap)
     ap.add_argument("--nproc", type=int, default=None, help="spawn this many gloo ranks (default: p)")
@@ -398,10 +410,13 @@ def _command(argv) -> str:
     return "python -m megatron_paradyse.costmodel profile " + shown_argv(sys.argv[1:] if argv is None else argv)
 
 
+@command("python -m megatron_paradyse.costmodel profile")
 def main(argv=None):
-    """The profiler's command line: checks every flag before any rank starts, then profiles."""
+    """The profiler's command line: checks every flag (and that ``-o`` can be written) before
+    any rank starts, then profiles."""
     ap = build_parser()
     args = ap.parse_args(argv)
+    writable_file(args.output, "-o")
     try:
         cfg = _config(args, argv)
     except ValueError as e:
@@ -491,7 +506,7 @@ def _bytes(v):
     try:
         n = float(text[:-1] if mult > 1 else text) * mult
     except ValueError:
-        raise SystemExit(f"error: --memory-limit {v!r} is not a size (e.g. 6G, 512M, 1e9)") from None
+        raise UserError(f"--memory-limit {v!r} is not a size (e.g. 6G, 512M, 1e9)") from None
     if n <= 0:
-        raise SystemExit(f"error: --memory-limit must be positive, got {v!r}")
+        raise UserError(f"--memory-limit must be positive, got {v!r}")
     return n

@@ -21,6 +21,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..errors import ArgumentParser, UserError, command
+from ..paths import writable_file
 from ..memory import PeakMemory, static_bytes
 from ..parallel.buffers import release_pool
 from ..parallel.dispatch import set_plan
@@ -300,7 +302,7 @@ def fake_table(real_rows, fake_path) -> str:
     beside rank r of the real p-rank profile's rows: time and per-rank memory per (strategy, s)."""
     header, fake_rows = read_profile(fake_path)
     if header.get("mode") != "fake":
-        raise SystemExit(f"error: --fake {fake_path!r} is not a single-device profile (mode {header.get('mode')!r})")
+        raise UserError(f"--fake {fake_path!r} is not a single-device profile (mode {header.get('mode')!r})")
     r = header["fake_rank"]
     real = {(x["strategy"], x["s"], x["b"]): x for x in real_rows if x.get("type") == "layer"}
     lines = [f"| strategy | s | real p = {header['p']} (layer ms, slowest rank) | fake rank {r}: compute ms "
@@ -318,8 +320,9 @@ def fake_table(real_rows, fake_path) -> str:
     return "\n".join(lines)
 
 
+@command("python -m megatron_paradyse.costmodel report")
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m megatron_paradyse.costmodel report",
+    ap = ArgumentParser(prog="python -m megatron_paradyse.costmodel report",
                                  description="Accuracy of a cost model on held-out measurements.")
     ap.add_argument("model", help="fitted model metadata JSON, or 'analytic'")
     ap.add_argument("--profile", required=True, action="append",
@@ -336,12 +339,15 @@ def main(argv=None):
                          "beside rank r of the --profile rows (time, per-rank memory)")
     ap.add_argument("--json", default=None, help="write all numbers here")
     args = ap.parse_args(argv)
+    for flag in ("png", "png_all", "json"):
+        if getattr(args, flag):
+            writable_file(getattr(args, flag), "--" + flag.replace("_", "-"))
     rows, shape = [], None
     for path in args.profile:
         header, more = read_profile(path)
         this = ModelShape.from_dict(header["shape"])
         if shape is not None and this != shape:
-            raise SystemExit(f"error: held-out profile {path!r} is for {this.describe()}, "
+            raise UserError(f"held-out profile {path!r} is for {this.describe()}, "
                              f"{args.profile[0]!r} for {shape.describe()}")
         shape = this
         rows += more
@@ -355,6 +361,10 @@ def main(argv=None):
     if not profiled:
         profiled = {(r["strategy"], r["s"], r["b"]) for r in train if r.get("type") == "layer"}
     errs = layer_errors(model, rows, profiled)
+    if not errs and not pack_errors(model, rows) and (args.png or not (args.steps or args.fake or args.png_all)):
+        raise UserError(f"nothing to report: every layer measurement of {', '.join(args.profile)} is one the "
+                        f"model {args.model} was fitted on; fit with --holdout-seqs L (or --holdout-largest, "
+                        "--fit-max-seq S) to leave lengths out, or give a profile measured apart")
     print(f"model {args.model} ({getattr(model, 'kind', '?')}), held-out {', '.join(args.profile)}: "
           f"{shape.describe()}\n")
     print(table(errs))

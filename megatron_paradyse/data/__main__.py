@@ -14,13 +14,14 @@ import sys
 import numpy as np
 
 from .. import logs
+from ..errors import ArgumentParser, UserError, command
 from .corpus import stdlib_corpus
 from .datasets import DocumentDataset
 from .preprocess import preprocess
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megatron_paradyse.data", allow_abbrev=False)
+    p = ArgumentParser(prog="python -m megatron_paradyse.data", allow_abbrev=False)
     sub = p.add_subparsers(dest="cmd", required=True)
     pp = sub.add_parser("preprocess", help="text files or JSONL -> megatron-core .bin/.idx")
     pp.add_argument("--input", required=True,
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@command("python -m megatron_paradyse.data")
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logs.setup(stream="stderr" if args.cmd == "corpus" else "stdout")  # corpus: stdout is the prefix
@@ -68,8 +70,7 @@ def main(argv=None) -> int:
                 print(f"  split at --seq-length {args.seq_length}: {len(lens)} samples, "
                       f"{int((lens == args.seq_length).sum())} of full length")
     except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise UserError(str(e)) from None
     return 0
 
 

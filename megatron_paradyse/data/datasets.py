@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from .. import paths
+from ..errors import UserError
 from ..parallel.packing import PackShape
 from .preprocess import read_meta
 
@@ -42,6 +43,11 @@ log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- datasets
+class DataError(UserError, ValueError):
+    """``--data-path`` names data that is missing, corrupt, or holds nothing trainable (a
+    user's mistake: one line, exit status 2)."""
+
+
 class MockDataset:
     """Deterministic synthetic documents with log-uniform lengths in ``[min_length, seq_length]``.
 
@@ -90,9 +96,18 @@ def _check_source(prefix: str, seq_length: int, long_docs: str) -> None:
         raise ValueError(f"seq_length must be >= 1, got {seq_length}")
     for suffix in (".idx", ".bin"):
         if not os.path.exists(prefix + suffix):
-            raise FileNotFoundError(
+            raise DataError(
                 f"{prefix}{suffix} not found: --data-path takes the prefix of a .bin/.idx pair "
                 "(python -m megatron_paradyse.data preprocess writes one)")
+
+
+def check_index(prefix: str) -> None:
+    """``--data-path PREFIX`` names a readable ``.bin``/``.idx`` pair whose index megatron-core
+    reads and which describes the ``.bin`` (argument validation: before any work)."""
+    _check_source(prefix, 1, "split")
+    indexed = _open_index(prefix)
+    seq_lens = np.asarray(indexed.index.sequence_lengths, dtype=np.int64)
+    _token_memmap(prefix, indexed.index, seq_lens, None)
 
 
 def _open_index(prefix: str):
@@ -102,7 +117,7 @@ def _open_index(prefix: str):
     try:
         return IndexedDataset(prefix)
     except Exception as e:  # noqa: BLE001 - megatron asserts on a bad index
-        raise ValueError(f"{prefix}.idx is not a megatron-core index ({type(e).__name__}: {e})") from e
+        raise DataError(f"{prefix}.idx is not a megatron-core index ({type(e).__name__}: {e})") from None
 
 
 def _token_memmap(prefix: str, index, seq_lens, vocab_size: int | None):
@@ -113,7 +128,7 @@ def _token_memmap(prefix: str, index, seq_lens, vocab_size: int | None):
     bin_bytes = os.path.getsize(prefix + ".bin")
     want = int(pointers[-1] + seq_lens[-1] * itemsize) if len(seq_lens) else 0
     if want != bin_bytes or (len(seq_lens) > 1 and np.any(pointers[1:] != pointers[:-1] + seq_lens[:-1] * itemsize)):
-        raise ValueError(
+        raise DataError(
             f"{prefix}.idx does not match {prefix}.bin: the index describes {want} bytes of "
             f"{np.dtype(index.dtype).name} tokens, the .bin has {bin_bytes} (rewrite both together)")
     tokens = np.memmap(prefix + ".bin", dtype=index.dtype, mode="r") if bin_bytes else np.zeros(0, np.int64)
@@ -121,7 +136,7 @@ def _token_memmap(prefix: str, index, seq_lens, vocab_size: int | None):
         top = int(tokens.max())
         if top >= vocab_size:
             bad = int(np.argmax(tokens >= vocab_size))
-            raise ValueError(
+            raise DataError(
                 f"{prefix}: token id {top} is outside the vocabulary (--vocab-size {vocab_size}); "
                 f"first at token offset {bad}. Preprocess with the model's tokenizer or raise --vocab-size")
     return tokens
@@ -161,7 +176,7 @@ class DocumentDataset:
         self.long_docs = long_docs
         self.limit = int(min(seq_length, max_length)) if max_length is not None else int(seq_length)
         if self.limit < 1:
-            raise ValueError(f"no plan fits even the shortest sequence in the memory budget (the longest "
+            raise DataError(f"no plan fits even the shortest sequence in the memory budget (the longest "
                              f"trainable length is {self.limit}): raise the budget")
         self.indexed = _open_index(prefix)
         seq_lens = np.asarray(self.indexed.index.sequence_lengths, dtype=np.int64)
@@ -175,7 +190,7 @@ class DocumentDataset:
         self.names = names if names is not None and len(names) == len(doc_tokens) else None
         usable = np.nonzero(doc_tokens >= 2)[0]
         if len(usable) == 0:
-            raise ValueError(f"{prefix}: empty dataset: no document has at least two tokens "
+            raise DataError(f"{prefix}: empty dataset: no document has at least two tokens "
                              f"({len(doc_tokens)} documents)")
         train = doc_tokens[usable] - 1           # training tokens of each document
         long = usable[train > self.limit]
@@ -200,7 +215,7 @@ class DocumentDataset:
                 for j in range(0, n - 1, lim):
                     starts.append(a + j), counts.append(min(lim + 1, n - j)), docs.append(d)
         if not starts:
-            raise ValueError(f"{paths.shown(self.prefix)}: every document is longer than {lim} tokens and "
+            raise DataError(f"{paths.shown(self.prefix)}: every document is longer than {lim} tokens and "
                              f"long documents are skipped: empty dataset")
         return (np.asarray(starts, dtype=np.int64), np.asarray(counts, dtype=np.int64),
                 np.asarray(docs, dtype=np.int64))
@@ -217,7 +232,7 @@ class DocumentDataset:
         more = f" and {len(long) - 5} more" if len(long) > 5 else ""
         msg = f"{paths.shown(self.prefix)}: {len(long)} document(s) {why}: {shown}{more}"
         if self.long_docs == "error":
-            raise ValueError(msg + ". Choose split, truncate or skip to train on them")
+            raise DataError(msg + ". Choose split, truncate or skip to train on them")
         if fit or self.long_docs == "skip":
             action = {"split": f"split into chunks of {self.limit}", "truncate": f"truncated to {self.limit}",
                       "skip": "skipped"}[self.long_docs]
@@ -283,8 +298,14 @@ def build_dataset(args, max_length: int | None = None):
     above it are handled by ``--paradyse-long-docs``, with a warning naming them).
     """
     if args.mock_data:
-        return MockDataset(args.seq_length, args.vocab_size, seed=args.seed,
-                           min_length=args.paradyse_mock_min_length)
+        top = args.seq_length if max_length is None else min(args.seq_length, int(max_length))
+        if top < args.seq_length:
+            from megatron.core.utils import log_single_rank
+
+            log_single_rank(log, logging.INFO, f"> --mock-data: documents of up to {top} tokens, the longest "
+                                               f"sequence any plan fits in the memory budget (--seq-length "
+                                               f"{args.seq_length})")
+        return MockDataset(top, args.vocab_size, seed=args.seed, min_length=args.paradyse_mock_min_length)
     paths = list(args.data_path or [])
     if len(paths) != 1:
         raise ValueError(f"--data-path: give one IndexedDataset prefix, got {paths}")

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
+import logging
 
 from .. import logs
-from ..costmodel import build_cost_model, demo_shape
+from ..costmodel import build_cost_model, demo_shape, extrapolation_note
+from ..errors import ArgumentParser, UserError, command
 from ..costmodel.analytic import AnalyticCostModel
 from ..costmodel.fitted import FittedCostModel
 from ..parallel.plans import describe
@@ -42,12 +43,12 @@ def parse_length(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m megatron_paradyse.plan", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="python -m megatron_paradyse.plan", description=__doc__.split("\n\n")[0])
     ap.add_argument("--cost-model", default=None, metavar="PATH",
                     help="a fitted cost model (metadata .json); default: the model shipped for the shape "
                          "given by --p and the shape flags (the demo's shape), else the analytic model")
     ap.add_argument("--analytic", action="store_true", help="use the analytic model for the shape")
-    ap.add_argument("--p", type=int, default=4, help="switching group size (default 4) for the demo shape")
+    ap.add_argument("--p", type=int, default=None, help="switching group size (default 4) for the demo shape")
     ap.add_argument("--num-layers", type=int, default=None, help="override the demo shape's layer count")
     ap.add_argument("--hidden-size", type=int, default=None)
     ap.add_argument("--num-attention-heads", type=int, default=None)
@@ -65,10 +66,22 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+SHAPE_FLAGS = {"p": "p", "num_layers": "num_layers", "hidden_size": "hidden", "num_attention_heads": "heads",
+               "ffn_hidden_size": "ffn"}  # flag dest -> ModelShape field
+
+
 def load_model(a):
+    """The cost model the flags name: ``--cost-model`` (shape flags, if given, must agree with
+    it), or the shipped/analytic model of the demo shape with the shape flags applied."""
     if a.cost_model and not a.analytic:
-        return FittedCostModel.load(a.cost_model)
-    shape = demo_shape(a.p)
+        cm = FittedCostModel.load(a.cost_model)
+        differ = [f"--{k.replace('_', '-')} {getattr(a, k)} (the model: {getattr(cm.shape, f)})"
+                  for k, f in SHAPE_FLAGS.items() if getattr(a, k) is not None and getattr(a, k) != getattr(cm.shape, f)]
+        if differ:
+            raise UserError(f"--cost-model {a.cost_model} was made for {cm.shape.describe()}; the shape flags "
+                            f"say otherwise: {', '.join(differ)}: drop them (the model fixes the shape)")
+        return cm
+    shape = demo_shape(a.p or 4)
     over = {k: v for k, v in dict(num_layers=a.num_layers, hidden=a.hidden_size, heads=a.num_attention_heads,
                                     ffn=a.ffn_hidden_size).items() if v is not None}
     if over:
@@ -112,6 +125,7 @@ def explain(planners: dict, s: int, b: int) -> str:
     return "\n".join(out)
 
 
+@command("python -m megatron_paradyse.plan")
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     logs.setup(stream="stderr")  # the tables are the output (stdout)
@@ -119,18 +133,17 @@ def main(argv=None) -> int:
         lens = [parse_length(x) for x in a.seq_lens.split(",") if x.strip()]
         lens += [PackShape(tuple(parse_length(x) for x in pk.split(",") if x.strip())) for pk in a.pack]
     except (argparse.ArgumentTypeError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise UserError(str(e)) from None
     if not lens:
-        print("error: give --seq-lens and/or --pack", file=sys.stderr)
-        return 2
+        raise UserError("give --seq-lens and/or --pack")
     if a.pack and a.micro_batch != 1:
-        print("error: a pack is one micro-batch row: --micro-batch must be 1 with --pack", file=sys.stderr)
-        return 2
+        raise UserError("a pack is one micro-batch row: --micro-batch must be 1 with --pack")
     if a.memory_budget <= 0:
-        print("error: --memory-budget must be positive (GiB)", file=sys.stderr)
-        return 2
+        raise UserError("--memory-budget must be positive (GiB)")
     cm = load_model(a)
+    note = extrapolation_note(cm, max(int(getattr(s, "tokens", s)) for s in lens))
+    if note:
+        logging.getLogger(__name__).warning(f"warning: {note}")
     kinds = ("heuristic", "optimal") if a.planner == "both" else (a.planner,)
     margin = None if a.memory_margin is None else a.memory_margin * GiB
     planners = {k: build_planner(k, cm, a.memory_budget * GiB, gamma=a.gamma, margin_bytes=margin) for k in kinds}
@@ -143,4 +156,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

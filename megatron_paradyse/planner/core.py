@@ -33,6 +33,7 @@ import math
 from typing import NamedTuple
 
 from ..costmodel.base import plan_counts, union_bytes
+from ..errors import UserError
 from ..parallel.packing import PackShape
 from ..units import GiB, MiB
 
@@ -66,7 +67,7 @@ class PlanChoice(NamedTuple):
     reason: str            # why this plan (or, when nothing fits, the numbers)
 
 
-class NoFitError(RuntimeError):
+class NoFitError(UserError, RuntimeError):
     """Nothing fits the memory budget (raised by the ``error`` policy; the message has the numbers)."""
 
 

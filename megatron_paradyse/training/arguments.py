@@ -17,6 +17,7 @@ import os
 import torch
 
 from ..device import default_backend, usable_memory_bytes
+from ..errors import ArgumentParser, UserError
 from ..model import ModelArgsError, add_model_args, complete_model_args, transformer_config
 from ..parallel.plans import parse_plan
 from ..parallel.strategies import STRATEGIES, supports
@@ -25,7 +26,7 @@ from ..units import GiB
 log = logging.getLogger(__name__)
 
 
-class ArgumentError(ValueError):
+class ArgumentError(UserError, ValueError):
     """A bad flag or flag combination, detected before any collective."""
 
 
@@ -96,7 +97,7 @@ _IGNORED_SWITCHES = ("--use-mcore-models", "--transformer-impl-local", "--log-th
 
 def build_parser() -> argparse.ArgumentParser:
     """The full parser of ``pretrain_gpt_paradyse.py``: Megatron-LM's flag names and defaults."""
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="pretrain_gpt_paradyse.py", allow_abbrev=False,
         description="Pretrain a GPT with megatron-core, optionally with ParaDySe strategy switching.")
 
@@ -129,6 +130,9 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
                    default="linear")
     g.add_argument("--lr-decay-iters", type=int, default=None)
     g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="warm-up as a fraction of --lr-decay-iters (Megatron-LM's flag; not with "
+                        "--lr-warmup-iters)")
     g.add_argument("--lr-warmup-init", type=float, default=0.0)
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--clip-grad", type=float, default=1.0)
@@ -288,6 +292,8 @@ def validate_args(args, world_size: int | None = None) -> argparse.Namespace:
     if args.paradyse_memory_every < 1:
         _err(f"--paradyse-memory-every must be at least 1, got {args.paradyse_memory_every}")
     _complete_padding(args, tp)
+    _check_positions(args)
+    _check_outputs(args)
     args.calculate_per_token_loss = True
     _warn_ignored(args)
     # the plan: parsed and checked for this model here, before any collective
@@ -371,8 +377,10 @@ def _check_data(args) -> None:
     if args.paradyse_sampler_window < 1:
         _err("--paradyse-sampler-window must be >= 1")
     _check_packing(args)
-    if args.data_path and not os.path.exists(args.data_path[0] + ".idx"):
-        _err(f"--data-path {args.data_path[0]}: {args.data_path[0]}.idx not found")
+    if args.data_path:
+        from ..data.datasets import check_index
+
+        check_index(args.data_path[0])  # a missing or corrupt .bin/.idx: DataError, one line
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.position_embedding_type == "learned_absolute" and args.seq_length > args.max_position_embeddings:
@@ -413,8 +421,14 @@ def _check_schedule(args) -> None:
     """The learning-rate schedule, saving and logging intervals."""
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
-    if args.lr_warmup_iters >= args.lr_decay_iters:
-        _err(f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters {args.lr_decay_iters}")
+    if args.lr_warmup_fraction is not None:
+        if args.lr_warmup_iters:
+            _err("give one of --lr-warmup-fraction and --lr-warmup-iters (as Megatron-LM)")
+        if not 0.0 <= args.lr_warmup_fraction < 1.0:
+            _err(f"--lr-warmup-fraction {args.lr_warmup_fraction} must be in [0, 1)")
+    elif args.lr_warmup_iters >= args.lr_decay_iters:
+        _err(f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters {args.lr_decay_iters} "
+             f"(--train-iters {args.train_iters} unless given; --lr-warmup-fraction scales with it)")
     if args.min_lr > args.lr:
         _err(f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
     if args.save_interval is not None and not args.save:
@@ -429,6 +443,31 @@ def _complete_padding(args, tp: int) -> None:
         args.paradyse_pad_multiple = tp if (args.sequence_parallel or args.paradyse) else 1
     if args.paradyse_pad_multiple < 1 or args.paradyse_pad_multiple % (tp if args.sequence_parallel else 1):
         _err(f"--paradyse-pad-multiple {args.paradyse_pad_multiple} must be a positive multiple of TP {tp}")
+
+
+def _check_positions(args) -> None:
+    """Learned absolute position embeddings hold every position a micro-batch can reach: the
+    longest document padded to the layout's multiple (else megatron's embedding lookup fails
+    mid-step with an IndexError, stock path included)."""
+    if args.position_embedding_type != "learned_absolute":
+        return
+    m = args.paradyse_pad_multiple
+    longest = -(-args.seq_length // m) * m
+    if longest > args.max_position_embeddings:
+        _err(f"--seq-length {args.seq_length} is padded to {longest} (a multiple of {m}, the "
+             f"sequence-parallel split) but the learned position embeddings hold "
+             f"{args.max_position_embeddings} positions: give --max-position-embeddings {longest} "
+             f"(or more), or a --seq-length that is a multiple of {m}")
+
+
+def _check_outputs(args) -> None:
+    """The folders this run writes into exist (made now) and can be written, before any work."""
+    from ..paths import writable_dir
+
+    if args.save:
+        writable_dir(args.save, "--save")
+    if args.paradyse_run_report:
+        writable_dir(args.paradyse_run_report, "--paradyse-run-report")
 
 
 def _warn_ignored(args) -> None:
@@ -490,8 +529,8 @@ def validate_planner_args(args, tp: int, config=None) -> None:
         return
     if args.paradyse_planner is None:
         args.paradyse_planner = "optimal"
-    if args.paradyse_cost_model is not None and not os.path.exists(args.paradyse_cost_model):
-        _err(f"--paradyse-cost-model {args.paradyse_cost_model}: no such file")
+    if args.paradyse_cost_model is not None:
+        check_cost_model(args)
     if args.paradyse_memory_budget is not None and not args.paradyse_memory_budget > 0:
         _err(f"--paradyse-memory-budget {args.paradyse_memory_budget} must be positive (GiB per rank)")
     if args.paradyse_memory_margin is not None:
@@ -509,6 +548,22 @@ def validate_planner_args(args, tp: int, config=None) -> None:
     if not args.paradyse_planner_strategies:
         _err(f"no ParaDySe strategy can run this model over TP={tp}: "
              + "; ".join(f"{n}: {r}" for n, (_, r) in why.items()))
+
+
+def check_cost_model(args) -> None:
+    """``--paradyse-cost-model`` loads and was made for this model's shape (else its
+    ``CostModelFileError``, a user's mistake naming the file and what differs)."""
+    from ..costmodel import ModelShape
+    from ..costmodel.fitted import CostModelFileError, FittedCostModel
+
+    try:
+        shape = ModelShape.from_args(args)
+    except ValueError:  # Megatron-LM's args before its tokenizer pads the vocabulary
+        shape = None
+    try:
+        FittedCostModel.load(args.paradyse_cost_model, shape)
+    except CostModelFileError as e:
+        _err(f"--paradyse-cost-model: {e}")
 
 
 def default_memory_budget_gib() -> float:

@@ -26,6 +26,16 @@ on NCCL a dead peer is noticed by the launcher (torchrun's agent on that node, `
 Errors raised together on every rank (a :class:`~megatron_paradyse.parallel.plan_check.PlanMismatchError`,
 a :class:`~megatron_paradyse.training.checkpointing.CheckpointError`) need none of this to
 avoid a hang; under ``FailFast`` they still end the job with status 1 on every rank.
+
+Two kinds end the job without a traceback:
+
+* a user's mistake (:class:`~megatron_paradyse.errors.UserError`: a corrupt cost model or
+  checkpoint, a budget nothing fits): the first rank to publish it prints the one line
+  ``PROG: error: ...`` (``errors.one_line``), every rank exits with status 2, the others
+  quietly (a rank whose own mistake differs from the published one prints its own);
+* Ctrl-C (``KeyboardInterrupt`` on any rank): rank 0 prints one line, with ``on_interrupt()``'s
+  text (the trainer names the last complete checkpoint), and every rank exits with status 130.
+  A rank whose collective failed because a peer was interrupted first exits quietly too.
 After a failure inside ``FailFast`` the job is over (the store key stays set), even with
 ``exit_process=False``, which only lets the caller clean up before it exits.
 """
@@ -41,6 +51,8 @@ import time
 import traceback
 
 import torch.distributed as dist
+
+from ..errors import EXIT_INTERRUPTED, EXIT_USER, PEER_PAUSE, UserError, one_line, record_for_torchrun, say
 
 FAULT_KEY = "paradyse/fault"
 FAULT_COUNT_KEY = "paradyse/fault_count"
@@ -104,14 +116,17 @@ class FailFast:
     ``poll_seconds``: how often the watcher thread reads the store key. ``exit_process``:
     exit with status 1 (the default, what ``main()`` does) or re-raise after telling the
     peers. ``store_lost_seconds``: a rank whose store stays unreachable this long (its host
-    died) stops too.
+    died) stops too. ``prog``: the command's name in a user's mistake's one line;
+    ``on_interrupt``: a function whose text rank 0 adds to the Ctrl-C line.
     """
 
     def __init__(self, poll_seconds: float = 0.2, exit_process: bool = True,
-                 store_lost_seconds: float = 30.0):
+                 store_lost_seconds: float = 30.0, prog: str = "error", on_interrupt=None):
         self.poll_seconds = poll_seconds
         self.exit_process = exit_process
         self.store_lost_seconds = store_lost_seconds
+        self.prog = prog
+        self.on_interrupt = on_interrupt
         self._stop = threading.Event()
         self._thread = None
         self._store = None
@@ -141,6 +156,9 @@ class FailFast:
                 fault = read_fault(self._store) or {}
                 if fault.get("rank") == rank:
                     continue
+                if fault.get("kind") in ("user", "interrupt"):  # said once, by the rank that raised it
+                    record_for_torchrun(fault.get("error", ""))
+                    os._exit(EXIT_USER if fault["kind"] == "user" else EXIT_INTERRUPTED)
                 _say(f"[rank {rank}] stopping: {_describe(fault)}")
                 _record_peer_stop(rank, fault)
                 os._exit(EXIT_PEER_FAILED)
@@ -165,6 +183,13 @@ class FailFast:
             except Exception:  # noqa: BLE001
                 pass
         first = read_fault(store)
+        if isinstance(exc, (UserError, KeyboardInterrupt)) or (
+                first is not None and first.get("kind") == "interrupt" and first.get("rank") != rank):
+            code = self._quiet_end(exc, rank, store, first)
+            _abort_communicators()
+            if self.exit_process:
+                os._exit(code)
+            return
         summary = f"{type(exc).__name__}: {exc}".strip().splitlines()
         summary = summary[0] if summary else type(exc).__name__
         if first is not None and first.get("rank") != rank and is_communication_error(exc):
@@ -187,17 +212,50 @@ class FailFast:
         if self.exit_process:
             os._exit(code)
 
+    def _quiet_end(self, exc, rank: int, store, first) -> int:
+        """A user's mistake or Ctrl-C (module doc): the one line by the rank that publishes it
+        first (Ctrl-C: by rank 0), no traceback; the exit status."""
+        interrupted = isinstance(exc, KeyboardInterrupt) or (first or {}).get("kind") == "interrupt"
+        kind = "interrupt" if interrupted else "user"
+        line = (f"{self.prog}: interrupted (Ctrl-C)" if interrupted else one_line(self.prog, exc))
+        published = self._publish(store, rank, line, kind=kind) if first is None else False
+        if interrupted:
+            if rank == 0 or store is None:
+                extra = _call(self.on_interrupt)
+                say(line + (f"; {extra}" if extra else ""))
+            record_for_torchrun(line)
+            return EXIT_INTERRUPTED
+        if published or store is None or (first or {}).get("error") != line:
+            say(line)
+        record_for_torchrun(line)
+        if not published and store is not None:
+            time.sleep(PEER_PAUSE)  # the publishing rank prints before torchrun stops this one
+        return EXIT_USER
+
     @staticmethod
-    def _publish(store, rank, summary, communication=False):
+    def _publish(store, rank, summary, communication=False, kind="error") -> bool:
+        """Publish this rank's failure if it is the job's first; whether it was."""
         if store is None:
-            return
+            return False
         try:
             if store.add(FAULT_COUNT_KEY, 1) == 1:
                 store.set(FAULT_KEY, json.dumps({"rank": rank, "host": socket.gethostname(),
                                                  "error": summary[:2000], "time": time.time(),
-                                                 "communication": bool(communication)}))
+                                                 "communication": bool(communication), "kind": kind}))
+                return True
         except Exception:  # noqa: BLE001 - the store is gone: peers learn it from their collectives
             pass
+        return False
+
+
+def _call(fn) -> str:
+    """``fn()``'s text, or "" (no function, or it failed: the Ctrl-C line goes out anyway)."""
+    if fn is None:
+        return ""
+    try:
+        return fn() or ""
+    except Exception:  # noqa: BLE001
+        return ""
 
 
 def _describe(fault: dict) -> str:

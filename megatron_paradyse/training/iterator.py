@@ -11,7 +11,8 @@ import collections
 import time
 import traceback
 
-from ..parallel.plan_check import verify_plans
+from ..errors import UserError
+from ..parallel.plan_check import PlanMismatchError, verify_plans
 from ..parallel.plans import validate_names
 
 
@@ -56,7 +57,7 @@ class PlannedIterator:
         if self._buffer:
             return self.current
         n = self.num_microbatches()
-        items, error = [], None
+        items, error, mistake = [], None, None
         try:
             for i in range(n):
                 mb = next(self.source)
@@ -69,17 +70,24 @@ class PlannedIterator:
                 items.append(mb)
         except StopIteration:
             error = f"the data iterator ran out after {len(items)} of {n} micro-batches"
+        except UserError as e:  # a budget nothing fits: the one line, after the ranks agree
+            error, mistake = f"{type(e).__name__}: {e}", e
         except Exception:  # noqa: BLE001 - reported to every rank by verify_plans
             error = traceback.format_exc()
         t0 = time.perf_counter()
-        if self.check:
-            verify_plans(self.step, [_entry(mb) for mb in items], self._check_width(n),
-                         self.group_index, self.num_groups, error, self.group)
-        else:
-            # check=False skips comparing the plans, not agreeing on errors: a rank that failed
-            # to read or plan alone must not leave its peers in the step's first collective.
-            # Three integers in one all-reduce: the step header and the error flag.
-            verify_plans(self.step, [], 0, 0, 1, error, self.group)
+        try:
+            if self.check:
+                verify_plans(self.step, [_entry(mb) for mb in items], self._check_width(n),
+                             self.group_index, self.num_groups, error, self.group)
+            else:
+                # check=False skips comparing the plans, not agreeing on errors: a rank that failed
+                # to read or plan alone must not leave its peers in the step's first collective.
+                # Three integers in one all-reduce: the step header and the error flag.
+                verify_plans(self.step, [], 0, 0, 1, error, self.group)
+        except PlanMismatchError:
+            if mistake is not None:
+                raise mistake from None
+            raise
         self.last_check_seconds = time.perf_counter() - t0
         self.current = items
         self._buffer.extend(items)

@@ -6,9 +6,10 @@ from __future__ import annotations
 import logging
 import os
 
-from ..costmodel import ModelShape, build_cost_model
+from ..costmodel import ModelShape, build_cost_model, extrapolation_note
 from ..device import current as current_device
 from ..device import is_cpu
+from ..errors import UserError
 from ..planner import build_planner, make_plan_fn
 from ..units import GiB
 from .arguments import default_memory_budget_gib
@@ -42,12 +43,32 @@ def planner_from_args(args, can_refine: bool = True):
     log.info(f"> planner: {planner.describe()}; cost model {type(cm).__name__}"
              + (f" ({args.paradyse_cost_model})" if args.paradyse_cost_model else "")
              + f"; on no fit: {args.paradyse_on_no_fit}; refinement {'on' if refine else 'off'}")
-    note = allocator_mismatch(cm)
-    if note:
-        log_single_rank(log, logging.WARNING, f"> warning: {note}")
+    for note in (allocator_mismatch(cm), extrapolation_note(cm, args.seq_length)):
+        if note:
+            log_single_rank(log, logging.WARNING, f"> warning: {note}")
     multiple = args.paradyse_pad_multiple or args.tensor_model_parallel_size
     plan_fn = make_plan_fn(planner, args.paradyse_on_no_fit, multiple=multiple)  # plans packs too
     return planner, plan_fn
+
+
+class BudgetError(UserError):
+    """The memory budget fits no micro-batch the data can produce (refused at start-up)."""
+
+
+def longest_trainable(planner, args) -> int:
+    """The longest padded length some plan fits under the budget (at most ``--seq-length``; the
+    data are cut to it, ``--paradyse-long-docs``); a :class:`BudgetError` with the numbers at
+    start-up when even the shortest micro-batch (one multiple of the layout's divisor) fits no
+    plan."""
+    from ..data import longest_fitting
+
+    m = args.paradyse_pad_multiple or args.tensor_model_parallel_size
+    top = longest_fitting(planner, args.micro_batch_size, args.seq_length, m)
+    if top < m:
+        raise BudgetError(f"--paradyse-memory-budget {planner.budget / GiB:.4g} GiB per rank fits no "
+                          f"micro-batch: {planner.no_fit_message(m, args.micro_batch_size)}; raise "
+                          "the budget (or lower --micro-batch-size)")
+    return top
 
 
 def allocator_mismatch(cm) -> str | None:

@@ -24,7 +24,6 @@ import datetime
 import logging
 import os
 import random
-import sys
 import time
 from functools import partial
 
@@ -35,6 +34,7 @@ import torch.distributed as dist
 from .. import cpu_compat
 from .. import data as pdata
 from .. import logs
+from ..errors import EXIT_INTERRUPTED, exit_on_user_error
 from ..device import select as select_device
 from ..device import synchronize
 from ..memory import PeakMemory, static_bytes
@@ -46,11 +46,11 @@ from ..parallel.plan_check import collective_device
 from ..parallel.plans import describe_plans, parse_plan, rule_plan_fn
 from ..units import GiB, MiB
 from . import checkpointing
-from .arguments import ArgumentError, parse_args, transformer_config_from_args
+from .arguments import parse_args, transformer_config_from_args
 from .faults import FailFast
 from .forward_step import forward_step
 from .iterator import PlannedIterator
-from .planning import planner_from_args
+from .planning import longest_trainable, planner_from_args
 from .run_report import RunReport, max_over_ranks, pool_bytes
 
 log = logging.getLogger(__name__)
@@ -76,9 +76,11 @@ def build_optimizer(args, model):
     )
     optimizer = get_megatron_optimizer(opt_config, [model])
     gbs = args.global_batch_size
+    warmup = (args.lr_warmup_iters * gbs if getattr(args, "lr_warmup_fraction", None) is None
+              else args.lr_warmup_fraction * args.lr_decay_iters * gbs)  # as Megatron-LM
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * gbs, lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_warmup_steps=warmup, lr_decay_steps=args.lr_decay_iters * gbs,
         lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
         wd_incr_steps=args.train_iters * gbs, wd_incr_style="constant",
     )
@@ -191,8 +193,7 @@ class Trainer:
         """The dataset (documents longer than any plan fits follow --paradyse-long-docs), the
         sampler, the loader and the planned iterator that gives each micro-batch its plan."""
         args = self.args
-        max_fit = None if self.planner is None else pdata.longest_fitting(
-            self.planner, args.micro_batch_size, args.seq_length, args.paradyse_pad_multiple)
+        max_fit = None if self.planner is None else longest_trainable(self.planner, args)
         self.dataset = pdata.build_dataset(args, max_length=max_fit)
         self.sampler = self.packer = None
         plan_fn = self.plan_fn or self._planner_fn
@@ -443,6 +444,21 @@ def format_log_line(window: list, args, train_iters: int) -> str:
 # ============================================================================ entry point
 
 
+def last_checkpoint_text(args) -> str:
+    """What the Ctrl-C line says of checkpoints: the last complete one under ``--save`` (the
+    tracker names it; a save cut short never replaces it) and how to resume."""
+    if not args.save:
+        return "nothing saved (no --save)"
+    try:
+        it = checkpointing.read_tracker(args.save)
+    except Exception as e:  # noqa: BLE001 - the line goes out anyway
+        return f"the tracker under --save {shown(args.save)} cannot be read ({e})"
+    if it is None:
+        return f"no complete checkpoint under --save {shown(args.save)} yet"
+    return (f"the last complete checkpoint is {shown(checkpointing.checkpoint_dir(args.save, it))} "
+            f"(iteration {it}): resume with --load {shown(args.save)}")
+
+
 def init_distributed(args) -> None:
     """``torch.distributed`` from torchrun's environment (a single process without it)."""
     if dist.is_initialized():
@@ -458,19 +474,31 @@ def init_distributed(args) -> None:
                             timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
 
 
+PROG = "pretrain_gpt_paradyse.py"
+CHECK_FLAGS_ENV = "PARADYSE_CHECK_FLAGS"  # =1: validate the flags for $WORLD_SIZE ranks, then exit
+
+
 def main(argv=None) -> int:
-    """``pretrain_gpt_paradyse.py`` on megatron-core: parse, validate (before any collective), train."""
+    """``pretrain_gpt_paradyse.py`` on megatron-core: parse, validate (before any collective), train.
+
+    A user's mistake ends it with one line and status 2 (``errors``), Ctrl-C with one line
+    naming the last complete checkpoint and status 130. With ``$PARADYSE_CHECK_FLAGS=1`` it
+    only validates the flags for ``$WORLD_SIZE`` ranks (what the launch scripts run before
+    torchrun)."""
     logs.setup()
     try:
-        args = parse_args(argv)
-    except ArgumentError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"pretrain_gpt_paradyse.py: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    init_distributed(args)
+        with exit_on_user_error(PROG):
+            args = parse_args(argv)
+        if os.environ.get(CHECK_FLAGS_ENV) == "1":
+            return 0
+        init_distributed(args)
+    except SystemExit as e:
+        return e.code
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED  # before the first step: nothing to say of checkpoints
     # A failure on any rank ends every rank within seconds, with its error in the log and a
     # non-zero exit status (training/faults.py): no barrier or clean-up on the error path.
-    with FailFast():
+    with FailFast(prog=PROG, on_interrupt=lambda: last_checkpoint_text(args)):
         Trainer(args).train()
         from megatron.core import parallel_state
 

@@ -33,12 +33,12 @@ but scripts should still keep their body under ``if __name__ == "__main__":``.
 from __future__ import annotations
 
 from .atomic import TRACKER, checkpoint_dir, read_tracker
-from .collective import CheckpointError
+from .collective import CheckpointError, CheckpointLoadError
 from .load import load_checkpoint, verify_checkpoint
 from .manifest import MANIFEST, check_files, file_digest, read_manifest
 from .save import save_checkpoint
 from .state import CHECKPOINT_VERSION, sharded_state_dict
 
-__all__ = ["CHECKPOINT_VERSION", "MANIFEST", "TRACKER", "CheckpointError", "check_files", "checkpoint_dir",
+__all__ = ["CHECKPOINT_VERSION", "MANIFEST", "TRACKER", "CheckpointError", "CheckpointLoadError", "check_files", "checkpoint_dir",
            "file_digest", "load_checkpoint", "read_manifest", "read_tracker", "save_checkpoint",
            "sharded_state_dict", "verify_checkpoint"]

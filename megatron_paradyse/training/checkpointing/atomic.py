@@ -18,9 +18,15 @@ def read_tracker(root: str) -> int | None:
     path = os.path.join(root, TRACKER)
     if not os.path.isfile(path):
         return None
-    text = open(path).read().strip()
+    with open(path, "rb") as f:
+        raw = f.read(64)
+    text = raw.decode("utf-8", "replace").strip()
     if text == "release":
         raise ValueError(f"{path}: 'release' checkpoints are not supported; give an iteration")
+    if not text.isdigit():
+        shown = repr(text[:20]) if text else "nothing (the file is empty)"
+        raise ValueError(f"the tracker {path} should hold the last complete iteration, a number, "
+                         f"but holds {shown}; give --ckpt-step N to load iter_N, or fix the file")
     return int(text)
 
 

@@ -11,7 +11,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from ...parallel.dispatch import unwrap
 from .atomic import TRACKER, checkpoint_dir, read_tracker
-from .collective import CheckpointError, agree, decide, world
+from .collective import CheckpointError, CheckpointLoadError, agree, decide, world
 from .manifest import MANIFEST, check_files, read_manifest
 from .rng import set_rng_state
 from .state import layout, sharded_state_dict
@@ -72,13 +72,13 @@ def verify_checkpoint(path: str, manifest: dict) -> None:
     except Exception as e:  # noqa: BLE001
         error = f"{type(e).__name__}: {e}"
     try:
-        agree(error, f"verifying checkpoint {path}")
+        agree(error, f"verifying checkpoint {path}", error=CheckpointLoadError)
     except CheckpointError as e:
         root = os.path.dirname(path)
         older = [i for i in _complete_iterations(root) if checkpoint_dir(root, i) != path]
         hint = (f"\n  other checkpoints with a manifest under {root}: {older} (load one with --ckpt-step N; "
                 "they are verified the same way)" if older else "")
-        raise CheckpointError(f"{e}{hint}") from None
+        raise CheckpointLoadError(f"{e}{hint}") from None
 
 
 def load_checkpoint(args, model, optimizer=None, scheduler=None, iteration: int | None = None) -> int:
@@ -96,7 +96,7 @@ def load_checkpoint(args, model, optimizer=None, scheduler=None, iteration: int 
     if where is None:
         return 0
     path, iteration = where["path"], where["iteration"]
-    info = decide(lambda: _inspect(path), f"reading checkpoint {path}")
+    info = decide(lambda: _inspect(path), f"reading checkpoint {path}", error=CheckpointLoadError)
     what = _restore(args, path, iteration, info, model, optimizer, scheduler)
     if dist.get_rank() == 0:
         verified = "verified" if where["manifest"] is not None else "unverified"
@@ -109,7 +109,7 @@ def _find_verified(args, iteration: int | None) -> dict | None:
     verified against its manifest by every rank (a checkpoint without one is said unverified)."""
     root = args.load
     where = decide(lambda: _locate(root, iteration, args.exit_on_missing_checkpoint),
-                   f"finding a checkpoint under --load {root}")
+                   f"finding a checkpoint under --load {root}", error=CheckpointLoadError)
     if where is None:
         if dist.get_rank() == 0:
             log.warning(f"WARNING: --load {root}: no checkpoint found, training from scratch")
@@ -134,8 +134,13 @@ def _restore(args, path: str, iteration: int, info: dict, model, optimizer, sche
                 and "rng_state" in keys)
     sd = sharded_state_dict(model, optimizer if load_optim else None,
                             None, iteration, args, with_rng=load_rng, is_loading=True)
-    loaded = dist_checkpointing.load(sd, path, strict="assume_ok_unexpected")
-    unwrap(model).load_state_dict(loaded["model"], strict=True)
+    try:
+        loaded = dist_checkpointing.load(sd, path, strict="assume_ok_unexpected")
+        unwrap(model).load_state_dict(loaded["model"], strict=True)
+    except Exception as e:  # noqa: BLE001 - a checkpoint of another model (shapes, keys)
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise CheckpointLoadError(f"{path} cannot be loaded into this model (was it saved with other "
+                                  f"model flags?): {type(e).__name__}: {first}") from None
     if load_optim:
         optimizer.load_state_dict(loaded["optimizer"])
     if scheduler is not None and not finetune and info["scheduler"] is not None:

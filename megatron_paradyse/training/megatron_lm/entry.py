@@ -11,6 +11,7 @@ import torch
 
 from ... import cpu_compat_training, logs
 from ...device import select
+from ...errors import exit_on_user_error
 from ...norms import install_sp_norm
 from .hooks import install_hooks, original
 from .providers import paradyse_datasets_provider, paradyse_model_provider
@@ -79,7 +80,8 @@ def main(argv=None) -> None:
         print(sys.modules[__package__].__doc__)
         raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
     logs.setup()  # the plugin's lines (rank 0's [paradyse] iteration lines) beside Megatron-LM's
-    run_script(argv[0], argv[1:])
+    with exit_on_user_error(f"{os.path.basename(argv[0])} (megatron_paradyse)"):
+        run_script(argv[0], argv[1:])
 
 
 def megatron_lm_main() -> None:
@@ -101,5 +103,6 @@ def megatron_lm_main() -> None:
                          "0.16's pretrain() only; with Megatron-LM >= 0.19 run its own script: "
                          "torchrun ... -m megatron_paradyse.training.megatron_lm "
                          "/path/to/Megatron-LM/pretrain_gpt.py <flags> --paradyse-document-data ...")
-    pretrain(paradyse_datasets_provider, paradyse_model_provider, ModelType.encoder_or_decoder,
-             None, args_defaults={"tokenizer_type": "NullTokenizer"})
+    with exit_on_user_error("pretrain_gpt_paradyse.py"):
+        pretrain(paradyse_datasets_provider, paradyse_model_provider, ModelType.encoder_or_decoder,
+                 None, args_defaults={"tokenizer_type": "NullTokenizer"})

@@ -3,6 +3,7 @@ and their checks), ``pretrain`` (the forward step and datasets providers), and m
 ``compile_helpers`` where the compiled module ships; installed and removed together."""
 from __future__ import annotations
 
+from ..arguments import ArgumentError
 from .args import check_paradyse_args, compose_args_providers
 from .providers import paradyse_datasets_provider, paradyse_forward_step
 
@@ -19,10 +20,16 @@ def _wrap_parse_args(orig):
 
 
 def _wrap_validate_args(orig):
-    """``validate_args`` followed by :func:`check_paradyse_args`."""
+    """``validate_args`` followed by :func:`check_paradyse_args` (its ``ValueError`` a user's
+    mistake: one line, exit status 2, through the entry point's ``exit_on_user_error``)."""
     def validate_args(args, *rest, **kwargs):
         out = orig(args, *rest, **kwargs)
-        check_paradyse_args(args)
+        try:
+            check_paradyse_args(args)
+        except ArgumentError:
+            raise
+        except ValueError as e:
+            raise ArgumentError(str(e)) from None
         return out
 
     validate_args._paradyse = True
