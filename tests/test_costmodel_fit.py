@@ -339,7 +339,7 @@ def test_training_warns_when_the_profile_had_another_allocator(monkeypatch):
 def test_calibrate_fits_the_larger_of_two_phases():
     """calibrate.fit_phases recovers a transient that is the larger of two non-negative forms
     (which phase peaks changes with the shape), where one form cannot."""
-    from megatron_paradyse.costmodel.calibrate import fit_phases
+    from megatron_paradyse.costmodel.transient import fit_phases
 
     rng = np.random.default_rng(0)
     X = rng.uniform(0.1, 1.0, size=(60, 4))

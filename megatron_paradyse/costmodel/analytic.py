@@ -142,7 +142,7 @@ SAVED_NOTES = {
 
 # Transient: the layer's peak above its saved bytes, the larger of (at most) two phases, each a
 # non-negative sum of the basis whose coefficients are fitted to the tracker (configs/transient.json, written by ``python -m
-# megatron_paradyse.costmodel.calibrate``, which says how and prints the error): it mixes
+# megatron_paradyse.costmodel.transient``, which says how and prints the error): it mixes
 # gathered weights, communication slots, recomputed activations and the gradients made while
 # the saved tensors are freed, so these coefficients are fitted, not derived.
 TRANSIENT = load_config("transient.json")["transient"]

@@ -1,178 +1,209 @@
-"""Fit the analytic model's transient coefficients to the tracker:
-``python -m megatron_paradyse.costmodel.calibrate -o configs/transient.json``.
+"""A cost model made on another host, rescaled to this one: ``python -m megatron_paradyse.costmodel
+calibrate MODEL -o HERE.json`` (or the trainer's ``--paradyse-calibrate``, at start-up).
 
-A layer's transient (its peak above its saved bytes, one tracker over forward and backward)
-mixes gathered weights, communication slots, recomputed activations and the gradients made
-while the saved tensors are being freed, so the analytic model does not derive it: per
-strategy it is the larger of (at most) two phases, each a non-negative sum of the memory basis
-(``analytic.basis``): which part of the layer peaks (score rows, the MLP, gathered weights)
-changes with the shape and length. The coefficients are fitted here by alternating
-non-negative least squares to the live-bytes tracker's measurement of one
-layer, over six shapes (MHA / GQA, GELU / SwiGLU, bias or not; the last is the small GQA
-shape of ``tests/test_costmodel_analytic.py``, which measures it at s = 96, not sampled here),
-p = 2 and 4, s = 128, 256, 512 and b = 1, 2. Each sample is weighted by the 4-layer stack's peak (4 x saved + transient),
-the quantity a memory budget sees. Score-row terms (quadratic in s) are offered to
-``colossal`` only.
+A fitted model's times describe the host that profiled it: two hosts of one kind differ by up
+to 1.5x here, and a GPU user may reuse a profile of another node. Memory does not depend on the
+host; time does. The calibration re-measures a small part of the profile on this host, with the
+profiler's own code (``sweep.rank_sweep``): every strategy's layer at two lengths, ``S / 4``
+and ``S`` (``S``: the run's longest sequence, at most the model's profiled range), then scales
 
-One spawned world of 4 gloo ranks measures p = 4, then p = 2 as two TP groups; the largest
-rank's bytes are fitted. Cost: about six minutes on two CPU cores. ``--measurements F``
-keeps the measurements (and ``--refit`` fits them again without measuring).
+* each strategy's predicted layer time by ``measured here / predicted`` at those lengths,
+  interpolated in log s between them and held constant outside (a pack by its padded length);
+* the non-layer part and the step's update by the median of those ratios (measuring them
+  would build the whole model a second time).
+
+The factors are the same on every rank (measured times are the max over ranks, as in a
+profile). The result is the same model with a ``calibration`` record: the host, the lengths,
+measured and predicted seconds, the factors. On this 2-core CPU at p = 4 it takes about half a
+minute; on GPUs seconds.
 """
 from __future__ import annotations
 
-import argparse
+import copy
 import json
+import logging
 import os
+import shutil
+import statistics
+import time
 
-import numpy as np
+import torch.distributed as dist
 
-from ..errors import UserError
-from .. import logs
-from . import analytic
+from .. import device
+from ..errors import ArgumentParser, UserError, command
+from ..paths import writable_file
 from . import measure as M
-from .fit import _nnls
-from .ranks import run_ranks
+from .fitted import FittedCostModel
+from .profile import ProfileConfig, _with_model_args, hardware, merge_ranks, run_profile
 from .shape import ModelShape
+from .sweep import rank_sweep
 
-STRATS = ("tp_sp", "ulysses", "ring", "colossal", "metp")
-SEQS = (128, 256, 512)
-BATCHES = (1, 2)
-ROW_TERMS = ("rows", "rows32")
-SKIP_TERMS = ("t*h*nobias",)
+log = logging.getLogger(__name__)
+REPEATS = 3
 
 
-def shapes(p):
-    base = dict(num_layers=1, vocab=512, dtype="fp32")
-    return [
-        dict(base, hidden=128, heads=8, query_groups=8, ffn=512, swiglu=False, bias=True),
-        dict(base, hidden=128, heads=8, query_groups=p, ffn=352, swiglu=True, bias=False),
-        dict(base, hidden=256, heads=8, query_groups=8, ffn=1024, swiglu=False, bias=True),
-        dict(base, hidden=64, heads=4, query_groups=p, ffn=256, swiglu=True, bias=True),
-        dict(base, hidden=192, heads=12, query_groups=4, ffn=512, swiglu=False, bias=False),
-        dict(base, hidden=64, heads=4, query_groups=p, ffn=160, swiglu=True, bias=False),
-    ]
+def lengths_for(cm: FittedCostModel, seq_length: int) -> list:
+    """``[S / 4, S]`` (multiples of p): ``S`` the run's longest length, at most the shortest
+    profiled range of the model's strategies (every strategy ran there)."""
+    p = cm.shape.p
+    top = min(int(seq_length), min(int(v) for v in cm.meta["s_max"].values()))
+    hi = max(p, top // p * p)
+    lo = max(p, hi // 4 // p * p)
+    return sorted({lo, hi})
 
 
-def _world(rank, world):
-    out = []
-    for p in (4, 2):
-        for i, sd in enumerate(shapes(p)):
-            shape = ModelShape(**sd, p=p)
-            _, model = M.build(shape, num_layers=1, max_seq=max(SEQS))
-            runner = M.LayerRunner(model, shape)
-            for st in STRATS:
-                M.set_strategy(model, st)
-                for s in SEQS:
-                    for b in BATCHES:
-                        out.append({"p": p, "shape": i, "strategy": st, "s": s, "b": b,
-                                    "layer": runner.memory("layer", s, b)})
+def config_for(cm: FittedCostModel, lengths: list, model_args: dict | None = None) -> ProfileConfig:
+    """The sweep of a calibration: the layer of every strategy of the model at ``lengths``,
+    b = 1, no kernel calibration, no non-layer part, no memory limit."""
+    return ProfileConfig(seqs=tuple(lengths), strategies=tuple(cm.strategies), batches=(1,), parts=("layer",),
+                         warmup=1, repeats=REPEATS, nonlayer=False, kernels=False, memory_limit=None,
+                         command="calibrate", model_args=model_args)
+
+
+def measure_in_world(cm: FittedCostModel, lengths: list, model_args: dict) -> list:
+    """Every rank of an initialised world (p divides it): the calibration's rows, merged over
+    the ranks (the same list on every rank). Leaves megatron's parallel state as ``measure.build``
+    set it (TP = p): the caller initialises its own afterwards."""
+    cfg = config_for(cm, lengths, model_args)
+    cfg, _ = _with_model_args(cm.shape, cfg, device.current().type)
+    rows = rank_sweep(dist.get_rank(), dist.get_world_size(), cm.shape.key(), cfg)
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, rows)
+    M.free_after_oom()  # the one-layer model's memory back before the run's model is built
+    return merge_ranks(per_rank)
+
+
+def factors(cm: FittedCostModel, rows: list) -> dict:
+    """The ``calibration`` record: per strategy, ``[s, measured, predicted, ratio]`` at each
+    length it ran here; the median ratio (non-layer part and update)."""
+    stat = cm.meta.get("time_stat", "median")
+    per = {}
+    for r in rows:
+        if r.get("type") != "layer" or r.get("b") != 1:
+            continue
+        st, s = r["strategy"], int(r["s"])
+        meas = min(r["layer_times"]) if stat == "min" else r["seconds"]
+        pred = uncalibrated(cm).layer(st, s, 1).seconds
+        per.setdefault(st, []).append([s, float(meas), float(pred), float(meas / pred) if pred > 0 else 1.0])
+    missing = sorted(set(cm.strategies) - set(per))
+    if missing:
+        raise UserError(f"the calibration measured no layer of {missing} (out of memory at every length?): "
+                        "calibrate at shorter lengths (--seq-length)")
+    ratios = [x[3] for pts in per.values() for x in pts]
+    return {"strategies": {st: sorted(v) for st, v in per.items()}, "other": float(statistics.median(ratios)),
+            "lengths": sorted({x[0] for v in per.values() for x in v})}
+
+
+def uncalibrated(cm: FittedCostModel) -> FittedCostModel:
+    """``cm`` without its calibration (the profile's host), for the predictions to compare with."""
+    if "calibration" not in cm.meta:
+        return cm
+    meta = {k: v for k, v in cm.meta.items() if k != "calibration"}
+    return FittedCostModel(meta, cm.boosters, cm.path)
+
+
+def apply(cm: FittedCostModel, record: dict, host: dict | None = None) -> FittedCostModel:
+    """A copy of ``cm`` whose times carry ``record`` (:func:`factors`) and where it was made."""
+    meta = copy.deepcopy(uncalibrated(cm).meta)
+    meta["calibration"] = dict(record, host=host or hardware(None, device.current().type),
+                               made=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    return FittedCostModel(meta, cm.boosters, cm.path)
+
+
+def summary(cm: FittedCostModel) -> str:
+    """One line per strategy: its factor at each calibration length, and the other parts'."""
+    cal = cm.meta.get("calibration")
+    if not cal:
+        return "not calibrated"
+    parts = [f"{st} " + "/".join(f"{x[3]:.2f}x" for x in pts) for st, pts in cal["strategies"].items()]
+    return (f"time here / on the profile's host at s = {'/'.join(map(str, cal['lengths']))}: "
+            + ", ".join(parts) + f"; non-layer part and update {cal['other']:.2f}x")
+
+
+def calibrate_in_world(cm: FittedCostModel, seq_length: int, model_args: dict) -> FittedCostModel:
+    """The trainer's ``--paradyse-calibrate``: measure here (every rank, before the run's own
+    parallel state and seeds) and return the calibrated model (the same on every rank)."""
+    lengths = lengths_for(cm, seq_length)
+    t0 = time.perf_counter()
+    sweep_log = logging.getLogger(rank_sweep.__module__)
+    level = sweep_log.level
+    sweep_log.setLevel(logging.WARNING)  # the profiler's progress lines: one summary line instead
+    try:
+        rows = measure_in_world(cm, lengths, model_args)
+    finally:
+        sweep_log.setLevel(level)
+    out = apply(cm, factors(cm, rows))
+    out.meta["calibration"]["seconds"] = round(time.perf_counter() - t0, 1)
     return out
 
 
-def measure(timeout=900):
-    per_rank = run_ranks(_world, 4, timeout=timeout)
-    rows = []
-    for i, row in enumerate(per_rank[0]):
-        m = dict(row)
-        m["layer"] = [max(r[i]["layer"][k] for r in per_rank) for k in (0, 1)]
-        rows.append(m)
-    return rows
-
-
-def fit_phases(X, y, w, inits=(), iters=30):
-    """Coefficients of ``max(X @ c1, X @ c2)`` (two phases, e.g. score rows vs the MLP) by
-    alternating non-negative least squares: each sample goes to the phase that predicts it
-    larger, each phase is refitted on its samples, from a few starting splits (``inits``: boolean masks;
-    always the samples above the median of measured / one-phase prediction). Returns the phases
-    and the weighted RSS; a single phase when a second does not help."""
-    one = _nnls(X, y, w)
-    best = ([one], float(np.sum(((X @ one - y) * w) ** 2)))
-    ratio = y / np.maximum(X @ one, 1e-30)
-    for assign in (ratio > np.median(ratio), *inits):
-        for _ in range(iters):
-            if assign.all() or not assign.any():
-                break
-            cs = [_nnls(X[~assign], y[~assign], w[~assign]), _nnls(X[assign], y[assign], w[assign])]
-            pred = np.maximum(X @ cs[0], X @ cs[1])
-            rss = float(np.sum(((pred - y) * w) ** 2))
-            if rss < best[1] * (1 - 1e-9):
-                best = (cs, rss)
-            new = (X @ cs[1]) > (X @ cs[0])
-            if (new == assign).all():
-                break
-            assign = new
-    return best
-
-
-def fit(rows) -> dict:
-    """``{strategy: [phase, ...]}``, each phase ``{basis term: coefficient}``."""
-    table = {}
-    for st in STRATS:
-        sel = [r for r in rows if r["strategy"] == st]
-        bases, weights = [], []
-        for r in sel:
-            shape = ModelShape(**shapes(r["p"])[r["shape"]], p=r["p"])
-            B = analytic.basis(shape, r["s"], r["b"])
-            saved = sum(c * B[k] for k, c in analytic.SAVED[st].items())
-            bases.append(B)
-            weights.append(1.0 / (4 * saved + r["layer"][1]))
-        terms = [k for k in bases[0] if k not in SKIP_TERMS and (st == "colossal" or k not in ROW_TERMS)]
-        X = np.array([[B[k] for k in terms] for B in bases])
-        y = np.array([r["layer"][1] for r in sel], float)
-        s = np.array([r["s"] for r in sel])
-        phases, _ = fit_phases(X, y, np.array(weights), inits=[s == s.max()])
-        table[st] = [{k: round(float(v), 4) for k, v in zip(terms, c) if round(float(v), 4) > 0} for c in phases]
-    return table
-
-
-def check(rows, table) -> list:
-    """Per strategy: the worst error of the 4-layer stack's peak and of the layer's transient."""
-    out = []
-    for st in STRATS:
-        e_stack = e_trans = 0.0
-        for r in (r for r in rows if r["strategy"] == st):
-            shape = ModelShape(**shapes(r["p"])[r["shape"]], p=r["p"])
-            B = analytic.basis(shape, r["s"], r["b"])
-            pt = max(sum(c * B[k] for k, c in ph.items()) for ph in table[st])
-            saved, trans = r["layer"]
-            e_stack = max(e_stack, abs(4 * saved + pt - 4 * saved - trans) / (4 * saved + trans))
-            e_trans = max(e_trans, abs(pt - trans) / trans if trans else 0.0)
-        out.append((st, e_stack, e_trans))
-    return out
-
-
-def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m megatron_paradyse.costmodel.calibrate",
-                                 description="Fit the analytic model's transient coefficients to the tracker.")
-    ap.add_argument("-o", "--output", default=os.path.join(os.path.dirname(__file__), "configs", "transient.json"))
-    ap.add_argument("--timeout", type=int, default=900)
-    ap.add_argument("--measurements", default=None, help="write the measurements here (JSON)")
-    ap.add_argument("--refit", action="store_true", help="fit the --measurements file again, measure nothing")
-    args = ap.parse_args(argv)
-    logs.setup(stream="stderr")  # the ranks' warnings; the results go to stdout
-    if args.refit:
-        if not args.measurements:
-            raise UserError("--refit needs --measurements FILE")
-        with open(args.measurements) as f:
-            rows = json.load(f)
-    else:
-        rows = measure(args.timeout)
-        if args.measurements:
-            with open(args.measurements, "w") as f:
-                json.dump(rows, f)
-    table = fit(rows)
-    for st, e_stack, e_trans in check(rows, table):
-        print(f"{st:9s} worst 4-layer peak error {e_stack:6.2%}, worst layer transient error {e_trans:6.2%}")
-    doc = {"about": "analytic transient coefficients per strategy and phase (bytes per basis term); "
-                    "written by python -m megatron_paradyse.costmodel.calibrate",
-           "samples": {"shapes": {p: shapes(p) for p in (2, 4)}, "s": list(SEQS), "b": list(BATCHES)},
-           "transient": table}
-    tmp = args.output + ".tmp"
+def save(cm: FittedCostModel, out: str) -> str:
+    """Write ``cm`` (metadata, and its XGBoost files copied beside it) as ``out``."""
+    folder = os.path.dirname(os.path.abspath(out))
+    src = os.path.dirname(os.path.abspath(cm.path))
+    meta = copy.deepcopy(cm.meta)
+    for name in meta.get("files") or {}:
+        if os.path.abspath(os.path.join(src, name)) != os.path.abspath(os.path.join(folder, name)):
+            shutil.copyfile(os.path.join(src, name), os.path.join(folder, name))
+    prof = meta.get("profile") or {}
+    if prof.get("path") and not os.path.isabs(prof["path"]):
+        prof["path"] = os.path.relpath(os.path.join(src, prof["path"]), folder)
+    tmp = out + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(tmp, args.output)
-    print(f"wrote {args.output}")
+        json.dump(meta, f, indent=1, default=float)
+    os.replace(tmp, out)
+    return out
 
 
-if __name__ == "__main__":
-    main()
+def build_parser():
+    ap = ArgumentParser(prog="python -m megatron_paradyse.costmodel calibrate",
+                        description="Rescale a fitted cost model's times to this host (seconds to a minute).")
+    ap.add_argument("model", help="a fitted model's metadata JSON (made on another host or node)")
+    ap.add_argument("-o", "--output", required=True, help="the calibrated model's metadata JSON")
+    ap.add_argument("--seq-length", type=int, default=4096,
+                    help="the longest sequence you train: calibrated at it and a quarter of it (capped at "
+                         "the model's profiled range; default 4096)")
+    ap.add_argument("--nproc", type=int, default=None, help="ranks to start (default: the model's p)")
+    ap.add_argument("--timeout", type=float, default=900.0)
+    return ap
+
+
+@command("python -m megatron_paradyse.costmodel calibrate")
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    writable_file(args.output, "-o")
+    cm = FittedCostModel.load(args.model)
+    if args.seq_length < cm.shape.p:
+        raise UserError(f"--seq-length {args.seq_length} is shorter than p = {cm.shape.p}")
+    cfg = config_for(cm, lengths_for(cm, args.seq_length), profiled_model_args(cm))
+    t0 = time.perf_counter()
+    rows = run_profile(cm.shape, cfg, nproc=args.nproc or (None if "WORLD_SIZE" in os.environ else cm.shape.p),
+                       timeout=args.timeout)
+    if not rows:  # a launched rank other than 0
+        return 0
+    out = apply(cm, factors(cm, rows[1:-1]), host=rows[0]["hardware"])
+    out.meta["calibration"]["seconds"] = round(time.perf_counter() - t0, 1)
+    save(out, args.output)
+    print(f"wrote {args.output}: {summary(out)} ({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+def profiled_model_args(cm: FittedCostModel) -> dict | None:
+    """The model flags the model's profile was made with (its header's command, parsed by the
+    profiler's parser) where that profile lies beside the model; else None: the profiler's
+    flags for the shape."""
+    import shlex
+
+    from .profile import build_parser as profile_parser
+    from .profile import read_profile
+
+    rel = (cm.meta.get("profile") or {}).get("path")
+    path = rel and os.path.join(os.path.dirname(os.path.abspath(cm.path)), rel)
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        words = shlex.split(read_profile(path)[0].get("command") or "")[4:]  # after "python -m ... profile"
+        parsed, _ = profile_parser().parse_known_args(words)
+    except Exception:  # noqa: BLE001 - an old or foreign header: the shape's flags
+        return None
+    return {k: getattr(parsed, k) for k in M.model_flag_names()}

@@ -257,8 +257,22 @@ class FittedCostModel(CostModel):
         if key not in self._cache:
             fn = self.predict_pack if packs.is_pack(s) else (lambda st, tg, x: self.predict(st, tg, x, b))
             vals = [max(0.0, fn(strategy, tg, s)) for tg in TARGETS]
+            vals[0] *= self.host_factor(strategy, s.padded(self.shape.p).tokens if packs.is_pack(s) else s)
             self._cache[key] = LayerCost(*vals)
         return self._cache[key]
+
+    def host_factor(self, strategy: str | None, s) -> float:
+        """The time factor of a calibration to this host (``costmodel.calibrate``): the
+        strategy's measured/predicted ratio interpolated in log s between the calibration
+        lengths, constant outside them; ``strategy=None``: the non-layer part and the update's.
+        1 for a model that was not calibrated."""
+        cal = self.meta.get("calibration")
+        if not cal:
+            return 1.0
+        if strategy is None or strategy not in cal["strategies"]:
+            return float(cal["other"])
+        pts = cal["strategies"][strategy]
+        return float(np.interp(np.log(float(s)), [np.log(x[0]) for x in pts], [x[3] for x in pts]))
 
     def static_bytes(self) -> float:
         return analytic.static_bytes(self.shape)
@@ -269,11 +283,13 @@ class FittedCostModel(CostModel):
             return LayerCost(0.0, 0.0, 0.0)
         s, b = as_tokens(s, b, self.shape.p)
         x = np.array([1.0, b * s])
-        return LayerCost(*(max(0.0, float(x @ np.asarray(nl[tg]))) for tg in TARGETS))
+        vals = [max(0.0, float(x @ np.asarray(nl[tg]))) for tg in TARGETS]
+        vals[0] *= self.host_factor(None, s)
+        return LayerCost(*vals)
 
     def update_seconds(self) -> float:
         # a model fitted before the update was kept apart counted its optimizer step in nonlayer
-        return float((self.meta.get("nonlayer") or {}).get("update_seconds", 0.0))
+        return float((self.meta.get("nonlayer") or {}).get("update_seconds", 0.0)) * self.host_factor(None, 0)
 
     def pool(self, strategy: str, s, b: int) -> dict:
         """The pool's buffers from the profile's pool rows (empty for a model fitted without

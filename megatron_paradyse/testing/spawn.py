@@ -34,7 +34,14 @@ def fake_cuda_available() -> None:
     backend's device decision, not CUDA's presence). ``tests/conftest.py`` and every rank
     this module starts call it."""
     if os.environ.get(FAKE_CUDA_ENV) == "1":
+        real = torch.cuda.is_available()
         torch.cuda.is_available = lambda: True
+        # torch's own accelerator API keeps the truth: on a CUDA build of torch without a
+        # driver, Adam's graph-capture check (``torch.accelerator.current_stream``) would
+        # otherwise initialise CUDA and fail ("Found no NVIDIA driver"); the fake is for this
+        # package's device decision, not torch's internals
+        if hasattr(torch, "accelerator") and hasattr(torch.accelerator, "is_available"):
+            torch.accelerator.is_available = lambda: real
 
 
 def run_world(fn, world_size: int, *args, timeout: float = 300.0, env: dict | None = None,

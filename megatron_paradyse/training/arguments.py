@@ -257,6 +257,12 @@ def add_planner_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="a micro-batch no plan fits: stop with the numbers (default), skip it (no "
                         "loss, no gradient) or truncate it to the longest length that fits, with a "
                         "warning; decided identically on every rank before the step")
+    g.add_argument("--paradyse-calibrate", action="store_true", default=None,
+                   help="rescale the cost model's times to this host at start-up: every strategy's layer "
+                        "timed at --seq-length and a quarter of it (the profiler's code; about half a "
+                        "minute on a CPU at p = 4, seconds on GPUs), before the run's model is built; for a "
+                        "model profiled on another host or node (python -m megatron_paradyse.costmodel "
+                        "calibrate does the same offline)")
     g.add_argument("--paradyse-refine", choices=("auto", "on", "off"), default="auto",
                    help="correct predictions with measured step times and peaks (one small "
                         "all-reduce per step): 'auto' = on with CUDA, off on CPU (CPU timings of "
@@ -512,7 +518,7 @@ def validate_planner_args(args, tp: int, config=None) -> None:
     ``config``: the model's ``TransformerConfig`` (default: built from this parser's flags;
     Megatron-LM's entry point passes its own).
     """
-    planner_flags = ("paradyse_planner", "paradyse_memory_margin", "paradyse_gamma")
+    planner_flags = ("paradyse_planner", "paradyse_memory_margin", "paradyse_gamma", "paradyse_calibrate")
     given = [f for f in planner_flags if getattr(args, f, None) is not None]
     if not hasattr(args, "paradyse_planner"):  # a parser without add_planner_args
         if getattr(args, "paradyse_plan", None) is None:

@@ -44,6 +44,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -216,9 +217,13 @@ class FailFast:
         """A user's mistake or Ctrl-C (module doc): the one line by the rank that publishes it
         first (Ctrl-C: by rank 0), no traceback; the exit status."""
         interrupted = isinstance(exc, KeyboardInterrupt) or (first or {}).get("kind") == "interrupt"
+        if interrupted:
+            _ignore_sigint()  # torchrun forwards Ctrl-C again: no second KeyboardInterrupt in here
         kind = "interrupt" if interrupted else "user"
         line = (f"{self.prog}: interrupted (Ctrl-C)" if interrupted else one_line(self.prog, exc))
         published = self._publish(store, rank, line, kind=kind) if first is None else False
+        if not published and first is None and store is not None:
+            first = _wait_for_fault(store)  # another rank counted first: its line, once it is set
         if interrupted:
             if rank == 0 or store is None:
                 extra = _call(self.on_interrupt)
@@ -246,6 +251,23 @@ class FailFast:
         except Exception:  # noqa: BLE001 - the store is gone: peers learn it from their collectives
             pass
         return False
+
+
+def _wait_for_fault(store, seconds: float = PEER_PAUSE) -> dict | None:
+    """The published failure, waiting up to ``seconds`` for the rank that counted first to set it."""
+    end = time.monotonic() + seconds
+    while True:
+        got = read_fault(store)
+        if got is not None or time.monotonic() >= end:
+            return got
+        time.sleep(0.02)
+
+
+def _ignore_sigint() -> None:
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread
+        pass
 
 
 def _call(fn) -> str:

@@ -17,7 +17,33 @@ from .arguments import default_memory_budget_gib
 log = logging.getLogger(__name__)
 
 
-def planner_from_args(args, can_refine: bool = True):
+def cost_model_from_args(args):
+    """``--paradyse-cost-model``, else the model shipped for the run's shape, else the analytic one."""
+    return build_cost_model(ModelShape.from_args(args), path=args.paradyse_cost_model)
+
+
+def calibrated_cost_model(args):
+    """``--paradyse-calibrate``: the run's fitted cost model rescaled to this host
+    (``costmodel.calibrate``), measured by every rank of the initialised world before the run's
+    own parallel state and seeds (so the run trains as it would without it); the same model on
+    every rank. Logs the factors (rank 0)."""
+    from megatron.core.utils import log_single_rank
+
+    from ..costmodel import calibrate
+    from ..costmodel import measure as M
+
+    cm = cost_model_from_args(args)
+    if not isinstance(cm, calibrate.FittedCostModel):
+        raise UserError("--paradyse-calibrate needs a fitted cost model: give --paradyse-cost-model (none is "
+                        "shipped for this model's shape)")
+    model_args = {k: getattr(args, k) for k in M.model_flag_names() if hasattr(args, k)}
+    out = calibrate.calibrate_in_world(cm, args.seq_length, model_args)
+    log_single_rank(log, logging.INFO, f"> calibrated the cost model to this host in "
+                                       f"{out.meta['calibration']['seconds']:.0f} s: {calibrate.summary(out)}")
+    return out
+
+
+def planner_from_args(args, can_refine: bool = True, cost_model=None):
     """``(planner, plan_fn)`` for ``--paradyse`` without ``--paradyse-plan``.
 
     The cost model is ``--paradyse-cost-model`` or the one shipped for the model's shape (else
@@ -26,12 +52,14 @@ def planner_from_args(args, can_refine: bool = True):
     device (10% on GPU, 5% on CPU) unless ``--paradyse-memory-margin``. ``plan_fn`` is the iterator's
     ``plan_fn(mb, step, index)`` and keeps the last choices in ``plan_fn.choices``.
     ``can_refine=False``: a step loop that feeds no measurements back (Megatron-LM's) gets no
-    online refinement, whatever ``--paradyse-refine`` says. Logs the planner (every rank: the
-    command line's handler shows rank 0's) and, on rank 0, a cost model profiled elsewhere.
+    online refinement, whatever ``--paradyse-refine`` says. ``cost_model``: the model to plan
+    with (the trainer's calibrated one), default :func:`cost_model_from_args`'s. Logs the
+    planner (every rank: the command line's handler shows rank 0's) and, on rank 0, a cost
+    model profiled elsewhere or asked beyond its profiled lengths.
     """
     from megatron.core.utils import log_single_rank
 
-    cm = build_cost_model(ModelShape.from_args(args), path=args.paradyse_cost_model)
+    cm = cost_model if cost_model is not None else cost_model_from_args(args)
     budget = args.paradyse_memory_budget
     if budget is None:
         budget = args.paradyse_memory_budget = default_memory_budget_gib()

@@ -33,8 +33,9 @@ def pool_bytes() -> int:
 
 
 class RunReport:
-    def __init__(self, budget_bytes=None):
+    def __init__(self, budget_bytes=None, calibration: dict | None = None):
         self.budget = budget_bytes
+        self.calibration = calibration  # the cost model's calibration to this host, if any
         self.steps: list = []
 
     def record(self, stats, peak_bytes: float | None, static: float, micro, predicted=None,
@@ -82,6 +83,10 @@ class RunReport:
                  + (f" (measured on {len(peaks)} of {len(st)} steps)" if len(peaks) < len(st) else "")
                  + (f" against a budget of {self.budget / MiB:.1f} MiB: {len(over)} step(s) over" if self.budget else "")]
         lines += self._errors()
+        if self.calibration:
+            pts = [x[3] for v in self.calibration["strategies"].values() for x in v]
+            lines.append(f"  cost model calibrated to this host: times x{min(pts):.2f} .. x{max(pts):.2f} "
+                         f"(at s = {'/'.join(map(str, self.calibration['lengths']))}; run_report.json)")
         lines.append("  plans used (micro-batches): " + ", ".join(
             f"{k} x{v}" for k, v in sorted(plans.items(), key=lambda kv: -kv[1])))
         return "\n".join(lines)
@@ -105,7 +110,8 @@ class RunReport:
         os.makedirs(out_dir, exist_ok=True)
         path = os.path.join(out_dir, "run_report.json")
         with open(path, "w") as fh:
-            json.dump({"budget_bytes": self.budget, "steps": self.steps}, fh, indent=1)
+            json.dump({"budget_bytes": self.budget, "calibration": self.calibration, "steps": self.steps},
+                      fh, indent=1, default=float)
         paths = [path]
         png = self.plot(os.path.join(out_dir, "run_report.png"))
         if png:

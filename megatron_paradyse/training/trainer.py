@@ -50,7 +50,7 @@ from .arguments import parse_args, transformer_config_from_args
 from .faults import FailFast
 from .forward_step import forward_step
 from .iterator import PlannedIterator
-from .planning import longest_trainable, planner_from_args
+from .planning import calibrated_cost_model, longest_trainable, planner_from_args
 from .run_report import RunReport, max_over_ranks, pool_bytes
 
 log = logging.getLogger(__name__)
@@ -126,6 +126,7 @@ class Trainer:
     # ------------------------------------------------------------------ setup
     def _setup(self):
         """The phases of a run's start, in order; each sets the attributes the next ones read."""
+        self._calibrate()
         self._init_parallel()
         self._build_model_and_optimizer()
         if self.args.load:
@@ -133,6 +134,19 @@ class Trainer:
                                                            self.scheduler, iteration=self.args.ckpt_step)
         self._build_planner()
         self._build_data()
+
+    def _calibrate(self):
+        """``--paradyse-calibrate`` with the planner: the cost model rescaled to this host
+        (``planning.calibrated_cost_model``), before megatron's parallel state and seeds are set
+        for the run; else nothing (``self.cost_model`` None: the planner loads its own)."""
+        args = self.args
+        self.cost_model = None
+        if args.paradyse and self.plan_fn is None and args.paradyse_plan is None and args.paradyse_calibrate:
+            if not dist.is_initialized():
+                raise RuntimeError("initialise torch.distributed first (init_distributed does)")
+            cpu_compat.apply()
+            install()
+            self.cost_model = calibrated_cost_model(args)
 
     def _init_parallel(self):
         """The CPU shims where the CPU was chosen, the plugin, megatron's parallel state, seeds."""
@@ -187,7 +201,7 @@ class Trainer:
         args = self.args
         self.planner, self._planner_fn = None, None
         if args.paradyse and self.plan_fn is None and args.paradyse_plan is None:
-            self.planner, self._planner_fn = planner_from_args(args)
+            self.planner, self._planner_fn = planner_from_args(args, cost_model=self.cost_model)
 
     def _build_data(self):
         """The dataset (documents longer than any plan fits follow --paradyse-long-docs), the
@@ -373,7 +387,8 @@ class Trainer:
         if not args.paradyse_run_report:
             return None
         budget = args.paradyse_memory_budget
-        return RunReport(budget_bytes=None if budget is None else float(budget) * GiB)
+        cal = None if self.cost_model is None else self.cost_model.meta.get("calibration")
+        return RunReport(budget_bytes=None if budget is None else float(budget) * GiB, calibration=cal)
 
     @contextlib.contextmanager
     def _params_gathered(self):

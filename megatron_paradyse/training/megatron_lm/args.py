@@ -104,6 +104,10 @@ def _check_plan_or_planner(args) -> None:
     config = core_transformer_config_from_args(args)
     validate_planner_args(args, tp, config)  # the planner's flags; an error if given with a plan
     if args.paradyse_plan is None:
+        if args.paradyse_calibrate:
+            raise ValueError("--paradyse-calibrate runs in pretrain_gpt_paradyse.py's trainer; through "
+                             "Megatron-LM's pretrain() calibrate first (python -m megatron_paradyse.costmodel "
+                             "calibrate MODEL -o HERE.json) and give --paradyse-cost-model HERE.json")
         if args.paradyse_refine == "on":
             raise ValueError("--paradyse-refine on is not available through Megatron-LM's pretrain(): "
                              "its step loop feeds no measured step back to the planner (use "
