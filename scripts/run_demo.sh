@@ -14,6 +14,8 @@
 #   BUDGET=0.05 PLANNER=heuristic scripts/run_demo.sh
 #   MEMORY_EVERY=1 scripts/run_demo.sh       # the peak on every step (default every 2nd: on CPU the
 #                                            # tracker slows its step; the others' times are compared)
+#   CALIBRATE=0 scripts/run_demo.sh          # the shipped cost model's times as profiled (default: first
+#                                            # rescaled to this host, --paradyse-calibrate, ~45 s)
 #   scripts/run_demo.sh --train-iters 100    # extra flags go to pretrain_gpt_paradyse.py
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -25,6 +27,10 @@ if [ "${PARADYSE:-1}" != "1" ] && [ "$PACK" != "none" ]; then
   echo "run_demo.sh: stock Megatron (PARADYSE=0) cannot attend inside packs: set PACK=none" >&2
   exit 2
 fi
+CALIBRATE=()
+if [ "${PARADYSE:-1}" = "1" ] && [ -z "${PLAN:-}" ] && [ "${CALIBRATE:-1}" = "1" ]; then
+  CALIBRATE=(--paradyse-calibrate)  # the shipped model was profiled on another host: rescale its times here
+fi
 PACK="$PACK" DOCS="${DOCS:-4}" PYTHON="$PY" CORPUS=1 NPROC=4 TP=4 exec bash "$ROOT/scripts/pretrain_gpt_paradyse_cpu.sh" \
-  --save "$SAVE" --save-interval 15 --paradyse-run-report "$SAVE" \
+  --save "$SAVE" --save-interval 15 --paradyse-run-report "$SAVE" "${CALIBRATE[@]}" \
   --paradyse-memory-every "${MEMORY_EVERY:-2}" "$@"

@@ -93,6 +93,12 @@ def _check_switchable(args) -> None:
             args.paradyse_pad_multiple < 1 or args.paradyse_pad_multiple % tp):
         raise ValueError(f"--paradyse-pad-multiple {args.paradyse_pad_multiple} must be a positive "
                          f"multiple of --tensor-model-parallel-size {tp}")
+    m = args.paradyse_pad_multiple or tp
+    longest = -(-args.seq_length // m) * m
+    if args.position_embedding_type == "learned_absolute" and longest > args.max_position_embeddings:
+        raise ValueError(f"--seq-length {args.seq_length} is padded to {longest} (a multiple of {m}) but the "
+                         f"learned position embeddings hold {args.max_position_embeddings} positions: give "
+                         f"--max-position-embeddings {longest} (or more), or a --seq-length that is a multiple of {m}")
 
 
 def _check_plan_or_planner(args) -> None:

@@ -71,6 +71,12 @@ def _megatron_planner(args):
     return _MEGATRON_PLANNER["planner"][1]
 
 
+def megatron_planner(args):
+    """The planner itself (built once, with its ``plan_fn``)."""
+    _megatron_planner(args)
+    return _MEGATRON_PLANNER["planner"][0]
+
+
 class _LoggedPlannedIterator(PlannedIterator):
     """Logs each training step's micro-batch lengths and plans on global rank 0, one line per
     step, next to Megatron-LM's own iteration lines (rank 0's micro-batches); with the planner,

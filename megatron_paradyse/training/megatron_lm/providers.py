@@ -45,15 +45,16 @@ def paradyse_datasets_provider(train_val_test_num_samples, vp_stage=None):
     from megatron.training import get_args
 
     args = get_args()
+    top = _longest_trainable(args)  # every rank: the planner is built at the same point on all
     if parallel_state.get_tensor_model_parallel_rank() != 0:
         return None, None, None
     if getattr(args, "vocab_size", None) is None:
         args.vocab_size = args.padded_vocab_size
     if args.mock_data:
-        ds = pdata.MockDataset(args.seq_length, args.vocab_size, seed=args.seed,
+        ds = pdata.MockDataset(min(args.seq_length, top or args.seq_length), args.vocab_size, seed=args.seed,
                                min_length=args.paradyse_mock_min_length)
     else:
-        ds = pdata.DocumentDataset(args.data_path[0], args.seq_length, seed=args.seed)
+        ds = pdata.DocumentDataset(args.data_path[0], args.seq_length, seed=args.seed, max_length=top)
     # train, validation, test: disjoint index ranges (mock: different synthetic documents; an
     # IndexedDataset: later reshuffled epochs of the same documents, no held-out split)
     packed = getattr(args, "paradyse_pack", "none") == "greedy"
@@ -70,6 +71,17 @@ def paradyse_datasets_provider(train_val_test_num_samples, vp_stage=None):
 
 
 paradyse_datasets_provider.is_distributed = True
+
+
+def _longest_trainable(args):
+    """With the planner: the longest length any plan fits under the budget (documents are cut
+    to it, as in pretrain_gpt_paradyse.py), a ``BudgetError`` at start-up when none fits; else None."""
+    if not args.paradyse or args.paradyse_plan is not None:
+        return None
+    from ..planning import longest_trainable
+    from .iterator import megatron_planner
+
+    return longest_trainable(megatron_planner(args), args)
 
 
 class _MaskedView(pdata.FixedLengthView):
