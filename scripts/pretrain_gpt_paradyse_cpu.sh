@@ -21,10 +21,14 @@
 #                    DOCS documents per step (--global-batch-size counts documents then)
 #   CORPUS=1         train on the default corpus (scripts/run_demo.sh sets it); default: --mock-data
 #   DATA_PATH=PREFIX train on your own IndexedDataset (python -m megatron_paradyse.data preprocess)
-#   PYTHON=.venv/bin/python
+#   PYTHON=...       the interpreter (default: this checkout's .venv, else the active virtual
+#                    environment's, else scripts/setup_env.sh makes the .venv)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PY="${PYTHON:-$ROOT/.venv/bin/python}"
+if [ -n "${PYTHON:-}" ]; then PY="$PYTHON"
+elif [ -x "$ROOT/.venv/bin/python" ]; then PY="$ROOT/.venv/bin/python"
+elif [ -n "${VIRTUAL_ENV:-}" ] && [ -x "$VIRTUAL_ENV/bin/python" ]; then PY="$VIRTUAL_ENV/bin/python"
+else PY="$(bash "$ROOT/scripts/setup_env.sh" | tail -n 1)"; fi
 NPROC="${NPROC:-4}"
 TP="${TP:-$NPROC}"
 PARADYSE="${PARADYSE:-1}"

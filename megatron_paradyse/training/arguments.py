@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only NullTokenizer: data is token ids")
     _add_training_args(p)
     _add_distributed_args(p)
+    p.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default="local",
+                   help="Megatron-LM's flag: this trainer builds megatron-core's local layers ('local', "
+                        "the default); Transformer Engine layers are not switchable")
     _add_data_args(p)
     _add_checkpointing_args(p)
     _add_logging_args(p)
@@ -328,6 +331,10 @@ def _check_parallel(args, world_size: int, tp: int) -> None:
              "sequence-parallel layout between layers")
     if args.paradyse and args.overlap_param_gather:
         _err(OVERLAP_PARAM_GATHER_WITH_PARADYSE)
+    if args.transformer_impl != "local":
+        _err("--transformer-impl transformer_engine: this trainer builds megatron-core's local layer spec "
+             "(Transformer Engine is not installable here and its layers are not switchable); give "
+             "--transformer-impl local or leave the flag out")
 
 
 def _check_backend(args) -> None:
