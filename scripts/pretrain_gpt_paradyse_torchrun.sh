@@ -119,6 +119,12 @@ if [ "$PARADYSE" = "1" ]; then
     PARADYSE_ARGS=(--paradyse --paradyse-plan "$PLAN")
 fi
 
+# the flags checked for the whole world before torchrun starts: a mistake is one line and exit
+# status 2 here (docs/faults.md), not a failed worker in torchrun's summary
+PARADYSE_CHECK_FLAGS=1 WORLD_SIZE=$WORLD_SIZE RANK=0 ${PYTHON:-python} $ROOT/pretrain_gpt_paradyse.py \
+    ${GPT_MODEL_ARGS[@]} ${TRAINING_ARGS[@]} ${MODEL_PARALLEL_ARGS[@]} ${DATA_ARGS[@]} \
+    ${EVAL_AND_LOGGING_ARGS[@]} "${PARADYSE_ARGS[@]}" "${@:3}" || exit $?
+
 torchrun ${DISTRIBUTED_ARGS[@]} $ROOT/pretrain_gpt_paradyse.py \
     ${GPT_MODEL_ARGS[@]} \
     ${TRAINING_ARGS[@]} \

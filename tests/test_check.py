@@ -35,10 +35,19 @@ def test_the_short_cpu_form_passes_every_section(tmp_path):
     assert "passed" in res.stdout and str(out) in res.stdout
 
 
-def test_bad_flags_are_refused_before_anything_starts(tmp_path):
-    res = _check(["--backend", "gloo", "--nproc", "2", "--num-attention-heads", "5"], tmp_path, timeout=60)
-    assert res.returncode == 2 and "num-attention-heads" in res.stderr
-    res = _check(["--backend", "gloo", "--sections", "exactness,nope"], tmp_path, timeout=60)
-    assert res.returncode == 2 and "unknown section" in res.stderr
-    res = _check(["--backend", "gloo", "--no-such-flag"], tmp_path, timeout=60)
-    assert res.returncode == 2 and "--no-such-flag" in res.stderr
+def test_bad_flags_are_refused_before_anything_starts(tmp_path, monkeypatch, capsys):
+    """The command's ``main`` (what ``python -m megatron_paradyse.check`` runs), in this process:
+    one line and exit status 2, before anything is launched."""
+    import pytest
+
+    from megatron_paradyse.check.__main__ import main
+
+    monkeypatch.chdir(tmp_path)
+    for argv, needle in ((["--backend", "gloo", "--nproc", "2", "--num-attention-heads", "5"], "num-attention-heads"),
+                         (["--backend", "gloo", "--sections", "exactness,nope"], "unknown section"),
+                         (["--backend", "gloo", "--no-such-flag"], "--no-such-flag")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and needle in err and err.count("error:") == 1, err
+    assert not (tmp_path / "runs").exists()  # nothing launched, nothing written

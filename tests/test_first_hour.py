@@ -9,9 +9,10 @@ the absence of tracebacks from this package or megatron.
   position embeddings cannot hold, ``plan``'s and ``report``'s mistakes;
 * cost models say where they guess: ``fit`` refuses too few lengths, ``plan`` warns beyond the
   profiled range with the factor;
-* defaults that run: the CPU launcher at NPROC=2 and 4 with ``--train-iters 3`` and with a
-  ``--paradyse-plan`` of the user's, ``--mock-data`` cut to the longest length that fits,
-  megatron's Transformer Engine / Apex notices filtered;
+* defaults that run: the CPU launcher at NPROC=2 with ``--train-iters 3`` (at NPROC=4:
+  ``tests/test_readme.py`` runs the README's line), its defaults giving way to the user's
+  ``--paradyse-plan`` and ``--lr-warmup-iters``, ``--mock-data`` cut to the longest length that
+  fits, megatron's Transformer Engine / Apex notices filtered;
 * Ctrl-C: one line naming the last complete checkpoint, no ``KeyboardInterrupt`` traceback.
 
 Under torchrun the launcher (torchrun) itself still exits 1 and prints its own summary of
@@ -106,10 +107,9 @@ def test_costmodel_commands_make_their_folders_and_refuse_mistakes_in_one_line(t
                "--pool-only", "-o", "runs/profile/pool.jsonl"], tmp_path)
     assert res.returncode == 0 and (tmp_path / "runs/profile/pool.jsonl").is_file(), res.out[-3000:]
     assert "Transformer Engine and Apex" not in res.out and "Apex is not installed" not in res.out
-    # a mistake of plan's as a user meets it: one line, status 2
-    one_line(run([sys.executable, "-m", "megatron_paradyse.plan", "--cost-model", "nope.json", "--seq-lens", "1k",
-                  "--memory-budget", "1"], tmp_path), "does not exist", "python -m megatron_paradyse.plan")
     monkeypatch.chdir(tmp_path)
+    one_line(command(plan.main, ["--cost-model", "nope.json", "--seq-lens", "1k", "--memory-budget", "1"], capsys),
+             "does not exist", "python -m megatron_paradyse.plan")
     # fit into a new folder; a profile of two lengths is refused with the minimum
     res = command(fit.main, [prof, "-o", "runs/model/m.json", "--fit-max-seq", "2048"], capsys)
     assert res.returncode == 0 and (tmp_path / "runs/model/m.json").is_file(), res.out[-3000:]
@@ -169,20 +169,26 @@ def test_the_cpu_launcher_defaults_train_at_two_ranks(trained):
     no_traceback_of_ours(res.out)
 
 
-def test_the_cpu_launcher_at_four_ranks_with_a_plan_of_the_users(tmp_path):
-    res = run(["bash", LAUNCHER, "--train-iters", "2", "--paradyse-plan", "rule:1024=tp_sp,metp"], tmp_path,
-              NPROC="4", timeout=240)
-    assert res.returncode == 0 and "iteration        2/       2" in res.out, res.out[-4000:]
-    assert "plan 'rule:1024=tp_sp,metp'" in res.out
+def test_the_users_flags_replace_the_launchers_defaults(tmp_path):
+    """The launcher's argv (``PYTHON=echo`` prints it: the flag check's line, then torchrun's):
+    a plan of the user's drops the planner's flags, a warm-up in iterations the warm-up
+    fraction; the flags it builds then pass validation at NPROC=4."""
+    from megatron_paradyse.training.arguments import parse_args
+
+    res = run(["bash", LAUNCHER, "--paradyse-plan", "ring,metp,tp_sp,ulysses", "--lr-warmup-iters", "1",
+               "--train-iters", "3"], tmp_path, NPROC="4", PYTHON="echo")
+    check, launch = res.stdout.splitlines()[-2:]
+    assert res.returncode == 0 and "torch.distributed.run" in launch
+    argv = check.split()[1:]
+    assert "--paradyse-planner" not in argv and "--lr-warmup-fraction" not in argv and "--paradyse" in argv
+    args = parse_args(argv, world_size=4)
+    assert args.paradyse_plan == "ring,metp,tp_sp,ulysses" and args.lr_warmup_iters == 1 and args.train_iters == 3
 
 
 def test_bad_flags_through_the_launcher_are_one_line_before_torchrun(tmp_path):
     res = run(["bash", LAUNCHER, "--no-such-flag", "1"], tmp_path, NPROC="2", timeout=120)
     one_line(res, "unrecognized arguments: --no-such-flag", "pretrain_gpt_paradyse.py")
     assert "torch.distributed" not in res.out  # torchrun never started
-    res = run(["bash", LAUNCHER] + TINY + ["--seq-length", "257", "--position-embedding-type", "learned_absolute",
-                                           "--max-position-embeddings", "257"], tmp_path, NPROC="2", timeout=120)
-    one_line(res, "--seq-length 257 is padded to 258", "pretrain_gpt_paradyse.py")
 
 
 def _trainer_under_torchrun(cwd, extra, n=2, timeout=180):
@@ -199,11 +205,7 @@ def test_a_budget_nothing_fits_is_refused_at_start_up_under_torchrun(tmp_path):
     torchrun_summary_names(res, line.split(": error: ")[1])
 
 
-def test_a_cost_model_for_another_shape_and_an_empty_tracker_are_one_line(trained, tmp_path):
-    res = _trainer_under_torchrun(tmp_path, ["--paradyse", "--paradyse-cost-model",
-                                             os.path.join(MODELS, "demo_p2.json")])
-    line = one_line(res, "was made for another model shape", "pretrain_gpt_paradyse.py", code=1)
-    torchrun_summary_names(res, line.split(": error: ")[1])
+def test_an_empty_tracker_is_one_line(trained, tmp_path):
     # the launcher's checkpoint with its tracker emptied: a user's mistake naming the file
     d, _ = trained
     ck = tmp_path / "ck"
@@ -258,6 +260,8 @@ def test_mistakes_found_at_argument_validation(tmp_path):
         (["--data-path", str(tmp_path / "bad")], "bad.idx is not a megatron-core index"),
         (["--data-path", str(tmp_path / "none")], "none.idx not found"),
         (["--mock-data", "--paradyse", "--paradyse-cost-model", str(cut)], "truncated or corrupt"),
+        (["--mock-data", "--paradyse", "--paradyse-cost-model", os.path.join(MODELS, "demo_p2.json")],
+         "was made for another model shape: num_layers: model 4 vs run 2"),
         (["--mock-data", "--seq-length", "255", "--position-embedding-type", "learned_absolute",
           "--max-position-embeddings", "255"], "give --max-position-embeddings 256"),
         (["--mock-data", "--lr-warmup-iters", "3"], "--lr-warmup-iters 3 must be below --lr-decay-iters 3"),

@@ -390,19 +390,19 @@ def test_cli_explains_every_candidate(capsys):
     assert text.count("== s = ") == 3
 
 
-def test_plan_command_runs():
+def test_plan_command_runs(capsys):
     """The one command line, ``python -m megatron_paradyse.plan`` (``megatron_paradyse.planner``
     is a library, not a second command)."""
     import os
     import subprocess
     import sys
 
+    from megatron_paradyse.plan import main
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run = subprocess.run([sys.executable, "-m", "megatron_paradyse.plan", "--analytic", "--p", "4",
-                          "--seq-lens", "1k", "--memory-budget", "0.05", "--planner", "optimal"],
-                         cwd=root, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
-    assert "== s = 1024" in run.stdout and "optimal: " in run.stdout
+    assert main(["--analytic", "--p", "4", "--seq-lens", "1k", "--memory-budget", "0.05", "--planner", "optimal"]) == 0
+    out = capsys.readouterr().out
+    assert "== s = 1024" in out and "optimal: " in out
     gone = subprocess.run([sys.executable, "-m", "megatron_paradyse.planner"], cwd=root,
                           capture_output=True, text=True, timeout=120)
     assert gone.returncode != 0 and "cannot be directly executed" in gone.stderr
