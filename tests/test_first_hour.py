@@ -44,7 +44,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 def user_env(**extra) -> dict:
     """A user's environment: no warning filter of ours, one thread per rank."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
-    env.update(OMP_NUM_THREADS="1", PYTHON=sys.executable, **extra)
+    env.update({"OMP_NUM_THREADS": "1", "PYTHON": sys.executable, **extra})
     return env
 
 
