@@ -27,10 +27,10 @@ if [ "${PARADYSE:-1}" != "1" ] && [ "$PACK" != "none" ]; then
   echo "run_demo.sh: stock Megatron (PARADYSE=0) cannot attend inside packs: set PACK=none" >&2
   exit 2
 fi
-CALIBRATE=()
+CAL_ARGS=()
 if [ "${PARADYSE:-1}" = "1" ] && [ -z "${PLAN:-}" ] && [ "${CALIBRATE:-1}" = "1" ]; then
-  CALIBRATE=(--paradyse-calibrate)  # the shipped model was profiled on another host: rescale its times here
+  CAL_ARGS=(--paradyse-calibrate)  # the shipped model was profiled on another host: rescale its times here
 fi
 PACK="$PACK" DOCS="${DOCS:-4}" PYTHON="$PY" CORPUS=1 NPROC=4 TP=4 exec bash "$ROOT/scripts/pretrain_gpt_paradyse_cpu.sh" \
-  --save "$SAVE" --save-interval 15 --paradyse-run-report "$SAVE" "${CALIBRATE[@]}" \
+  --save "$SAVE" --save-interval 15 --paradyse-run-report "$SAVE" "${CAL_ARGS[@]}" \
   --paradyse-memory-every "${MEMORY_EVERY:-2}" "$@"

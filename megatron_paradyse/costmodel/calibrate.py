@@ -35,7 +35,6 @@ from ..paths import writable_file
 from . import measure as M
 from .fitted import FittedCostModel
 from .profile import ProfileConfig, _with_model_args, hardware, merge_ranks, run_profile
-from .shape import ModelShape
 from .sweep import rank_sweep
 
 log = logging.getLogger(__name__)

@@ -40,7 +40,6 @@ how a prediction is made:
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math

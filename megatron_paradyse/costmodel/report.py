@@ -11,7 +11,6 @@ on spawned gloo ranks and compares them with ``CostModel.step``.
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import statistics

@@ -1,0 +1,93 @@
+"""A cost model made on another host, rescaled to this one (``costmodel.calibrate``): the
+factors and where they apply, the command a user runs, and the trainer's
+``--paradyse-calibrate``, which must train exactly as the run without it."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from megatron_paradyse.costmodel import calibrate
+from megatron_paradyse.costmodel.fitted import FittedCostModel
+from megatron_paradyse.costmodel.packs import PackShape
+from megatron_paradyse.testing.spawn import run_world
+
+MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatron_paradyse",
+                      "costmodel", "models")
+P2 = os.path.join(MODELS, "demo_p2.json")
+
+
+def _rows(cm, lengths, slower):
+    """Merged layer rows as a calibration measures them: each strategy ``slower[st]`` times the
+    model's prediction at each length."""
+    return [{"type": "layer", "strategy": st, "s": s, "b": 1, "layer_times": [1.0],
+             "seconds": cm.layer(st, s, 1).seconds * slower[st](s)} for st in cm.strategies for s in lengths]
+
+
+def test_factors_scale_times_only_and_interpolate_in_log_s(tmp_path):
+    cm = FittedCostModel.load(P2)
+    assert calibrate.lengths_for(cm, 4096) == [1024, 4096] and calibrate.lengths_for(cm, 10 ** 6)[-1] == 4096
+    slower = {st: (lambda s: 1.5) for st in cm.strategies}
+    slower["ring"] = lambda s: 2.0 if s == 1024 else 1.25
+    cal = calibrate.apply(cm, calibrate.factors(cm, _rows(cm, [1024, 4096], slower)))
+    for st in cm.strategies:
+        for s in (256, 1024, 2048, 4096, 16384):
+            a, b = cm.layer(st, s, 1), cal.layer(st, s, 1)
+            want = 1.5 if st != "ring" else (2.0 if s <= 1024 else 1.25 if s >= 4096 else 1.625)  # linear in log s
+            assert b.seconds == pytest.approx(a.seconds * want) and b.saved_bytes == a.saved_bytes
+            assert b.transient_bytes == a.transient_bytes
+    pack = PackShape((300, 1000, 748))  # its padded length, 2048, takes the factor
+    assert cal.layer("ring", pack, 1).seconds == pytest.approx(cm.layer("ring", pack, 1).seconds * 1.625)
+    other = cal.meta["calibration"]["other"]  # the median ratio: non-layer part and update
+    assert other == pytest.approx(1.5)
+    assert cal.nonlayer(2048, 1).seconds == pytest.approx(cm.nonlayer(2048, 1).seconds * other)
+    assert cal.update_seconds() == pytest.approx(cm.update_seconds() * other)
+    assert cal.step(("tp_sp",) * 4, 2048, 1).peak_bytes == cm.step(("tp_sp",) * 4, 2048, 1).peak_bytes
+    # saved and loaded: the same predictions; calibrating again starts from the profile's host
+    path = calibrate.save(cal, str(tmp_path / "here.json"))
+    back = FittedCostModel.load(path, cm.shape)
+    assert back.layer("ring", 2048, 1) == cal.layer("ring", 2048, 1)
+    again = calibrate.apply(back, calibrate.factors(back, _rows(cm, [1024, 4096], {s: (lambda x: 1.0) for s in cm.strategies})))
+    assert again.layer("metp", 2048, 1).seconds == pytest.approx(cm.layer("metp", 2048, 1).seconds)
+
+
+def test_the_calibrate_command(tmp_path, monkeypatch, capsys):
+    """``python -m megatron_paradyse.costmodel calibrate MODEL -o OUT`` (its ``main``, which starts
+    the model's p gloo ranks), into a folder that does not exist yet."""
+    monkeypatch.chdir(tmp_path)
+    assert calibrate.main([P2, "-o", "cal/here.json", "--seq-length", "256"]) == 0
+    out = capsys.readouterr().out
+    cal = FittedCostModel.load(str(tmp_path / "cal/here.json"))
+    rec = cal.meta["calibration"]
+    assert rec["lengths"] == [64, 256] and set(rec["strategies"]) == set(cal.strategies)
+    assert all(x[1] > 0 and x[3] > 0 for pts in rec["strategies"].values() for x in pts)
+    assert "wrote cal/here.json: time here / on the profile's host at s = 64/256" in out
+
+
+def _calibrated_training(rank, world):
+    from megatron_paradyse.training import arguments, trainer
+
+    argv = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "8", "--ffn-hidden-size", "512",
+            "--vocab-size", "258", "--seq-length", "128", "--max-position-embeddings", "128",
+            "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--micro-batch-size", "1", "--train-iters", "2",
+            "--lr", "1e-3", "--tensor-model-parallel-size", str(world), "--sequence-parallel", "--mock-data",
+            "--paradyse", "--paradyse-memory-budget", "1"]
+    out = {}
+    for name, extra in (("calibrated", ["--paradyse-calibrate"]), ("plain", [])):
+        t = trainer.Trainer(arguments.parse_args(argv + extra, world_size=world))
+        t.train()
+        out[name] = ([h.loss for h in t.history], [h.plans for h in t.history],
+                     t.cost_model.meta["calibration"] if t.cost_model is not None else None)
+    return out
+
+
+def test_the_trainers_calibration_trains_as_without_it():
+    """``--paradyse-calibrate`` measures before the run's parallel state and seeds: the same
+    losses as the run without it (the plans at these lengths are the same), the same factors
+    on every rank."""
+    got = run_world(_calibrated_training, 2, timeout=300)
+    for r in got:
+        assert r["calibrated"][0] == r["plain"][0] and r["calibrated"][1] == r["plain"][1]
+        assert r["calibrated"][2]["lengths"] == [32, 128] and r["plain"][2] is None
+    assert got[0]["calibrated"][2]["strategies"] == got[1]["calibrated"][2]["strategies"]
