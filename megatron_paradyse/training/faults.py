@@ -128,6 +128,7 @@ class FailFast:
         self.store_lost_seconds = store_lost_seconds
         self.prog = prog
         self.on_interrupt = on_interrupt
+        self._said = threading.Lock()  # the Ctrl-C line: by the main thread or the watcher, once
         self._stop = threading.Event()
         self._thread = None
         self._store = None
@@ -158,6 +159,8 @@ class FailFast:
                 if fault.get("rank") == rank:
                     continue
                 if fault.get("kind") in ("user", "interrupt"):  # said once, by the rank that raised it
+                    if fault["kind"] == "interrupt" and rank == 0:
+                        self._say_interrupted(fault.get("error", ""))  # a worker was interrupted alone
                     record_for_torchrun(fault.get("error", ""))
                     os._exit(EXIT_USER if fault["kind"] == "user" else EXIT_INTERRUPTED)
                 _say(f"[rank {rank}] stopping: {_describe(fault)}")
@@ -226,8 +229,7 @@ class FailFast:
             first = _wait_for_fault(store)  # another rank counted first: its line, once it is set
         if interrupted:
             if rank == 0 or store is None:
-                extra = _call(self.on_interrupt)
-                say(line + (f"; {extra}" if extra else ""))
+                self._say_interrupted(line)
             record_for_torchrun(line)
             return EXIT_INTERRUPTED
         if published or store is None or (first or {}).get("error") != line:
@@ -236,6 +238,12 @@ class FailFast:
         if not published and store is not None:
             time.sleep(PEER_PAUSE)  # the publishing rank prints before torchrun stops this one
         return EXIT_USER
+
+    def _say_interrupted(self, line: str) -> None:
+        """The Ctrl-C line with ``on_interrupt()``'s text, once per process."""
+        if self._said.acquire(blocking=False):
+            extra = _call(self.on_interrupt)
+            say(line + (f"; {extra}" if extra else ""))
 
     @staticmethod
     def _publish(store, rank, summary, communication=False, kind="error") -> bool:
