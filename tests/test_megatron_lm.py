@@ -262,12 +262,30 @@ def test_planner_in_megatron_lm_pretrain():
     assert re.search(r"\[paradyse\] iteration .*\| pred: [0-9.]+ s, peak [0-9.]+ MiB", got.out)
 
 
+def one_line(out: Run, needle: str) -> None:
+    """A user's mistake: one ``pretrain_gpt.py (megatron_paradyse): error:`` line holding
+    ``needle`` (rank 0's; torchrun's summary repeats it), a worker's exit status 2, and no
+    traceback from this package or megatron."""
+    said = [ln for ln in out.out.splitlines() if ln.startswith("pretrain_gpt.py (megatron_paradyse): error: ")]
+    assert out.rc != 0 and len(said) == 1 and needle in said[0], (said, out.out[-4000:])
+    assert re.search(r"exitcode\s*:\s*2 ", out.out), out.out[-4000:]
+    assert not re.search(r'File ".*(megatron_paradyse|/megatron/)', out.out), out.out[-4000:]
+
+
 @full
 def test_planner_flags_with_a_plan_are_a_clear_error():
     out = launch(model_flags(2) + ["--mock-data", "--paradyse", "--paradyse-plan", "tp_sp",
                                    "--paradyse-gamma", "0.1"])
-    assert out.rc != 0
-    assert out.out.count("--paradyse-gamma is for the planner") >= 2, out.out[-4000:]
+    one_line(out, "--paradyse-gamma is for the planner")
+
+
+def test_a_budget_nothing_fits_is_one_line_at_start_up():
+    """The datasets provider builds the planner on every rank: a budget that fits no
+    micro-batch is refused there, before the first step."""
+    out = launch(model_flags(2) + ["--mock-data", "--paradyse-document-data", "--paradyse",
+                                   "--paradyse-memory-budget", "0.0001"])
+    one_line(out, "--paradyse-memory-budget 0.0001 GiB per rank fits no micro-batch")
+    assert "[paradyse] iteration" not in out.out
 
 
 @full
@@ -324,10 +342,9 @@ def test_packed_documents_equal_stock_unpacked(nproc):
 
 
 @full
-def test_bad_plan_is_a_clear_error_on_every_rank():
+def test_bad_plan_is_one_line_and_every_rank_exits():
     out = launch(model_flags(2) + ["--mock-data", "--paradyse", "--paradyse-plan", "tp_sp,nope"])
-    assert out.rc != 0
-    assert out.out.count("--paradyse-plan 'tp_sp,nope'") >= 2, out.out[-4000:]  # both ranks
+    one_line(out, "--paradyse-plan 'tp_sp,nope'")  # rank 0 says it, every rank exits 2
     assert "initializing torch distributed" not in out.out and "already initialized" not in out.out
 
 
@@ -338,8 +355,7 @@ def test_overlap_param_gather_with_paradyse_is_a_clear_error():
     out = launch(model_flags(2) + ["--mock-data", "--paradyse", "--paradyse-plan", "ulysses",
                                    "--use-distributed-optimizer", "--overlap-grad-reduce",
                                    "--overlap-param-gather"])
-    assert out.rc != 0
-    assert out.out.count("--overlap-param-gather cannot be used with --paradyse") >= 2, out.out[-4000:]
+    one_line(out, "--overlap-param-gather cannot be used with --paradyse")
     assert "initializing torch distributed" not in out.out and "already initialized" not in out.out
 
 

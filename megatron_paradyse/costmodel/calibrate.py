@@ -76,13 +76,14 @@ def factors(cm: FittedCostModel, rows: list) -> dict:
     """The ``calibration`` record: per strategy, ``[s, measured, predicted, ratio]`` at each
     length it ran here; the median ratio (non-layer part and update)."""
     stat = cm.meta.get("time_stat", "median")
+    base = uncalibrated(cm)  # the profile's host: what the measured times are compared with
     per = {}
     for r in rows:
         if r.get("type") != "layer" or r.get("b") != 1:
             continue
         st, s = r["strategy"], int(r["s"])
         meas = min(r["layer_times"]) if stat == "min" else r["seconds"]
-        pred = uncalibrated(cm).layer(st, s, 1).seconds
+        pred = base.layer(st, s, 1).seconds
         per.setdefault(st, []).append([s, float(meas), float(pred), float(meas / pred) if pred > 0 else 1.0])
     missing = sorted(set(cm.strategies) - set(per))
     if missing:

@@ -459,18 +459,25 @@ def _complete_padding(args, tp: int) -> None:
 
 
 def _check_positions(args) -> None:
-    """Learned absolute position embeddings hold every position a micro-batch can reach: the
-    longest document padded to the layout's multiple (else megatron's embedding lookup fails
-    mid-step with an IndexError, stock path included)."""
+    why = positions_error(args, args.paradyse_pad_multiple)
+    if why:
+        _err(why)
+
+
+def positions_error(args, multiple: int) -> str | None:
+    """Why learned absolute position embeddings cannot hold every position a micro-batch can
+    reach (the longest document padded to ``multiple``, the layout's; else megatron's embedding
+    lookup fails mid-step with an IndexError, stock path included); None if they can. Both
+    trainers' argument checks."""
     if args.position_embedding_type != "learned_absolute":
-        return
-    m = args.paradyse_pad_multiple
-    longest = -(-args.seq_length // m) * m
-    if longest > args.max_position_embeddings:
-        _err(f"--seq-length {args.seq_length} is padded to {longest} (a multiple of {m}, the "
-             f"sequence-parallel split) but the learned position embeddings hold "
-             f"{args.max_position_embeddings} positions: give --max-position-embeddings {longest} "
-             f"(or more), or a --seq-length that is a multiple of {m}")
+        return None
+    longest = -(-args.seq_length // multiple) * multiple
+    if longest <= args.max_position_embeddings:
+        return None
+    return (f"--seq-length {args.seq_length} is padded to {longest} (a multiple of {multiple}, the "
+            f"sequence-parallel split) but the learned position embeddings hold "
+            f"{args.max_position_embeddings} positions: give --max-position-embeddings {longest} "
+            f"(or more), or a --seq-length that is a multiple of {multiple}")
 
 
 def _check_outputs(args) -> None:

@@ -126,6 +126,11 @@ class Trainer:
     # ------------------------------------------------------------------ setup
     def _setup(self):
         """The phases of a run's start, in order; each sets the attributes the next ones read."""
+        if not dist.is_initialized():
+            raise RuntimeError("initialise torch.distributed first (init_distributed does)")
+        if dist.get_world_size() != self.args.world_size:
+            raise RuntimeError(f"arguments were validated for world size {self.args.world_size}, "
+                               f"but the process group has {dist.get_world_size()} ranks")
         self._calibrate()
         self._init_parallel()
         self._build_model_and_optimizer()
@@ -142,8 +147,6 @@ class Trainer:
         args = self.args
         self.cost_model = None
         if args.paradyse and self.plan_fn is None and args.paradyse_plan is None and args.paradyse_calibrate:
-            if not dist.is_initialized():
-                raise RuntimeError("initialise torch.distributed first (init_distributed does)")
             cpu_compat.apply()
             install()
             self.cost_model = calibrated_cost_model(args)
@@ -153,11 +156,6 @@ class Trainer:
         from megatron.core import parallel_state, tensor_parallel
 
         args = self.args
-        if not dist.is_initialized():
-            raise RuntimeError("initialise torch.distributed first (init_distributed does)")
-        if dist.get_world_size() != args.world_size:
-            raise RuntimeError(f"arguments were validated for world size {args.world_size}, "
-                               f"but the process group has {dist.get_world_size()} ranks")
         cpu_compat.apply()
         if args.paradyse:
             install()

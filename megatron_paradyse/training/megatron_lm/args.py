@@ -3,7 +3,7 @@ inside Megatron-LM's ``validate_args``."""
 from __future__ import annotations
 
 from ..arguments import (OVERLAP_PARAM_GATHER_WITH_PARADYSE, add_paradyse_args, add_planner_args,
-                         check_fixed_plan, validate_planner_args)
+                         check_fixed_plan, positions_error, validate_planner_args)
 
 
 def add_megatron_lm_args(parser):
@@ -93,12 +93,9 @@ def _check_switchable(args) -> None:
             args.paradyse_pad_multiple < 1 or args.paradyse_pad_multiple % tp):
         raise ValueError(f"--paradyse-pad-multiple {args.paradyse_pad_multiple} must be a positive "
                          f"multiple of --tensor-model-parallel-size {tp}")
-    m = args.paradyse_pad_multiple or tp
-    longest = -(-args.seq_length // m) * m
-    if args.position_embedding_type == "learned_absolute" and longest > args.max_position_embeddings:
-        raise ValueError(f"--seq-length {args.seq_length} is padded to {longest} (a multiple of {m}) but the "
-                         f"learned position embeddings hold {args.max_position_embeddings} positions: give "
-                         f"--max-position-embeddings {longest} (or more), or a --seq-length that is a multiple of {m}")
+    why = positions_error(args, args.paradyse_pad_multiple or tp)
+    if why:
+        raise ValueError(why)
 
 
 def _check_plan_or_planner(args) -> None:
