@@ -135,8 +135,38 @@ def test_costmodel_commands_make_their_folders_and_refuse_mistakes_in_one_line(t
                                  "--memory-budget", "1"], capsys), "--hidden-size 256 (the model: 128)")
     # lengths beyond the profile: one warning with the factor
     res = command(plan.main, ["--cost-model", "runs/model/m.json", "--seq-lens", "1k,8k", "--memory-budget", "1"], capsys)
-    assert res.returncode == 0 and res.stderr.count("4.0x the longest the cost model m.json was profiled at (2048") == 1, res.out
+    assert res.returncode == 0 and res.stderr.count("4.0x the longest length the cost model m.json was fitted on (2048") == 1, res.out
     assert "Traceback" not in res.out
+
+
+def test_bench_makes_its_folder_and_checks_it_first(tmp_path, monkeypatch, capsys):
+    from megatron_paradyse.bench.__main__ import main as bench
+
+    monkeypatch.chdir(tmp_path)
+    res = command(bench, ["--simulate", "--quiet", "--out", "runs/bench"], capsys)
+    assert res.returncode == 0 and (tmp_path / "runs/bench/simulation.json").is_file(), res.out[-3000:]
+    (tmp_path / "afile").write_text("")
+    one_line(command(bench, ["--out", "afile/bench"], capsys), "--out afile/bench: cannot write there",
+             "python -m megatron_paradyse.bench")
+
+
+def test_the_trainer_warns_once_beyond_the_profiled_lengths(caplog):
+    """The shipped demo model (fitted up to 8192 tokens at p = 4) asked for --seq-length 65536."""
+    import logging
+
+    from megatron_paradyse.training.arguments import parse_args
+    from megatron_paradyse.training.planning import planner_from_args
+
+    argv = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "8", "--ffn-hidden-size", "512",
+            "--vocab-size", "258", "--seq-length", "65536", "--position-embedding-type", "rope",
+            "--untie-embeddings-and-output-weights", "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3", "--tensor-model-parallel-size", "4",
+            "--sequence-parallel", "--mock-data", "--paradyse", "--paradyse-memory-budget", "1"]
+    caplog.set_level(logging.WARNING, logger="megatron_paradyse")
+    logging.getLogger("megatron_paradyse").propagate = True
+    planner_from_args(parse_args(argv, world_size=4))
+    said = [r.getMessage() for r in caplog.records if "the longest length the cost model" in r.getMessage()]
+    assert len(said) == 1 and "8.0x the longest length the cost model demo_p4.json was fitted on (8192" in said[0], said
 
 
 def test_the_check_under_torchrun_makes_its_folder(tmp_path):

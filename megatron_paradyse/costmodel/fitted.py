@@ -302,13 +302,13 @@ class FittedCostModel(CostModel):
 
 def extrapolation_note(cm, longest: int) -> str | None:
     """Why ``cm``'s predictions for lengths up to ``longest`` tokens are guesses: ``longest`` is
-    beyond the longest length its profile measured (the factor named); None inside the range,
+    beyond the longest length it was fitted on (the factor named); None inside the range,
     or for a model that was not fitted to a profile (the analytic model)."""
     top = max((cm.meta.get("s_max") or {}).values(), default=None) if isinstance(cm, FittedCostModel) else None
     if not top or longest <= top:
         return None
-    return (f"lengths up to {longest} tokens are {longest / top:.1f}x the longest the cost model "
-            f"{os.path.basename(cm.path)} was profiled at ({int(top)} tokens): its times and peaks there "
+    return (f"lengths up to {longest} tokens are {longest / top:.1f}x the longest length the cost model "
+            f"{os.path.basename(cm.path)} was fitted on ({int(top)} tokens): its times and peaks there "
             "are extrapolated from the fitted rates and the analytic memory, not measured; profile "
             "longer --seqs to plan them from measurements")
 
