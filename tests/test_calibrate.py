@@ -55,20 +55,20 @@ def test_the_calibrate_command(tmp_path, monkeypatch, capsys):
     """``python -m megatron_paradyse.costmodel calibrate MODEL -o OUT`` (its ``main``, which starts
     the model's p gloo ranks), into a folder that does not exist yet."""
     monkeypatch.chdir(tmp_path)
-    assert calibrate.main([P2, "-o", "cal/here.json", "--seq-length", "256"]) == 0
+    assert calibrate.main([P2, "-o", "cal/here.json", "--seq-length", "64"]) == 0
     out = capsys.readouterr().out
     cal = FittedCostModel.load(str(tmp_path / "cal/here.json"))
     rec = cal.meta["calibration"]
-    assert rec["lengths"] == [64, 256] and set(rec["strategies"]) == set(cal.strategies)
+    assert rec["lengths"] == [16, 64] and set(rec["strategies"]) == set(cal.strategies)
     assert all(x[1] > 0 and x[3] > 0 for pts in rec["strategies"].values() for x in pts)
-    assert "wrote cal/here.json: time here / on the profile's host at s = 64/256" in out
+    assert "wrote cal/here.json: time here / on the profile's host at s = 16/64" in out
 
 
 def _calibrated_training(rank, world):
     from megatron_paradyse.training import arguments, trainer
 
     argv = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "8", "--ffn-hidden-size", "512",
-            "--vocab-size", "258", "--seq-length", "128", "--max-position-embeddings", "128",
+            "--vocab-size", "258", "--seq-length", "64", "--max-position-embeddings", "64",
             "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
             "--hidden-dropout", "0", "--attention-dropout", "0", "--micro-batch-size", "1", "--train-iters", "2",
             "--lr", "1e-3", "--tensor-model-parallel-size", str(world), "--sequence-parallel", "--mock-data",
@@ -89,5 +89,5 @@ def test_the_trainers_calibration_trains_as_without_it():
     got = run_world(_calibrated_training, 2, timeout=300)
     for r in got:
         assert r["calibrated"][0] == r["plain"][0] and r["calibrated"][1] == r["plain"][1]
-        assert r["calibrated"][2]["lengths"] == [32, 128] and r["plain"][2] is None
+        assert r["calibrated"][2]["lengths"] == [16, 64] and r["plain"][2] is None
     assert got[0]["calibrated"][2]["strategies"] == got[1]["calibrated"][2]["strategies"]
