@@ -53,12 +53,11 @@ def _bad_inputs(rank, world):
     layer.self_attention.attn_mask_type = AttnMaskType.no_mask
     errors["not_causal"] = _try(lambda: layer.self_attention(h, None))
     layer.self_attention.attn_mask_type = AttnMaskType.causal
-    # activation recomputation is refused: it would re-read whatever plan is set at that moment
-    model.config.recompute_granularity, model.config.recompute_method = "full", "uniform"
-    model.config.recompute_num_layers = 1
+    # selective recompute of modules the dense layer does not have is refused; bad entries too
+    model.config.recompute_granularity, model.config.recompute_modules = "selective", ["moe_act"]
     errors["recompute"] = _try(lambda: mp.set_plan(model, "tp_sp"))
-    model.config.recompute_granularity = model.config.recompute_method = None
-    model.config.recompute_num_layers = None
+    model.config.recompute_granularity, model.config.recompute_modules = None, None
+    errors["rc_entry"] = _try(lambda: mp.set_plan(model, "tp_sp:recompute"))
 
     # the group is still healthy: a collective and a correct step both work afterwards
     t = torch.ones(1)
@@ -87,7 +86,8 @@ def test_bad_input_errors_on_every_rank_without_hanging():
         assert "NotImplementedError" in e["per_token_scale"] and "per_token_scale" in e["per_token_scale"]
         assert "NotImplementedError" in e["unknown_mlp_arg"] and "new_megatron_arg" in e["unknown_mlp_arg"]
         assert "causal" in e["not_causal"] and "no_mask" in e["not_causal"]
-        assert "'tp_sp' cannot run" in e["recompute"] and "recompute_granularity='full'" in e["recompute"]
+        assert "'tp_sp' cannot run" in e["recompute"] and "moe_act is not supported" in e["recompute"]
+        assert "bad plan entry 'tp_sp:recompute'" in e["rc_entry"] and "tp_sp:rc" in e["rc_entry"]
         assert res["allreduce"] == 2.0
     assert out[0]["loss"] == out[1]["loss"]
 
@@ -102,10 +102,13 @@ def test_supports_reports_reasons():
     ok, why = mp.supports("ring", cfg, 2)
     assert not ok and "dropout" in why
     cfg.attention_dropout = 0.0
-    cfg.recompute_granularity = "selective"
+    cfg.recompute_granularity, cfg.recompute_modules = "selective", ["core_attn", "mlp"]
+    for name in mp.STRATEGIES:
+        assert mp.supports(name, cfg, 2) == (True, ""), name
+    cfg.recompute_modules = ["mla_up_proj"]
     for name in mp.STRATEGIES:
         ok, why = mp.supports(name, cfg, 2)
-        assert not ok and "recomputation" in why and "selective" in why, (name, why)
+        assert not ok and "selective recompute of mla_up_proj" in why, (name, why)
     try:
         mp.supports("nope", cfg, 2)
     except ValueError as e:

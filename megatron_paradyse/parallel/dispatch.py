@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from . import strategies
+from . import recompute, strategies
 from .packing import documents_from, pad_pack
 from .plan_check import PlanMismatchError, verify_plans
-from .plans import normalize_plan
+from .plans import normalize_plan, split_entry
 from .strategies.base import STOCK_FORWARD
 
 _ORIGINAL: dict = {}
@@ -26,21 +26,26 @@ def installed() -> bool:
 
 
 def install() -> None:
-    """Patch megatron.core's attention and MLP forwards; idempotent."""
+    """Patch megatron.core's attention, MLP, layer and GPT forwards and its checkpoint function
+    (a recompute re-runs the plan of its forward, ``recompute.py``); idempotent."""
     if _ORIGINAL:
         return
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.transformer_layer import TransformerLayer
 
     _ORIGINAL["attention"] = SelfAttention.forward
     _ORIGINAL["mlp"] = MLP.forward
     _ORIGINAL["gpt"] = GPTModel.forward
+    _ORIGINAL["layer"] = TransformerLayer.forward
     setattr(SelfAttention, STOCK_FORWARD, _ORIGINAL["attention"])
     setattr(MLP, STOCK_FORWARD, _ORIGINAL["mlp"])
     SelfAttention.forward = _attention_forward
     MLP.forward = _mlp_forward
     GPTModel.forward = _gpt_forward
+    TransformerLayer.forward = _layer_forward
+    recompute.install()
 
 
 def uninstall() -> None:
@@ -51,9 +56,13 @@ def uninstall() -> None:
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.mlp import MLP
 
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
     SelfAttention.forward = _ORIGINAL.pop("attention")
     MLP.forward = _ORIGINAL.pop("mlp")
     GPTModel.forward = _ORIGINAL.pop("gpt")
+    TransformerLayer.forward = _ORIGINAL.pop("layer")
+    recompute.uninstall()
     delattr(SelfAttention, STOCK_FORWARD)
     delattr(MLP, STOCK_FORWARD)
 
@@ -69,8 +78,12 @@ def _unhandled(kwargs, handled) -> list:
     return sorted(k for k, v in kwargs.items() if k not in handled and v is not None)
 
 
+def _layer_forward(self, *args, **kwargs):
+    return recompute.layer_forward(_ORIGINAL["layer"], self, args, kwargs)
+
+
 def _attention_forward(self, hidden_states, attention_mask=None, *args, **kwargs):
-    name = getattr(self, _ATTR, None)
+    name = recompute.lookup(self, _ATTR)
     if name is None:
         return _ORIGINAL["attention"](self, hidden_states, attention_mask, *args, **kwargs)
     if args:
@@ -96,7 +109,7 @@ def _attention_forward(self, hidden_states, attention_mask=None, *args, **kwargs
 
 
 def _mlp_forward(self, hidden_states, *args, **kwargs):
-    name = getattr(self, _ATTR, None)
+    name = recompute.lookup(self, _ATTR)
     if name is None:
         return _ORIGINAL["mlp"](self, hidden_states, *args, **kwargs)
     if args:
@@ -163,7 +176,10 @@ _VERIFIED_CALLS = [0]
 def set_plan(model, plan, verify: bool = False, group=None) -> tuple:
     """Run each decoder layer of ``model`` with the strategy the plan names.
 
-    ``plan`` is one name for all layers or a list with one name per layer. Every check
+    ``plan`` is one entry for all layers or a list with one entry per layer; an entry is a
+    strategy name, or one with ``:rc`` (``tp_sp:rc``: that layer is also recomputed in
+    backward). A recompute, planned or megatron's own (``recompute_granularity``), re-runs the
+    plan of its forward, whatever plan is set by then (``recompute.py``). Every check
     (length, names, what each strategy supports for this model and group size) happens here,
     locally, before any collective, so a bad plan fails on every rank alike. Returns the plan
     as a tuple. ``set_plan(model, None)`` returns the layers to stock megatron code.
@@ -208,6 +224,7 @@ def _set_plan(model, plan) -> tuple:
         for layer in layers:
             setattr(layer.self_attention, _ATTR, None)
             setattr(layer.mlp, _ATTR, None)
+            setattr(layer, recompute.RC_ATTR, False)
         gpt._paradyse_plan = None
         return None
     plan = normalize_plan(plan, len(layers))
@@ -216,16 +233,18 @@ def _set_plan(model, plan) -> tuple:
     if p > 1 and not cfg.sequence_parallel:
         raise ValueError("ParaDySe needs sequence_parallel=True: every strategy keeps the "
                          "[s/p, b, h] sequence-parallel layout between layers")
-    for name in sorted(set(plan)):
+    for name in sorted({split_entry(e)[0] for e in plan}):
         ok, why = strategies.supports(name, cfg, p)
         if not ok:
             raise ValueError(f"strategy {name!r} cannot run this model over p={p}: {why}")
     if not getattr(gpt, _MODULES_CHECKED, False):  # once per model: set_plan runs every micro-batch
         check_model(gpt)
         setattr(gpt, _MODULES_CHECKED, True)
-    for layer, name in zip(layers, plan):
+    for layer, entry in zip(layers, plan):
+        name, rc = split_entry(entry)
         setattr(layer.self_attention, _ATTR, name)
         setattr(layer.mlp, _ATTR, name)
+        setattr(layer, recompute.RC_ATTR, rc)
     gpt._paradyse_plan = plan
     return plan
 

@@ -1,7 +1,9 @@
 """Plans: one module for what a plan is, how it is checked, parsed, printed and hashed.
 
-A plan is a tuple with one strategy name per decoder layer (``None`` means stock megatron
-code). Every place that touches a plan (``set_plan``, ``--paradyse-plan``, the trainer's
+A plan is a tuple with one entry per decoder layer (``None`` means stock megatron code). An
+entry is a strategy name, or a strategy name with :data:`RC` (``tp_sp:rc``): that layer runs the
+strategy and is recomputed in backward (its input saved, the layer run again inside the
+backward; ``parallel/recompute.py``). Every place that touches a plan (``set_plan``, ``--paradyse-plan``, the trainer's
 logs, the cross-rank check, the planner) goes through this module:
 
 * :func:`normalize_plan` / :func:`validate_names`: the type and the local checks;
@@ -18,18 +20,42 @@ import hashlib
 
 from .strategies import get as _get_strategy
 
-Plan = tuple  # one strategy name per layer
+Plan = tuple  # one entry (strategy name, optionally with RC) per layer
+
+RC = ":rc"  # the suffix of a plan entry whose layer is recomputed in backward
 
 _HASH_BITS = 62
 
 
+def split_entry(entry: str) -> tuple:
+    """``(strategy name, recomputed)`` of a plan entry: ``"ring:rc"`` -> ``("ring", True)``."""
+    if entry.endswith(RC):
+        return entry[:-len(RC)], True
+    return entry, False
+
+
+def make_entry(strategy: str, recompute: bool) -> str:
+    """The plan entry of ``strategy``, recomputed or not."""
+    return strategy + RC if recompute else strategy
+
+
+def strategy_of(entry: str) -> str:
+    """The strategy a plan entry runs (without :data:`RC`)."""
+    return split_entry(entry)[0]
+
+
 def validate_names(names) -> Plan:
-    """``names`` as a tuple of known strategy names; ValueError naming the known ones otherwise."""
+    """``names`` as a tuple of known plan entries (a strategy name, or one with :data:`RC`);
+    ValueError naming the known ones otherwise."""
     names = tuple(names)
     for name in names:
         if not isinstance(name, str):
             raise TypeError(f"plan entries must be strategy names, got {name!r}")
-        _get_strategy(name)
+        base, _ = split_entry(name)
+        if ":" in base:
+            raise ValueError(f"bad plan entry {name!r}: a strategy name, or one with {RC!r} "
+                             f"(recomputed in backward), e.g. tp_sp{RC}")
+        _get_strategy(base)
     return names
 
 
@@ -45,7 +71,7 @@ def normalize_plan(plan, num_layers: int) -> Plan:
 
 
 def describe(plan) -> str:
-    """Compact run-length form for logs, e.g. ``tp_sp*20+metp*4``; ``stock`` for None."""
+    """Compact run-length form for logs, e.g. ``tp_sp:rc*2+tp_sp*18+metp*4``; ``stock`` for None."""
     if plan is None:
         return "stock"
     out, prev, n = [], None, 0

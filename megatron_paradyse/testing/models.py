@@ -31,10 +31,12 @@ class TinyGPT:
     max_seq_length: int = 256
     params_dtype: torch.dtype = torch.float32
 
-    def transformer_config(self, tp: int, sequence_parallel: bool):
+    def transformer_config(self, tp: int, sequence_parallel: bool, **extra):
+        """megatron's config of this model; ``extra``: more ``TransformerConfig`` fields (e.g. the
+        recompute flags, which megatron checks and its layers read when they are built)."""
         from megatron.core.transformer import TransformerConfig
 
-        return TransformerConfig(
+        return TransformerConfig(**extra,
             num_layers=self.num_layers, hidden_size=self.hidden_size,
             num_attention_heads=self.num_attention_heads,
             num_query_groups=self.num_query_groups,
@@ -62,10 +64,11 @@ def init_megatron(tp: int, seed: int = 1234, **kwargs) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def build_gpt(spec: TinyGPT, tp: int, seed: int = 1234, sequence_parallel: bool = True):
+def build_gpt(spec: TinyGPT, tp: int, seed: int = 1234, sequence_parallel: bool = True, **config):
     """A stock ``GPTModel`` (the package's one builder, ``megatron_paradyse.model``: megatron's
-    local layer spec) with weights drawn from ``seed``, on this process's device."""
-    config = spec.transformer_config(tp, sequence_parallel)
+    local layer spec) with weights drawn from ``seed``, on this process's device; ``config``:
+    more ``TransformerConfig`` fields."""
+    config = spec.transformer_config(tp, sequence_parallel, **config)
     return build(config, spec.vocab_size, spec.max_seq_length, position_embedding_type="rope",
                  share_embeddings_and_output_weights=False, seed=seed)
 

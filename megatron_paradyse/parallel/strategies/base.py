@@ -43,8 +43,9 @@ class Strategy:
         raise NotImplementedError
 
 
-_RECOMPUTE_FLAGS = ("recompute_granularity", "recompute_method", "recompute_num_layers",
-                    "moe_layer_recompute")
+# megatron's selective recompute modules that apply to the dense GPT layer of the local spec
+# (the others are MoE's and multi-latent attention's, refused above)
+SELECTIVE_MODULES = ("core_attn", "layernorm", "mlp")
 
 
 def common_support(config) -> tuple[bool, str]:
@@ -65,15 +66,30 @@ def common_support(config) -> tuple[bool, str]:
         return False, f"softmax_type {config.softmax_type!r} is not supported (vanilla only)"
     if getattr(config, "window_size", None) is not None:
         return False, "sliding-window attention (window_size) is not supported"
-    recompute = {k: getattr(config, k, None) for k in _RECOMPUTE_FLAGS}
-    recompute = {k: v for k, v in recompute.items() if v}
-    if recompute:
-        flags = ", ".join(f"{k}={v!r}" for k, v in recompute.items())
-        return False, (f"activation recomputation is not supported ({flags}): a recompute would "
-                       "re-run whatever plan is set at that moment, not the plan that ran in forward")
+    ok, why = recompute_support(config)
+    if not ok:
+        return False, why
     if config.hidden_dropout or config.attention_dropout:
         return False, ("dropout must be 0: strategies would draw different random masks than "
                        "stock megatron (attention_dropout / hidden_dropout)")
+    return True, ""
+
+
+def recompute_support(config) -> tuple[bool, str]:
+    """megatron's recompute flags the strategies honour: full (uniform or block, any number of
+    layers) and selective over :data:`SELECTIVE_MODULES`. Each recompute re-runs the strategy of
+    its forward (``parallel/recompute.py``). ``core_attn`` changes nothing under a strategy: no
+    strategy runs megatron's ``DotProductAttention``, and their kernels (torch's SDPA, the
+    log-sum-exp blocks) keep no score matrix; colossal's score rows stay saved."""
+    granularity = getattr(config, "recompute_granularity", None)
+    if granularity in (None, "full"):
+        return True, ""
+    if granularity != "selective":
+        return False, f"recompute_granularity {granularity!r} is not megatron's 'full' or 'selective'"
+    other = sorted(set(getattr(config, "recompute_modules", None) or ()) - set(SELECTIVE_MODULES))
+    if other:
+        return False, (f"selective recompute of {', '.join(other)} is not supported (the dense "
+                       f"GPT layer's modules are {', '.join(SELECTIVE_MODULES)})")
     return True, ""
 
 
