@@ -73,6 +73,10 @@ class CostModel:
         """Embedding, output layer and loss of one micro-batch, as one term."""
         return LayerCost(0.0, 0.0, 0.0)
 
+    def recomputes(self) -> bool:
+        """Whether :meth:`layer` and :meth:`pool` price recomputed plan entries (``tp_sp:rc``)."""
+        return False
+
     def update_seconds(self) -> float:
         """Seconds of a training step's update after its last backward (gradient reduction,
         optimizer step): once per step, whatever its micro-batches; default: unknown, 0."""
