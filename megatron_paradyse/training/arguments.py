@@ -19,7 +19,7 @@ import torch
 from ..device import default_backend, usable_memory_bytes
 from ..errors import ArgumentParser, UserError
 from ..model import ModelArgsError, add_model_args, complete_model_args, transformer_config
-from ..parallel.plans import parse_plan
+from ..parallel.plans import parse_plan, strategy_of
 from ..parallel.strategies import STRATEGIES, supports
 from ..units import GiB
 
@@ -65,6 +65,12 @@ def add_paradyse_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                         "hand out once the model and optimizer exist: on GPU free + torch-reserved "
                         "memory less 1 GiB for NCCL/cuBLAS buffers made later; on CPU the host's "
                         "memory divided by the ranks on the node).")
+    g.add_argument("--paradyse-recompute", choices=("auto", "off"), default="auto",
+                   help="Whether the planner may recompute layers: 'auto' (default) plans strategy x "
+                        "recompute per layer and micro-batch (a plan entry 'tp_sp:rc' recomputes its "
+                        "layer in backward); 'off' never. megatron's own --recompute-* flags fix "
+                        "recompute where they apply and the planner plans the rest. Fixed plans "
+                        "(--paradyse-plan) say it per entry.")
     g.add_argument("--paradyse-trainer", choices=("auto", "core", "megatron"), default="core",
                    help="pretrain_gpt_paradyse.py: 'core' (default) = the megatron-core training "
                         "loop of megatron_paradyse.training; 'megatron' = Megatron-LM's pretrain() "
@@ -105,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-type", type=str, default="NullTokenizer",
                    help="only NullTokenizer: data is token ids")
     _add_training_args(p)
+    _add_recompute_args(p)
     _add_distributed_args(p)
     p.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default="local",
                    help="Megatron-LM's flag: this trainer builds megatron-core's local layers ('local', "
@@ -154,6 +161,68 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
                         "forward (Megatron-LM's flag; needs --use-distributed-optimizer and "
                         "--overlap-grad-reduce; not with --paradyse)")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
+
+
+# megatron-core's selective recompute modules (TransformerConfig.recompute_modules)
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+
+
+def _add_recompute_args(p: argparse.ArgumentParser) -> None:
+    """megatron's activation recomputation, as Megatron-LM names and checks its flags."""
+    g = p.add_argument_group("activation recomputation (Megatron-LM flag names)")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="selective recompute (--recompute-granularity selective)")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--recompute-modules", nargs="*", choices=RECOMPUTE_MODULES, default=None,
+                   help="selective recompute's modules (default core_attn)")
+
+
+# megatron-core 0.16 and 0.19 alike (stock or not): the MLP's checkpoint returns fc2's bias
+# parameter itself as an output, which autograd then takes as made by the checkpoint
+MLP_RECOMPUTE_WITH_BIAS = (
+    "--recompute-modules mlp needs --disable-bias-linear: megatron-core's MLP checkpoint returns the "
+    "linear_fc2 bias parameter as one of its outputs, so every later use of the bias runs through "
+    "that checkpoint's backward again (a recursion that never ends, stock megatron-core alike)")
+
+
+def check_recompute(args, layers: int) -> None:
+    """Megatron-LM's checks of the recompute flags, plus the one megatron-core leaves to an
+    IndexError in the forward (uniform chunks that do not divide the layers)."""
+    if getattr(args, "recompute_activations", False):
+        args.recompute_granularity = "selective"
+    g, method, n = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
+    if g is None:
+        if method is not None or n is not None:
+            _err("--recompute-method and --recompute-num-layers need --recompute-granularity full")
+        return
+    if g == "selective":
+        if method is not None or n is not None:
+            _err("--recompute-method and --recompute-num-layers are for --recompute-granularity full "
+                 "(selective recompute takes --recompute-modules)")
+        if "mlp" in (args.recompute_modules or ()) and not getattr(args, "disable_bias_linear", True):
+            _err(MLP_RECOMPUTE_WITH_BIAS)
+        return
+    if method is None or n is None:
+        _err("--recompute-granularity full needs --recompute-method (uniform or block) and "
+             "--recompute-num-layers")
+    if not 1 <= n <= layers and not (method == "block" and n == 0):
+        _err(f"--recompute-num-layers {n} must be between 1 and the layers per pipeline stage ({layers})")
+    if method == "uniform" and layers % n:
+        _err(f"--recompute-num-layers {n} must divide the layers per pipeline stage ({layers}) with "
+             "--recompute-method uniform (megatron-core's chunks would run past the last layer)")
+
+
+def recompute_config(args) -> dict:
+    """The ``TransformerConfig`` fields of the recompute flags (none given: none)."""
+    if not getattr(args, "recompute_granularity", None):
+        return {}
+    out = dict(recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+               recompute_num_layers=args.recompute_num_layers)
+    if args.recompute_modules is not None:
+        out["recompute_modules"] = list(args.recompute_modules)
+    return out
 
 
 def _add_distributed_args(p: argparse.ArgumentParser) -> None:
@@ -297,6 +366,7 @@ def validate_args(args, world_size: int | None = None) -> argparse.Namespace:
     _check_batches(args, world_size, tp)
     _check_data(args)
     _complete_model(args, tp)
+    check_recompute(args, args.num_layers // args.pipeline_model_parallel_size)
     _check_schedule(args)
     if args.paradyse_memory_every < 1:
         _err(f"--paradyse-memory-every must be at least 1, got {args.paradyse_memory_every}")
@@ -509,7 +579,7 @@ def check_fixed_plan(args, tp: int, error=ArgumentError, config=None) -> None:
         raise error(f"--paradyse-plan {args.paradyse_plan!r}: {e}") from None
     if config is None:
         config = transformer_config_from_args(args)
-    for name in rule.strategies():
+    for name in sorted({strategy_of(e) for e in rule.strategies()}):
         ok, why = supports(name, config, tp)
         if not ok:
             raise error(f"--paradyse-plan uses {name!r}, which cannot run this model over "
@@ -595,5 +665,5 @@ def default_memory_budget_gib() -> float:
 
 
 def transformer_config_from_args(args, **overrides):
-    """megatron-core's ``TransformerConfig`` for the parsed flags (no collective)."""
-    return transformer_config(args, **overrides)
+    """megatron-core's ``TransformerConfig`` for the parsed flags, recompute included (no collective)."""
+    return transformer_config(args, **{**recompute_config(args), **overrides})

@@ -10,6 +10,7 @@ from ..costmodel import ModelShape, build_cost_model, extrapolation_note
 from ..device import current as current_device
 from ..device import is_cpu
 from ..errors import UserError
+from ..parallel.plans import make_entry, strategy_of
 from ..planner import build_planner, make_plan_fn
 from ..units import GiB
 from .arguments import default_memory_budget_gib
@@ -65,9 +66,13 @@ def planner_from_args(args, can_refine: bool = True, cost_model=None):
         budget = args.paradyse_memory_budget = default_memory_budget_gib()
     margin = None if args.paradyse_memory_margin is None else args.paradyse_memory_margin * GiB
     refine = can_refine and {"on": True, "off": False}.get(args.paradyse_refine, not is_cpu())
+    mode, chunk, first = recompute_plan(args)
     planner = build_planner(args.paradyse_planner, cm, budget * GiB, gamma=args.paradyse_gamma,
                             margin_bytes=margin, strategies=args.paradyse_planner_strategies,
-                            refinement=True if refine else None, device_kind=current_device().type)
+                            refinement=True if refine else None, device_kind=current_device().type,
+                            recompute=mode, recompute_chunk=chunk)
+    if first:
+        force_first_recomputed(planner, first)
     log.info(f"> planner: {planner.describe()}; cost model {type(cm).__name__}"
              + (f" ({args.paradyse_cost_model})" if args.paradyse_cost_model else "")
              + f"; on no fit: {args.paradyse_on_no_fit}; refinement {'on' if refine else 'off'}")
@@ -77,6 +82,46 @@ def planner_from_args(args, can_refine: bool = True, cost_model=None):
     multiple = args.paradyse_pad_multiple or args.tensor_model_parallel_size
     plan_fn = make_plan_fn(planner, args.paradyse_on_no_fit, multiple=multiple)  # plans packs too
     return planner, plan_fn
+
+
+def recompute_plan(args) -> tuple:
+    """``(planner recompute mode, chunk, first)`` from ``--paradyse-recompute`` and megatron's
+    own flags, which fix recompute where they apply: ``full`` + ``uniform`` recomputes every
+    layer in chunks of ``--recompute-num-layers`` (the planner plans ``:rc`` entries only);
+    ``full`` + ``block`` the first ``--recompute-num-layers`` layers (the planner plans the rest,
+    :func:`force_first_recomputed`); selective recompute changes no plan (its savings are not
+    counted: the predicted peak stays an upper bound)."""
+    mode = getattr(args, "paradyse_recompute", "auto") or "auto"
+    if getattr(args, "recompute_granularity", None) != "full":
+        return mode, 1, 0
+    n = int(args.recompute_num_layers or 0)
+    if args.recompute_method == "uniform":
+        return "only", max(1, n), 0
+    return mode, 1, n
+
+
+def force_first_recomputed(planner, first: int) -> None:
+    """megatron's block recompute runs the first ``first`` layers recomputed whatever the plan
+    says: the planner's plans get ``:rc`` entries there, priced as such (their peak re-checked
+    against the budget; a plan that no longer fits is reported as not fitting)."""
+    from ..planner.core import plan_key
+
+    inner = planner.choose
+
+    def choose(seq_len, micro_batch):
+        c = inner(seq_len, micro_batch)
+        layers = tuple(make_entry(strategy_of(e), True) if i < first else e for i, e in enumerate(c.layers))
+        if layers == c.layers:
+            return c
+        costs = planner.costs(plan_key(seq_len), int(micro_batch))
+        if not all(e in costs.names for e in layers):  # the cost model cannot price :rc entries
+            return c._replace(layers=layers)
+        sec, peak = planner.evaluate_layers(costs, layers)
+        fits = c.fits and peak <= planner.limit
+        why = c.reason if fits else f"{c.reason}; with megatron's block recompute of the first {first} layers it peaks above the budget"
+        return c._replace(layers=layers, seconds=sec, peak_bytes=peak, fits=fits, reason=why)
+
+    planner.choose = choose
 
 
 class BudgetError(UserError):

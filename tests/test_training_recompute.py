@@ -1,0 +1,71 @@
+"""Training under recompute (issue 34): megatron's recompute flags and planned ``:rc`` entries
+train equal to stock megatron-core under the same flags, with plans changing per micro-batch.
+
+One world of p = 2 ranks: per flag set, stock megatron-core TP+SP and ParaDySe with a plan that
+cycles over every strategy, recomputed or not, per step, micro-batch and layer; then the planner
+(``--paradyse-recompute auto``) under a budget where recompute pays.
+"""
+import pytest
+
+from megatron_paradyse.testing.spawn import run_world
+
+from .test_training import _cycling_plan_fn, _rel, _summary, _train
+
+STEPS = 6
+FLAG_SETS = {
+    "full-uniform": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"],
+    "full-block": ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"],
+    # megatron's mlp checkpoint cannot take linear biases (arguments.MLP_RECOMPUTE_WITH_BIAS)
+    "selective": ["--recompute-activations", "--recompute-modules", "core_attn", "mlp", "--disable-bias-linear"],
+}
+
+
+def _with_rc(config, p):
+    """The cycling plan, every other entry recomputed (``:rc``)."""
+    base = _cycling_plan_fn(config, p)
+
+    def plan_fn(mb, step, index):
+        return tuple(n + (":rc" if (step + index + i) % 2 else "") for i, n in enumerate(base(mb, step, index)))
+
+    return plan_fn
+
+
+def _world(rank, world, planned=True):
+    out = {}
+    for key, flags in FLAG_SETS.items():
+        hist, _, _ = _train(2, world, flags, paradyse=False, steps=STEPS)
+        out[f"{key}/stock"] = _summary(hist)
+        hist, _, _ = _train(2, world, flags, paradyse=True, plan_fn_factory=_with_rc, steps=STEPS)
+        out[f"{key}/paradyse"] = _summary(hist)
+    if not planned:
+        return out if rank == 0 else None
+    lines = []
+    hist, _, _ = _train(2, world, ["--paradyse-memory-budget", "0.0016", "--paradyse-refine", "off"],
+                        paradyse=True, steps=STEPS, lines=lines)
+    out["planned"] = _summary(hist)
+    out["planned_log"] = lines
+    return out if rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def world():
+    return run_world(_world, 2, timeout=300)[0]
+
+
+@pytest.mark.parametrize("key", list(FLAG_SETS))
+def test_recompute_flags_train_equal_to_stock(world, key):
+    stock, pd = world[f"{key}/stock"], world[f"{key}/paradyse"]
+    assert len(stock) == len(pd) == STEPS
+    plans = [p for step in pd for p in step["plans"]]
+    assert any(e.endswith(":rc") for p in plans for e in p) and any(not e.endswith(":rc") for p in plans for e in p)
+    assert len(set(plans)) > 2
+    worst = max(_rel(x["loss"], y["loss"]) for x, y in zip(pd, stock))
+    worst_gn = max(_rel(x["gn"], y["gn"]) for x, y in zip(pd, stock))
+    print(f"\n{key}: {STEPS} steps, max rel loss err {worst:.2e}, grad-norm {worst_gn:.2e}")
+    assert worst < 1e-5 and worst_gn < 1e-4
+
+
+def test_the_planner_recomputes_under_a_tight_budget(world):
+    plans = [p for step in world["planned"] for p in step["plans"]]
+    print("\n" + "\n".join(sorted({"+".join(p) for p in plans})))
+    assert any(e.endswith(":rc") for p in plans for e in p), plans
