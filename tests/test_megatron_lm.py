@@ -262,6 +262,30 @@ def test_planner_in_megatron_lm_pretrain():
     assert re.search(r"\[paradyse\] iteration .*\| pred: [0-9.]+ s, peak [0-9.]+ MiB", got.out)
 
 
+RC_PLAN = "rule:32=tp_sp:rc,64=ulysses:rc*2+colossal*2,96=ring*2+metp:rc*2,tp_sp:rc+ulysses+ring:rc+metp"
+BLOCK = ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"]
+
+
+def test_recompute_in_megatron_lm_pretrain():
+    """Megatron-LM's --recompute-* flags (block: megatron recomputes layer 0) with a plan whose
+    entries recompute other layers (':rc'): the losses equal stock Megatron-LM's (recompute
+    changes no number; the same flags on stock are the FULL check below)."""
+    stock = run("stock").check()
+    got = launch(model_flags(2) + ["--mock-data", "--paradyse-document-data", "--paradyse",
+                                   "--paradyse-plan", RC_PLAN] + BLOCK).check()
+    _assert_close(got.losses, stock.losses, range(1, ITERS + 1), "--paradyse with recompute vs stock Megatron-LM")
+    plans = {p for _, line in got.plans.values() for p in line.split(",")}
+    assert any(":rc" in p for p in plans), plans
+    assert re.search(r"recompute_granularity \.+ full", got.out)
+
+
+@full
+def test_recompute_stock_with_the_same_flags():
+    stock = launch(model_flags(2) + ["--mock-data", "--paradyse-document-data"] + BLOCK).check()
+    _assert_close(stock.losses, run("stock").check().losses, range(1, ITERS + 1),
+                  "stock Megatron-LM with --recompute-* vs without")
+
+
 def one_line(out: Run, needle: str) -> None:
     """A user's mistake: one ``pretrain_gpt.py (megatron_paradyse): error:`` line holding
     ``needle`` (rank 0's; torchrun's summary repeats it), a worker's exit status 2, and no
