@@ -27,17 +27,8 @@ FLAGS = {
     "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]),
 }
 
-
-def _layernorm_recompute_runs() -> bool:
-    """megatron-core 0.16's layernorm recompute (``CheckpointWithoutOutput``) needs Transformer
-    Engine (a NameError without it, stock alike); 0.19's runs without."""
-    from megatron.core import package_info
-
-    return tuple(int(x) for x in package_info.__version__.split(".")[:2]) >= (0, 19)
-
-
-if _layernorm_recompute_runs():
-    FLAGS["selective"]["recompute_modules"] = ["core_attn", "layernorm", "mlp"]
+# layernorm recompute is not here: megatron-core's CheckpointWithoutOutput (0.16 and 0.19) calls
+# Transformer Engine's FP8GlobalStateManager whatever fp8 says (a NameError without it)
 PACK = (5, 17, 1, 9)
 SEQ = 24
 

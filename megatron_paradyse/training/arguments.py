@@ -187,6 +187,19 @@ MLP_RECOMPUTE_WITH_BIAS = (
     "that checkpoint's backward again (a recursion that never ends, stock megatron-core alike)")
 
 
+LAYERNORM_RECOMPUTE_WITHOUT_TE = (
+    "--recompute-modules layernorm needs Transformer Engine, which is not installed: megatron-core's "
+    "CheckpointWithoutOutput calls its FP8GlobalStateManager whatever the fp8 setting (a NameError "
+    "in the first forward, stock megatron-core alike)")
+
+
+def _have_te() -> bool:
+    """Whether megatron-core found Transformer Engine (its checkpoint module imported it)."""
+    from megatron.core.tensor_parallel import random as tp_random
+
+    return hasattr(tp_random, "FP8GlobalStateManager")
+
+
 def check_recompute(args, layers: int) -> None:
     """Megatron-LM's checks of the recompute flags, plus the one megatron-core leaves to an
     IndexError in the forward (uniform chunks that do not divide the layers)."""
@@ -203,6 +216,8 @@ def check_recompute(args, layers: int) -> None:
                  "(selective recompute takes --recompute-modules)")
         if "mlp" in (args.recompute_modules or ()) and not getattr(args, "disable_bias_linear", True):
             _err(MLP_RECOMPUTE_WITH_BIAS)
+        if "layernorm" in (args.recompute_modules or ()) and not _have_te():
+            _err(LAYERNORM_RECOMPUTE_WITHOUT_TE)
         return
     if method is None or n is None:
         _err("--recompute-granularity full needs --recompute-method (uniform or block) and "

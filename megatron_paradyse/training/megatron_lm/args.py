@@ -2,7 +2,8 @@
 inside Megatron-LM's ``validate_args``."""
 from __future__ import annotations
 
-from ..arguments import (OVERLAP_PARAM_GATHER_WITH_PARADYSE, add_paradyse_args, add_planner_args,
+from ..arguments import (LAYERNORM_RECOMPUTE_WITHOUT_TE, MLP_RECOMPUTE_WITH_BIAS,
+                         OVERLAP_PARAM_GATHER_WITH_PARADYSE, _have_te, add_paradyse_args, add_planner_args,
                          check_fixed_plan, positions_error, validate_planner_args)
 
 
@@ -96,6 +97,23 @@ def _check_switchable(args) -> None:
     why = positions_error(args, args.paradyse_pad_multiple or tp)
     if why:
         raise ValueError(why)
+    _check_recompute(args)
+
+
+def _check_recompute(args) -> None:
+    """Megatron-LM's recompute flags that megatron-core itself cannot run (stock alike), named
+    before the first step instead of a recursion or a NameError inside it."""
+    modules = getattr(args, "recompute_modules", None) or ()
+    if getattr(args, "recompute_granularity", None) == "selective":
+        if "mlp" in modules and getattr(args, "add_bias_linear", False):
+            raise ValueError(MLP_RECOMPUTE_WITH_BIAS)
+        if "layernorm" in modules and not _have_te():
+            raise ValueError(LAYERNORM_RECOMPUTE_WITHOUT_TE)
+    layers = args.num_layers // max(1, args.pipeline_model_parallel_size)
+    n = getattr(args, "recompute_num_layers", None)
+    if getattr(args, "recompute_method", None) == "uniform" and n and layers % n:
+        raise ValueError(f"--recompute-num-layers {n} must divide the layers per pipeline stage ({layers}) "
+                         "with --recompute-method uniform (megatron-core's chunks would run past the last layer)")
 
 
 def _check_plan_or_planner(args) -> None:
