@@ -57,7 +57,8 @@ def test_measured_world_small(tmp_path):
                  ("--ffn-hidden-size", "128")):
         argv[argv.index(k) + 1] = v
     cfg = BenchConfig(argv=argv, data_prefix=prefix, long_docs="skip", steps=2, budget_bytes=4 * MiB,
-                      systems=["stock", "tp_sp", "metp"], search=True, search_cap=1024, search_probes=2,
+                      systems=["stock", "tp_sp", "metp", "stock+rc", "tp_sp+rc"], search=True, search_cap=1024,
+                      search_probes=2,
                       search_resolution=128, verbose=False)
     out = run_world(bench_world, 2, cfg, timeout=240)[0]
     rec = out["records"]
@@ -75,6 +76,12 @@ def test_measured_world_small(tmp_path):
         if v["longest_fitting"]:
             assert any(p["length"] == v["longest_fitting"] and p["fits"] for p in v["probes"])
     assert srch["metp"]["longest_fitting"] >= srch["tp_sp"]["longest_fitting"] >= srch["stock"]["longest_fitting"]
+    # recompute: the same losses, less memory on the longest step, every layer's plan entry :rc
+    assert all(r["plan"] == "tp_sp:rc*2" for r in rec["tp_sp+rc"]) and all(r["plan"] is None for r in rec["stock+rc"])
+    for a, b in (("stock+rc", "stock"), ("tp_sp+rc", "tp_sp")):
+        assert all(abs(x["loss"] - y["loss"]) <= 1e-5 * abs(y["loss"]) for x, y in zip(rec[a], rec[b])), (a, b)
+        assert by[a][k] < by[b][k], (a, by[a][k], b, by[b][k])
+    assert out["systems"][3]["config"]["recompute_granularity"] == "full"
 
 
 def test_packed_systems_train_the_same_documents(tmp_path):

@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     out = run_ranks(bench_world, a.p, cfg, timeout=a.timeout)[0]
     wall = time.perf_counter() - t0
     records = out["records"]
-    orc = report.oracle(records, budget, [s for s in systems if s != "stock" and not s.endswith("+pack")])
+    orc = report.oracle(records, budget, [s for s in systems if not s.startswith("stock") and not s.endswith("+pack")])
     if orc:
         records["oracle"] = [dict(r, predicted_seconds=None, predicted_peak_bytes=None) for r in orc]
     summary = report.summarize(records, budget)

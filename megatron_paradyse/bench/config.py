@@ -3,11 +3,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-UNPACKED = ("stock", "tp_sp", "ulysses", "ring", "colossal", "metp", "paradyse_heuristic",
-            "paradyse_optimal")
+STATIC = ("tp_sp", "ulysses", "ring", "colossal", "metp")
+# "<strategy>+rc": every layer recomputed in backward, every step (plan entries "<strategy>:rc");
+# "stock+rc": stock megatron-core with its own --recompute-granularity full --recompute-method
+# uniform --recompute-num-layers 1
+RECOMPUTED = ("stock+rc",) + tuple(f"{s}+rc" for s in STATIC)
+UNPACKED = ("stock",) + STATIC + RECOMPUTED + ("paradyse_heuristic", "paradyse_optimal")
 # "<system>+pack": the same documents packed (THD) up to a token cap; stock's local attention
 # refuses packed input, so it has no packed form
-PACKED = tuple(f"{s}+pack" for s in UNPACKED if s != "stock")
+PACKED = tuple(f"{s}+pack" for s in UNPACKED if not s.startswith("stock"))
 ALL_SYSTEMS = UNPACKED + PACKED
 
 

@@ -6,6 +6,7 @@ import os
 import sys
 
 from ..units import MiB
+from .config import STATIC
 
 
 def oracle(records: dict, budget: float, candidates) -> list:
@@ -59,7 +60,7 @@ def summarize(records: dict, budget: float) -> dict:
 def headline(summary: dict, search: dict | None) -> dict:
     """The ratios the docs report (None where a side is missing)."""
     h = {}
-    statics = {n: s for n, s in summary.items() if n in ("tp_sp", "ulysses", "ring", "colossal", "metp")}
+    statics = {n: s for n, s in summary.items() if n in STATIC + tuple(f"{x}+rc" for x in STATIC)}
     fitting = {n: s for n, s in statics.items() if s["all_steps_fit"] and s["total_seconds"]}
     best = min(fitting.items(), key=lambda kv: kv[1]["total_seconds"]) if fitting else None
     h["fastest_all_fitting_static"] = best[0] if best else None
@@ -77,9 +78,13 @@ def headline(summary: dict, search: dict | None) -> dict:
         longest = {n: v["longest_fitting"] for n, v in search.items()}
         h["longest_fitting"] = longest
         for pl in ("paradyse_heuristic", "paradyse_optimal"):
-            for ref in ("tp_sp", "stock"):
+            for ref in ("tp_sp", "tp_sp+rc", "stock", "stock+rc"):
                 if longest.get(pl) and longest.get(ref):
                     h[f"{pl}_longest_vs_{ref}"] = longest[pl] / longest[ref]
+            static = {n: v for n, v in longest.items() if v and (n in STATIC or n.endswith("+rc"))}
+            if longest.get(pl) and static:
+                top = max(static, key=static.get)
+                h[f"{pl}_longest_vs_longest_static"] = (top, longest[pl] / static[top])
     return h
 
 

@@ -4,6 +4,9 @@
   on CPU is megatron's unfused ``DotProductAttention`` (``s x s`` score tensors);
 * ``tp_sp``, ``ulysses``, ``ring``, ``colossal``, ``metp``: one strategy for every layer
   (``tp_sp`` is the same TP+SP layer as stock with the plugin's memory-linear attention);
+* ``<strategy>+rc``: the same with every layer recomputed in backward (plan entries
+  ``<strategy>:rc``); ``stock+rc``: stock with megatron's own full recompute of every layer
+  (``--recompute-granularity full --recompute-method uniform --recompute-num-layers 1``);
 * ``paradyse_heuristic``, ``paradyse_optimal``: the planners
   (``megatron_paradyse.planner.build_planner``) under the memory budget;
 * the per-batch oracle is computed afterwards from the measured steps (``report.py``);
@@ -23,11 +26,13 @@ import dataclasses
 from ..costmodel import ModelShape, build_cost_model
 from ..costmodel.analytic import AnalyticCostModel
 from ..parallel.packing import PackShape
+from ..parallel.plans import make_entry
 from ..parallel.strategies import supports
 from ..planner import build_planner
 from ..training.arguments import transformer_config_from_args
 
 UNIFORM = ("tp_sp", "ulysses", "ring", "colossal", "metp")
+STOCK_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 PLANNERS = ("heuristic", "optimal")
 
 
@@ -43,6 +48,7 @@ class SystemSpec:
     last_fits: bool | None = None
     errors: list = dataclasses.field(default_factory=list)
     packed: bool = False
+    config: dict = dataclasses.field(default_factory=dict)  # TransformerConfig fields of its model
 
     @property
     def pack_mode(self) -> str:
@@ -97,7 +103,8 @@ class SystemSpec:
         return lo * res or None
 
     def describe(self) -> dict:
-        return {"name": self.name, "kind": self.kind, "strategy": self.strategy, "packed": self.packed}
+        return {"name": self.name, "kind": self.kind, "strategy": self.strategy, "packed": self.packed,
+                "config": dict(self.config)}
 
 
 def _length(s):
@@ -142,14 +149,19 @@ def build_systems(cfg, args):
 
 def _add_system(specs, notes, name, cfg, args, config, p, cost_model, budget):
     """Append the spec of the unpacked system ``name`` (its own planner), or a note why not."""
-    if name == "stock":
-        specs.append(SystemSpec("stock", "stock", args.num_layers, cost_model=None, budget=budget))
-    elif name in UNIFORM:
-        ok, why = supports(name, config, p)
+    if name in ("stock", "stock+rc"):
+        specs.append(SystemSpec(name, "stock", args.num_layers, cost_model=None, budget=budget,
+                                config=STOCK_RECOMPUTE if name == "stock+rc" else {}))
+    elif name in UNIFORM or (name.endswith("+rc") and name[:-len("+rc")] in UNIFORM):
+        strategy = name[:-len("+rc")] if name.endswith("+rc") else name
+        ok, why = supports(strategy, config, p)
         if not ok:
             notes.append(f"{name} left out: {why}")
             return
-        specs.append(SystemSpec(name, "uniform", args.num_layers, strategy=name, cost_model=cost_model,
+        entry = make_entry(strategy, name.endswith("+rc"))
+        if entry != strategy and cost_model is not None and not cost_model.recomputes():
+            notes.append(f"{name}: the cost model cannot price recomputed layers: no prediction")
+        specs.append(SystemSpec(name, "uniform", args.num_layers, strategy=entry, cost_model=cost_model,
                                 budget=budget))
     elif name.startswith("paradyse_") and name[len("paradyse_"):] in PLANNERS:
         if cost_model is None:

@@ -40,12 +40,12 @@ log = logging.getLogger(__name__)
 class System:
     """One model + optimizer trained under one planning rule."""
 
-    def __init__(self, name, args, plan_fn):
+    def __init__(self, name, args, plan_fn, config: dict | None = None):
         from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                                finalize_model_grads)
 
         self.name, self.args, self.plan_fn = name, args, plan_fn
-        self.config = transformer_config_from_args(args)
+        self.config = transformer_config_from_args(args, **(config or {}))
         model = build_model(args, self.config)
         self.model = DistributedDataParallel(config=self.config, ddp_config=DistributedDataParallelConfig(),
                                              module=model)
@@ -120,7 +120,7 @@ def bench_world(rank, world, cfg):
     specs, notes = build_systems(cfg, args)
     systems = []
     for spec in specs:
-        systems.append((spec, System(spec.name, args, spec.plan_for)))
+        systems.append((spec, System(spec.name, args, spec.plan_for, spec.config)))
     steps_of = {spec.name: _packed_steps(spec, docs, dataset, cfg, args, mult) if spec.packed else batches
                 for spec in specs}
     warm = pdata.pad_to_multiple([dataset[0][:65]], mult)
