@@ -1,9 +1,19 @@
 """A SIMULATION (no GPU ran): a 7B-like model on 8 H100s, analytic roofline costs per strategy.
 
 ``python -m megatron_paradyse.bench --simulate`` prints its assumptions, then for a seeded
-long-tailed length distribution up to 624K tokens: each static strategy's predicted time,
-out-of-memory steps and longest trainable sequence against ParaDySe (the repository's
-planners, heuristic and optimal), written as ``simulation.json`` (and ``simulation.png``) in ``--out``.
+long-tailed length distribution up to 624K tokens: each static system's predicted time,
+skipped (out-of-memory) sequences and longest trainable sequence against ParaDySe (the
+repository's planners, heuristic and optimal), written as ``simulation.json`` in ``--out``.
+The static systems are every strategy on every layer, plain and recomputed (``<strategy>+rc``:
+every layer ``<strategy>:rc``, recomputed in backward); the planners choose strategy and
+recompute per layer (``recompute="auto"``).
+
+One rule judges every system (:func:`fits`): a sequence is trained when ``CostModel.step`` on
+the system's per-layer plan peaks at most ``budget - margin`` (the same margin for all:
+``margin_fraction`` of the budget, default none, the hardware's reserved bytes being every
+system's allowance for what the model does not see), and the planners plan under that limit.
+Every uniform plan, plain or recomputed, is one of the planners' candidates, so they train
+every sequence some static system trains and reach at least the longest length any does.
 
 The cost model (:class:`H100Roofline`, a :class:`~megatron_paradyse.costmodel.base.CostModel`)
 is first-order. Its layer time is the fitted cost model's time model
@@ -13,8 +23,8 @@ class; ``costmodel.fitted.rates_predict``) with datasheet rates in place of fitt
 NVLink bandwidth, no fixed cost per layer), so a GPU profile's fit is a calibration of this
 model; like the fitted model it adds the terms (no overlap of communication with compute).
 Memory comes from per-token activation counts; the per-strategy activation factors are the
-ratios measured on CPU in this repository (docs/strategies.md). Every number is a model
-output, not a measurement.
+ratios measured on CPU in this repository (docs/strategies.md). A recomputed layer's cost is
+assumed (:meth:`H100Roofline.layer`). Every number is a model output, not a measurement.
 """
 from __future__ import annotations
 
@@ -30,6 +40,7 @@ from ..costmodel.base import CostModel, LayerCost
 from ..costmodel.fit import COMM_FEATURES
 from ..costmodel.fitted import rates_predict
 from ..costmodel.shape import ModelShape
+from ..parallel.plans import make_entry, split_entry
 from ..planner import build_planner
 
 GB = 1e9
@@ -74,8 +85,23 @@ def datasheet_rates(hw: Hardware) -> dict:
             "attn_flops": 1.0 / (hw.bf16_flops * hw.mfu_attention), **{k: link for k in COMM_FEATURES}}
 
 
+# the forward's share of a layer's forward + backward in the roofline (costmodel.analytic.flops_parts:
+# the backward is twice the forward; metp's backward runs attention and fc1 forward once more)
+FORWARD_SHARE = {"tp_sp": 1 / 3, "ulysses": 1 / 3, "ring": 1 / 3, "colossal": 1 / 3, "metp": 1 / 4}
+
+
 class H100Roofline(CostModel):
-    """Per-layer fwd+bwd seconds and bytes of each strategy (see the module docstring)."""
+    """Per-layer fwd+bwd seconds and bytes of each strategy (see the module docstring), plain
+    or recomputed in backward (plan entry ``st:rc``, :meth:`recomputes`).
+
+    A recomputed layer is *assumed*, not measured: its time is the plain layer's plus its
+    forward once more, the forward being :data:`FORWARD_SHARE` of the layer (the roofline's own
+    split, ``analytic.flops_parts``: a third, a fourth for ``metp``; the roofline assumes the
+    same share of the layer's communication, as it has no forward/backward split of its own);
+    it keeps one ``[s/p, b, h]`` bf16 tensor (its input); its transient is the plain layer's
+    saved + transient (the recompute rebuilds what the plain layer keeps, then its backward
+    runs as the plain one's). Its pool is its strategy's (this model has none).
+    """
 
     strategies = ("tp_sp", "ulysses", "ring", "colossal", "metp")
 
@@ -89,10 +115,17 @@ class H100Roofline(CostModel):
                                 vocab=self.m.vocab, p=self.m.p, dtype="bf16")
         self.rates = datasheet_rates(self.hw)
 
-    def layer(self, strategy, s, b):
+    def recomputes(self) -> bool:
+        return True
+
+    def layer(self, entry, s, b):
+        strategy, rc = split_entry(entry)
         saved, transient = self._memory(strategy, s, b)
-        seconds = rates_predict(self.rates, analytic.time_features(strategy, self.shape, s, b))
-        return LayerCost(float(seconds), saved, transient)
+        seconds = float(rates_predict(self.rates, analytic.time_features(strategy, self.shape, s, b)))
+        if rc:  # the class docstring
+            return LayerCost(seconds * (1 + FORWARD_SHARE[strategy]), s * b * self.m.hidden * 2 / self.m.p,
+                             saved + transient)
+        return LayerCost(seconds, saved, transient)
 
     def _memory(self, strategy, s, b):
         """``(saved, transient)`` bytes of one layer on one rank."""
@@ -135,60 +168,99 @@ def lengths_distribution(n=600, seed=0, max_len=624 * 1024, min_len=1024):
     return (x // 64 * 64).tolist()
 
 
-def simulate(out_dir: str) -> dict:
+def static_systems(cm: H100Roofline) -> dict:
+    """``{name: per-layer plan}`` of the static systems: every strategy on every layer, plain
+    (``tp_sp``) and recomputed (``tp_sp+rc``: every layer ``tp_sp:rc``)."""
+    out = {}
+    for rc in (False, True):
+        for n in cm.strategies:
+            out[n + ("+rc" if rc else "")] = (make_entry(n, rc),) * cm.num_layers
+    return out
+
+
+def fits(cm: CostModel, layers, s: int, b: int, limit: float):
+    """The one rule every system is judged by: ``(layers, seconds, peak)`` of ``CostModel.step``
+    on the per-layer plan when it peaks at most ``limit`` (budget - margin), else None."""
+    st = cm.step(tuple(layers), s, b)
+    return (tuple(layers), st.seconds, st.peak_bytes) if st.peak_bytes <= limit else None
+
+
+def simulate(out_dir: str, margin_fraction: float = 0.0, n: int = 600) -> dict:
+    """Run the simulation on ``n`` sequences (:func:`lengths_distribution`) under one limit for
+    every system, ``budget * (1 - margin_fraction)``, and write ``simulation.json``."""
     hw, m = Hardware(), Model7B()
     cm = H100Roofline(hw, m)
     budget = hw.memory_bytes
-    lens = lengths_distribution()
-    planners = {}
+    margin = margin_fraction * budget
+    limit = budget - margin
+    lens = lengths_distribution(n)
+    systems = {name: (lambda plan: lambda s, b: fits(cm, plan, s, b, limit))(plan)
+               for name, plan in static_systems(cm).items()}
+    statics = list(systems)
     for kind in ("heuristic", "optimal"):
-        pl = build_planner(kind, cm, budget)
-        planners[f"paradyse_{kind}"] = (lambda pl: lambda s, b: (lambda c: (tuple(c.layers), c.seconds, c.peak_bytes) if c.fits else None)(pl.plan(s, b)))(pl)
-    source = "megatron_paradyse.planner (heuristic and optimal)"
-    systems = {n: (lambda n: lambda s, b: (lambda st: ((n,) * m.num_layers, st.seconds, st.peak_bytes)
-                                                       if st.peak_bytes <= budget else None)(cm.step({n: m.num_layers}, s, b)))(n)
-               for n in cm.strategies}
-    systems.update(planners)
+        pl = build_planner(kind, cm, budget, margin_bytes=margin)  # recompute="auto": strategy x recompute per layer
+        # the planner's choice, judged by the same rule as the static plans
+        systems[f"paradyse_{kind}"] = (lambda pl: lambda s, b: (lambda c: fits(cm, c.layers, s, b, limit)
+                                                                 if c.fits else None)(pl.plan(s, b)))(pl)
+    source = ("megatron_paradyse.planner (heuristic and optimal), strategy and recompute per layer, "
+              f"under the same limit as every system (margin {margin / GB:g} GB)")
     long_cut = int(np.percentile(lens, 90))
     rows, per_step = {}, {}
     for name, fn in systems.items():
-        t, toks, oom, t_long, n_long_ok, plans = 0.0, 0, 0, 0.0, 0, {}
+        t, toks, oom, t_long, n_long_ok, plans, skipped = 0.0, 0, 0, 0.0, 0, {}, []
         per_step[name] = []
-        for s in lens:
+        for k, s in enumerate(lens):
             r = fn(s, 1)
             per_step[name].append(None if r is None else r[1])
             if r is None:
                 oom += 1
+                skipped.append(k)
                 continue
             t += r[1]
             toks += s
             if s >= long_cut:
                 t_long += r[1]
                 n_long_ok += 1
-            key = "+".join(f"{k}*{r[0].count(k)}" for k in dict.fromkeys(r[0]))
+            key = "+".join(f"{e}*{r[0].count(e)}" for e in dict.fromkeys(r[0]))
             plans[key] = plans.get(key, 0) + 1
         lo, hi = 0, 4 * max(lens) // 1024
-        while lo < hi:  # longest trainable (multiple of 1K)
+        while lo < hi:  # longest trainable (multiple of 1K); what fits shrinks with the length
             mid = (lo + hi + 1) // 2
             if fn(mid * 1024, 1) is not None:
                 lo = mid
             else:
                 hi = mid - 1
+        trained = [s for k, s in enumerate(lens) if per_step[name][k] is not None]
         rows[name] = dict(seconds_fitting_steps=t, tokens_trained=toks, oom_steps=oom,
+                          sequences_trained=len(lens) - oom, skipped_sequences=skipped,
+                          longest_trained=max(trained, default=0),
                           throughput_tokens_per_s=toks / t if t else 0.0,
                           long_steps_seconds=t_long, long_steps_fitting=n_long_ok,
                           longest_trainable=lo * 1024, plans=dict(sorted(plans.items(), key=lambda kv: -kv[1])[:6]))
     n_long = sum(1 for s in lens if s >= long_cut)
+    # the references: the leanest static system (longest trainable, then fewest skipped, then
+    # fastest) and the fastest static system that trains every sequence (if one does)
+    leanest = max(statics, key=lambda x: (rows[x]["longest_trainable"], -rows[x]["oom_steps"],
+                                          rows[x]["throughput_tokens_per_s"]))
+    every = [x for x in statics if rows[x]["oom_steps"] == 0]
+    fastest = max(every, key=lambda x: rows[x]["throughput_tokens_per_s"]) if every else None
     result = dict(label="SIMULATION (analytic roofline, no GPU ran)", hardware=dataclasses.asdict(hw),
-                  model=dataclasses.asdict(m), budget_bytes=budget, planner_source=source,
+                  model=dataclasses.asdict(m), budget_bytes=budget, margin_bytes=margin, limit_bytes=limit,
+                  fit_rule="a system trains a sequence when CostModel.step on its per-layer plan peaks at "
+                           "most budget - margin; the planners plan under that limit",
+                  recompute_assumption="st:rc = the plain layer's time x (1 + its forward's share: 1/3, "
+                                       "metp 1/4); saved one [s/p, b, h] bf16 tensor; transient the plain "
+                                       "layer's saved + transient",
+                  planner_source=source, static_systems=statics,
+                  references=dict(leanest_static=leanest, fastest_static_training_every_sequence=fastest),
                   distribution=dict(n=len(lens), median=float(np.median(lens)), p90=long_cut,
                                     max=max(lens), long_steps=n_long), systems=rows)
-    para = [n for n in rows if n.startswith("paradyse")]
+    para = [x for x in rows if x.startswith("paradyse")]
     h = {}
     for pn in para:
         pr = rows[pn]
-        for ref in cm.strategies:
-            both = [k for k, s in enumerate(lens) if per_step[ref][k] is not None and per_step[pn][k] is not None]
+        for ref in statics:
+            both = [k for k in range(len(lens)) if per_step[ref][k] is not None and per_step[pn][k] is not None]
             longb = [k for k in both if lens[k] >= long_cut]
             if both:
                 h[f"{pn}_time_reduction_vs_{ref}_on_steps_both_fit"] = \
@@ -220,13 +292,19 @@ def summary(r) -> str:
                f"micro-batch 1, {m['bytes_per_param_state']} bytes of state per parameter")
     d = r["distribution"]
     out.append(f"  lengths: {d['n']} sequences, log-normal, median {d['median']:.0f}, p90 {d['p90']}, max {d['max']}")
+    out.append(f"  one rule for every system: {r['fit_rule']} ({r['budget_bytes'] / GB:.0f} GB - "
+               f"{r['margin_bytes'] / GB:g} GB = {r['limit_bytes'] / GB:g} GB)")
+    out.append(f"  recomputed layers (assumed): {r['recompute_assumption']}")
     out.append(f"  ParaDySe: {r['planner_source']}")
-    out.append(f"  {'system':20s} {'OOM steps':>9s} {'tokens/s':>10s} {'long-step s':>12s} {'longest':>9s}  plans")
+    out.append(f"  {'system':20s} {'skipped':>9s} {'tokens/s':>10s} {'long-step s':>12s} {'longest':>9s}  plans")
     for n, s in r["systems"].items():
         long = f"{s['long_steps_seconds']:.0f}" if s["long_steps_fitting"] == d["long_steps"] else \
             f"{s['long_steps_fitting']}/{d['long_steps']} fit"
         out.append(f"  {n:20s} {s['oom_steps']:9d} {s['throughput_tokens_per_s']:10.0f} {long:>12s} "
                    f"{s['longest_trainable']:9d}  {s['plans']}")
+    ref = r["references"]
+    out.append(f"  leanest static system: {ref['leanest_static']}; fastest static system that trains every "
+               f"sequence: {ref['fastest_static_training_every_sequence']}")
     for k, v in r["headline"].items():
         out.append(f"  {k}: {v:.3f}")
     out.append("=" * 100)
