@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from megatron_paradyse.costmodel.base import CostModel, LayerCost, plan_counts
+from megatron_paradyse.parallel.plans import RC, split_entry, strategy_of
 from megatron_paradyse.planner import (NoFitError, Refinement, build_planner, make_plan_fn, pareto,
                                        solve_counts)
+from megatron_paradyse.planner.ordered import solve_nested
 
 NAMES = ("tp_sp", "ulysses", "ring", "colossal", "metp")
 
@@ -77,10 +79,11 @@ def brute(planner, s, b, ordered=False):
     return best
 
 
-def brute_tuples(cm, limit, s, b):
-    """Fastest fitting per-layer tuple, every tuple enumerated (``CostModel.step`` on each)."""
+def brute_tuples(cm, limit, s, b, entries=None):
+    """Fastest fitting per-layer tuple, every tuple of ``entries`` (default the strategies)
+    enumerated (``CostModel.step`` on each)."""
     best = None
-    for layers in itertools.product(cm.strategies, repeat=cm.num_layers):
+    for layers in itertools.product(entries or cm.strategies, repeat=cm.num_layers):
         sec, peak = cm.step(layers, s, b)
         if peak <= limit and (best is None or sec < best[0]):
             best = (sec, peak, layers)
@@ -406,3 +409,265 @@ def test_plan_command_runs(capsys):
     gone = subprocess.run([sys.executable, "-m", "megatron_paradyse.planner"], cwd=root,
                           capture_output=True, text=True, timeout=120)
     assert gone.returncode != 0 and "cannot be directly executed" in gone.stderr
+
+
+# ---------------------------------------------------------------- strategy x recompute
+
+class RcModel(TableModel):
+    """:class:`TableModel` that also prices each strategy recomputed in backward (``tp_sp:rc``):
+    its own (seconds, saved, transient) per layer, the strategy's pool."""
+
+    def __init__(self, table, rc, num_layers, **kw):
+        super().__init__(table, num_layers, **kw)
+        self.rc = dict(rc)
+
+    def recomputes(self):
+        return True
+
+    def pool(self, strategy, s, b):
+        return super().pool(strategy_of(strategy), s, b)
+
+    def layer(self, strategy, s, b):
+        name, rc = split_entry(strategy)
+        if not rc:
+            return super().layer(name, s, b)
+        t, m, x = self.rc[name]
+        u = s * b / 1024.0
+        return LayerCost(t * u, m * u, x * u)
+
+
+def random_rc_model(rng, k=None, layers=None):
+    """A random model whose recomputed layers are slower, keep less and peak higher (some much
+    higher, some lower) than the plain ones, as a recomputed layer does."""
+    base = random_model(rng, k=k, layers=layers)
+    heavy = rng.random() < 0.3
+    rc = {n: (t * rng.uniform(1.1, 1.6) + q, m * rng.uniform(0.05, 0.4),
+              (m + x) * rng.uniform(0.6, 1.3) * (rng.choice([0.2, 3.0, 10.0]) if heavy else 1.0))
+          for n, (t, m, x, q) in base.table.items()}
+    return RcModel(base.table, rc, base.num_layers, static=base._static, nonlayer=base._nl, pools=base._pools)
+
+
+def _rc_budget(rng, cm, s):
+    """From below the leanest recomputed uniform plan to above the fattest plain one."""
+    peaks = [cm.step({e: cm.num_layers}, s, 1).peak_bytes for n in cm.strategies for e in (n, n + RC)]
+    return rng.uniform(min(peaks) * 0.95, max(peaks) * 1.05)
+
+
+def brute_multisets(planner, costs, evaluate):
+    """Fastest fitting plan over every multiset of the planner's candidates (``evaluate``: the
+    order-free bound, or the ordered peak in the best order), or None."""
+    best = None
+    for layers in itertools.combinations_with_replacement(costs.names, planner.num_layers):
+        counts = plan_counts(layers)
+        sec, peak = evaluate(costs, counts)
+        if peak <= planner.limit and (best is None or sec < best[0]):
+            best = (sec, peak, counts)
+    return best
+
+
+def test_recompute_optimal_equals_brute_force_over_every_tuple():
+    """Strategy x recompute: the optimal planner equals enumerating every per-layer tuple of
+    the candidates (``CostModel.step``); ``off`` never recomputes, ``only`` always, each exact
+    over its own candidates; ``order="free"`` exact under the bound; never over budget."""
+    rng = random.Random(2027)
+    found = rc_used = 0
+    for case in range(90):
+        cm = random_rc_model(rng, k=rng.randint(2, 4), layers=rng.randint(1, 3))
+        s = rng.choice([512, 1024, 2048])
+        budget = _rc_budget(rng, cm, s)
+        for mode in ("auto", "off", "only"):
+            pl = build_planner("optimal", cm, budget, margin_bytes=0.0, recompute=mode)
+            assert pl.entries == {"auto": cm.strategies + tuple(n + RC for n in cm.strategies),
+                                  "off": cm.strategies, "only": tuple(n + RC for n in cm.strategies)}[mode]
+            c, ref = pl.choose(s, 1), brute_tuples(cm, pl.limit, s, 1, pl.entries)
+            assert c.fits == (ref is not None), (case, mode, c, ref)
+            if mode == "off":
+                assert not any(split_entry(e)[1] for e in c.layers)
+            if mode == "only":
+                assert all(split_entry(e)[1] for e in c.layers)
+            if ref is None:
+                continue
+            step = cm.step(c.layers, s, 1)
+            assert math.isclose(c.seconds, ref[0], rel_tol=1e-9), (case, mode, c, ref)
+            assert math.isclose(step.seconds, c.seconds, rel_tol=1e-9)
+            assert step.peak_bytes <= pl.limit * (1 + 1e-12) and math.isclose(step.peak_bytes, c.peak_bytes, rel_tol=1e-9)
+            if mode == "auto":
+                found += 1
+                rc_used += any(split_entry(e)[1] for e in c.layers)
+        free = build_planner("optimal", cm, budget, margin_bytes=0.0, order="free")
+        cf = free.choose(s, 1)
+        ref = brute_multisets(free, free.costs(s, 1), free.evaluate)
+        assert cf.fits == (ref is not None), case
+        if ref is not None:
+            assert math.isclose(cf.seconds, ref[0], rel_tol=1e-9), (case, cf, ref)
+    assert found > 50 and rc_used > 20, (found, rc_used)
+
+
+def test_recompute_optimal_exact_and_within_budget_up_to_eight_layers():
+    """5 strategies x recompute, up to 8 layers, chunks, margins, transient-heavy recomputed
+    layers: equal to brute force over every multiset in its best order, within budget, never
+    slower than the heuristic or any fitting uniform plan; the heuristic within budget too."""
+    rng = random.Random(77)
+    mixed = 0
+    for case in range(80):
+        cm = random_rc_model(rng, layers=rng.randint(2, 8))
+        s = rng.choice([512, 2048, 4096])
+        budget = _rc_budget(rng, cm, s)
+        margin = rng.choice([0.0, 0.05 * budget])
+        chunk = rng.choice([1, 1, 2, 3])
+        o = build_planner("optimal", cm, budget, margin_bytes=margin, recompute_chunk=chunk)
+        h = build_planner("heuristic", cm, budget, margin_bytes=margin, recompute_chunk=chunk)
+        costs = o.costs(s, 1)
+        co, ch = o.choose(s, 1), h.choose(s, 1)
+        ref = brute_multisets(o, costs, o.evaluate_ordered)
+        assert co.fits == (ref is not None), case
+        if ch.fits:
+            assert ch.peak_bytes <= o.limit and o.evaluate_layers(costs, ch.layers)[1] <= ch.peak_bytes * (1 + 1e-12)
+        if ref is None:
+            assert not ch.fits
+            continue
+        mixed += len(set(co.layers)) > 1
+        assert math.isclose(co.seconds, ref[0], rel_tol=1e-9), (case, co, ref)
+        assert co.peak_bytes <= o.limit
+        assert math.isclose(o.evaluate_layers(costs, co.layers)[1], co.peak_bytes, rel_tol=1e-12)
+        if chunk == 1:  # the cost model's own peak (a chunk is the planner's bound on top of it)
+            assert math.isclose(cm.step(co.layers, s, 1).peak_bytes, co.peak_bytes, rel_tol=1e-9)
+        assert co.seconds <= ch.seconds * (1 + 1e-12) if ch.fits else True
+        for sec, peak in (o.evaluate_ordered(costs, {e: cm.num_layers}) for e in costs.names):
+            assert co.seconds <= sec * (1 + 1e-12) if peak <= o.limit else True
+    assert mixed > 15, mixed
+
+
+def test_the_best_order_puts_the_largest_transient_first_with_recompute():
+    rng = random.Random(6)
+    for case in range(60):
+        cm = random_rc_model(rng, k=rng.randint(2, 3), layers=rng.randint(2, 4))
+        pl = build_planner("optimal", cm, 1e12)
+        costs = pl.costs(1024, 1)
+        counts = plan_counts(tuple(rng.choice(pl.entries) for _ in range(cm.num_layers)))
+        best = min(cm.step(p, 1024, 1).peak_bytes
+                   for p in set(itertools.permutations([n for n, k in counts.items() for _ in range(k)])))
+        assert math.isclose(pl.evaluate_ordered(costs, counts)[1], best, rel_tol=1e-12), case
+
+
+def _rc_fixture(layers=4):
+    """Per layer (u = s / 1024): fast keeps 10 u, lean 4 u; recomputed, they keep 0.5 u and
+    0.25 u and peak 10 u and 4 u above it (the layer's activations again, in its backward)."""
+    return RcModel({"fast": (1.0, 10.0, 0.0, 0.0), "lean": (2.0, 4.0, 0.0, 0.0)},
+                   {"fast": (1.3, 0.5, 10.0), "lean": (2.5, 0.25, 4.0)}, num_layers=layers)
+
+
+def test_recompute_lets_a_longer_length_fit():
+    """Under a tight budget the longest length that fits grows with recompute, and the
+    no-fit message names the leanest uniform plan among the recomputed ones."""
+    cm = _rc_fixture()
+    off = build_planner("optimal", cm, 45.0, margin_bytes=0, recompute="off")
+    auto = build_planner("optimal", cm, 45.0, margin_bytes=0)
+    assert off.longest_fit(1) == 2880  # 4 lean layers: 16 u <= 45
+    # 4 recomputed lean layers peak at 4 x 0.25 u saved + 4 u transient = 5 u; the last one
+    # plain peaks lower still: 3 x 0.25 u + max(4 u transient, 4 u saved) = 4.75 u <= 45
+    assert auto.longest_fit(1) == 9701
+    assert auto.choose(9701, 1).layers == ("lean:rc",) * 3 + ("lean",)
+    s = 8192
+    assert not off.choose(s, 1).fits and auto.choose(s, 1).fits
+    assert any(split_entry(e)[1] for e in auto.choose(s, 1).layers)
+    assert auto.choose(1024, 1).layers == ("fast",) * 4  # plain where it fits: faster
+    heur = build_planner("heuristic", cm, 45.0, margin_bytes=0)
+    c = heur.choose(s, 1)
+    assert c.fits and c.peak_bytes <= 45.0 and all(split_entry(e)[1] for e in c.layers)
+    far = auto.choose(10 ** 6, 1)
+    assert not far.fits and ":rc on all 4 layers" in far.reason
+    assert f"the longest length that fits is {auto.longest_fit(1)} tokens" in far.reason
+
+
+def test_recompute_chunk_adds_the_chunks_saved_bytes():
+    """megatron's uniform recompute of N layers as one chunk: every :rc transient holds N - 1
+    more layers' saved bytes (the largest plain saved of the strategies)."""
+    cm = _rc_fixture()
+    one = build_planner("optimal", cm, 1e9, recompute="only").costs(1024, 1)
+    three = build_planner("optimal", cm, 1e9, recompute="only", recompute_chunk=3).costs(1024, 1)
+    assert one.names == three.names == ("fast:rc", "lean:rc")
+    assert [b - a for a, b in zip(one.x, three.x)] == [2 * 10.0, 2 * 10.0]
+    auto = build_planner("optimal", cm, 1e9, recompute_chunk=2).costs(1024, 1)
+    assert auto.x == (0.0, 0.0, 10.0 + 10.0, 4.0 + 10.0)  # the plain ones untouched
+    # a budget the recomputed plans fit alone (fast:rc*4: 2 + 10), not with their chunk's bytes
+    assert build_planner("optimal", cm, 12.5, margin_bytes=0, recompute="only").choose(1024, 1).fits
+    assert not build_planner("optimal", cm, 12.5, margin_bytes=0, recompute="only",
+                             recompute_chunk=2).choose(1024, 1).fits
+    with pytest.raises(ValueError, match="recompute_chunk"):
+        build_planner("optimal", cm, 1e9, recompute_chunk=0)
+
+
+def test_recompute_modes_on_a_model_that_cannot_price_it(caplog):
+    from megatron_paradyse.planner import core
+
+    cm = TableModel({"a": (1.0, 1.0, 0.0, 0.0), "b": (2.0, 0.5, 0.0, 0.0)}, num_layers=2)
+    core._WARNED.discard("TableModel")
+    caplog.set_level(logging.WARNING, logger="megatron_paradyse")
+    pl = build_planner("optimal", cm, 10.0)
+    build_planner("heuristic", cm, 10.0)
+    assert pl.recompute == "off" and pl.entries == ("a", "b")
+    warned = [r.getMessage() for r in caplog.records if "does not price recomputed" in r.getMessage()]
+    assert len(warned) == 1, warned  # one warning
+    with pytest.raises(ValueError, match="recompute='only' needs a cost model"):
+        build_planner("optimal", cm, 10.0, recompute="only")
+    with pytest.raises(ValueError, match="recompute must be one of"):
+        build_planner("optimal", cm, 10.0, recompute="on")
+
+
+def test_refinement_factors_of_a_recomputed_layer_are_its_strategys():
+    cm = _rc_fixture()
+    pl = build_planner("optimal", cm, 1e9, refinement=True)
+    ref = pl.refinement
+    assert ref.families == ("fast", "lean", "nonlayer")
+    before = pl.costs(1024, 1)
+    v = ref.contribution([(("fast:rc",) * 2 + ("lean",) * 2, 1024)], 1.0, 2.0, 10.0, 13.0,
+                         layer_seconds=lambda e, s: pl.layer_seconds(e, s, 1))
+    for _ in range(5):
+        ref.apply(v)
+    after = pl.costs(1024, 1)
+    i, j = after.names.index("fast"), after.names.index("fast:rc")
+    ft, fm = ref.factors("fast", 1024)
+    assert ft > 1 and fm > 1 and ref.factors("fast:rc", 1024) == (ft, fm)
+    assert math.isclose(after.t[i], before.t[i] * ft) and math.isclose(after.t[j], before.t[j] * ft)
+    assert math.isclose(after.m[j], before.m[j] * fm)
+
+
+def test_solve_nested_equals_enumeration_without_a_seed():
+    """The ordered subproblem alone (no incumbent: the search's first plan is its own) against
+    every count vector: infinite LP bounds at the top of a scan (the rest cannot fit) end no
+    scan, and the symmetry (an earlier, faster, no larger strategy takes the layer) loses no
+    optimum; equal saved bytes, as recomputed layers have, included."""
+    rng = random.Random(31)
+    found = 0
+    for case in range(300):
+        q, L = rng.randint(2, 5), rng.randint(1, 9)
+        t = [rng.uniform(1, 3) for _ in range(q)]
+        m = [rng.choice([1.0, rng.uniform(0.5, 6)]) for _ in range(q)]
+        base = rng.uniform(0, L * max(m))
+        caps = sorted(base + rng.uniform(0, 4) for _ in range(q))
+        got, counts = solve_nested(t, m, caps, L)
+        best = math.inf
+        for ks in itertools.product(range(L + 1), repeat=q):
+            if sum(ks) == L and all(sum(k * mi for k, mi in zip(ks[:j + 1], m)) <= caps[j] for j in range(q)):
+                best = min(best, sum(k * ti for k, ti in zip(ks, t)))
+        assert (counts is None) == (best == math.inf), case
+        if counts is not None:
+            found += 1
+            assert math.isclose(got, best, rel_tol=1e-12), (case, got, best)
+            assert sum(counts) == L
+    assert found > 150, found
+
+
+def test_cli_recompute(capsys, monkeypatch):
+    from megatron_paradyse.planner import cli
+
+    monkeypatch.setattr(cli, "load_model", lambda a: _rc_fixture())
+    args = ["--seq-lens", "1k,8k", "--memory-budget", str(45.0 / 2**30), "--memory-margin", "0"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "recompute auto" in out and "uniform fast:rc" in out and ":rc*" in out
+    assert "== s = 8192" in out and "nothing fits" not in out.split("== s = 8192")[1]
+    assert cli.main(args + ["--recompute", "off"]) == 0
+    out = capsys.readouterr().out
+    assert ":rc" not in out and "nothing fits" in out

@@ -9,6 +9,7 @@ import random
 import pytest
 
 from megatron_paradyse.costmodel import AnalyticCostModel, build_cost_model, demo_shape
+from megatron_paradyse.costmodel.base import CostModel
 from megatron_paradyse.costmodel.packs import random_packs
 from megatron_paradyse.parallel.packing import PackShape
 from megatron_paradyse.planner import build_planner
@@ -19,11 +20,40 @@ def _models():
     return [AnalyticCostModel(demo_shape(2)), AnalyticCostModel(demo_shape(4)), build_cost_model(demo_shape(2))]
 
 
-def _brute(cm, pack, limit):
-    """(seconds, layers) of the fastest per-layer tuple whose ordered peak fits, or None."""
-    best = None
-    for layers in itertools.product(cm.strategies, repeat=cm.num_layers):
-        c = cm.step(layers, pack, 1)
+class _Memo(CostModel):
+    """``cm`` with its per-entry answers remembered, so that ``CostModel.step`` on thousands of
+    tuples stays fast (the same numbers: ``step`` is the base class's on ``cm``'s answers)."""
+
+    def __init__(self, cm):
+        self.cm, self.strategies, self.num_layers, self._got = cm, cm.strategies, cm.num_layers, {}
+
+    def _memo(self, *key):
+        if key not in self._got:
+            self._got[key] = getattr(self.cm, key[0])(*key[1:])
+        return self._got[key]
+
+    def layer(self, n, s, b):
+        return self._memo("layer", n, s, b)
+
+    def pool(self, n, s, b):
+        return self._memo("pool", n, s, b)
+
+    def nonlayer(self, s, b):
+        return self._memo("nonlayer", s, b)
+
+    def resident_bytes(self, s, b):
+        return self._memo("resident_bytes", s, b)
+
+    def static_bytes(self):
+        return self._memo("static_bytes")
+
+
+def _brute(cm, pack, limit, entries=None):
+    """(seconds, layers) of the fastest per-layer tuple of ``entries`` (default the strategies)
+    whose ordered peak fits, or None."""
+    best, memo = None, _Memo(cm)
+    for layers in itertools.product(entries or cm.strategies, repeat=cm.num_layers):
+        c = memo.step(layers, pack, 1)
         if c.peak_bytes <= limit and (best is None or c.seconds < best[0]):
             best = (c.seconds, layers)
     return best
@@ -44,7 +74,7 @@ def test_optimal_on_packs_equals_brute_force_and_fits(which):
     for pack in _packs(rng, 6):
         uniform = sorted(cm.step((st,) * cm.num_layers, pack, 1).peak_bytes for st in cm.strategies)
         for budget in (uniform[0] * 0.9, uniform[0] * 1.02, rng.uniform(uniform[0], uniform[-1]), uniform[-1] * 1.1):
-            pl = build_planner("optimal", cm, budget)
+            pl = build_planner("optimal", cm, budget, recompute="off")
             got = pl.choose(pack, 1)
             want = _brute(cm, pack, pl.limit)
             if want is None:
@@ -55,9 +85,35 @@ def test_optimal_on_packs_equals_brute_force_and_fits(which):
             step = cm.step(got.layers, pack, 1)
             assert step.peak_bytes <= pl.limit and abs(step.peak_bytes - got.peak_bytes) <= 1e-6 * step.peak_bytes
             assert got.seconds == pytest.approx(want[0], rel=1e-9), (pack, budget, got.layers, want)
-            h = build_planner("heuristic", cm, budget).choose(pack, 1)
+            h = build_planner("heuristic", cm, budget, recompute="off").choose(pack, 1)
             if h.fits:  # the heuristic plans with the order-free bound: never over budget either
                 assert cm.step(h.layers, pack, 1).peak_bytes <= pl.limit * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("which", range(3))
+def test_optimal_with_recompute_on_packs_equals_brute_force_and_fits(which):
+    """Strategy x recompute on packs (where the cost model prices ``:rc`` entries): equal to
+    brute force over every per-layer tuple of the 10 candidates, within budget by the model."""
+    cm = _models()[which]
+    if not cm.recomputes():
+        pytest.skip(f"{type(cm).__name__} does not price recomputed layers")
+    rng = random.Random(125 + which)
+    rc_used = 0
+    for pack in _packs(rng, 1)[:2]:  # a random pack, (72, 900, 31)
+        leanest = min(cm.step((st + ":rc",) * cm.num_layers, pack, 1).peak_bytes for st in cm.strategies)
+        plain = min(cm.step((st,) * cm.num_layers, pack, 1).peak_bytes for st in cm.strategies)
+        for budget in (leanest * 1.03, (leanest + plain) / 2, plain * 1.05):
+            pl = build_planner("optimal", cm, budget)
+            assert any(e.endswith(":rc") for e in pl.entries)
+            got, want = pl.choose(pack, 1), _brute(cm, pack, pl.limit, pl.entries)
+            assert got.fits == (want is not None), (pack, budget)
+            if want is None:
+                continue
+            rc_used += any(e.endswith(":rc") for e in got.layers)
+            step = cm.step(got.layers, pack, 1)
+            assert step.peak_bytes <= pl.limit and abs(step.peak_bytes - got.peak_bytes) <= 1e-6 * step.peak_bytes
+            assert got.seconds == pytest.approx(want[0], rel=1e-9), (pack, budget, got.layers, want)
+    assert rc_used
 
 
 def test_packs_are_planned_and_cached_apart_from_lengths():

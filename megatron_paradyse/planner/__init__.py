@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 
 from ..parallel.packing import PackShape
-from .core import NoFitError, PlanChoice, Planner, default_margin_fraction, pareto
+from .core import RECOMPUTE, NoFitError, PlanChoice, Planner, default_margin_fraction, pareto
 from .heuristic import HeuristicPlanner
 from .optimal import OptimalPlanner, solve_counts
 from .refine import Refinement
@@ -26,12 +26,13 @@ log = logging.getLogger(__name__)
 
 __all__ = ["build_planner", "Planner", "PlanChoice", "NoFitError", "HeuristicPlanner", "OptimalPlanner",
            "Refinement", "KINDS", "ON_NO_FIT", "make_plan_fn", "default_margin_fraction", "pareto",
-           "solve_counts"]
+           "solve_counts", "RECOMPUTE"]
 
 
 def build_planner(kind: str, cost_model, memory_budget_bytes: float, gamma: float | None = None,
                   margin_bytes: float | None = None, strategies=None, refinement=None,
-                  device_kind: str | None = None, **kwargs) -> Planner:
+                  device_kind: str | None = None, recompute: str = "auto", recompute_chunk: int = 1,
+                  **kwargs) -> Planner:
     """A planner of ``kind`` (``heuristic`` | ``optimal``) for ``cost_model`` under the budget.
 
     ``gamma``: the hysteresis (keep the previous plan while it fits and is at most gamma
@@ -41,8 +42,16 @@ def build_planner(kind: str, cost_model, memory_budget_bytes: float, gamma: floa
     ``margin_bytes``: default 10% of the budget on GPU, 5% on CPU, by ``device_kind`` ("cuda" or
     "cpu": the device the plans are for; default the cost model's). ``strategies``: restrict
     to these (default: all the cost model predicts). ``refinement``: a :class:`Refinement`
-    (``True`` builds one) whose all-reduced factors correct the predictions. Other keywords go
-    to the planner's class (``order`` for ``optimal``).
+    (``True`` builds one) whose all-reduced factors correct the predictions (a recomputed
+    layer uses its strategy's). ``recompute``: the candidates per layer: ``auto`` (default)
+    every strategy and, when the cost model prices them (``CostModel.recomputes()``; otherwise
+    plain strategies, with one warning), each one recomputed in backward (plan entry
+    ``tp_sp:rc``); ``off`` plain strategies only; ``only`` recomputed ones only (megatron's
+    ``--recompute-granularity full --recompute-method uniform``; ValueError if the cost model
+    cannot price them). ``recompute_chunk``: megatron's ``--recompute-num-layers`` under the
+    uniform method, layers recomputed as one chunk: each ``:rc`` transient also holds
+    ``chunk - 1`` more layers' saved bytes (the largest strategy's). Other keywords go to the
+    planner's class (``order`` for ``optimal``).
     """
     if kind not in KINDS:
         raise ValueError(f"unknown planner {kind!r}: one of {sorted(KINDS)}")
@@ -51,7 +60,8 @@ def build_planner(kind: str, cost_model, memory_budget_bytes: float, gamma: floa
     if refinement is True:
         refinement = Refinement(tuple(strategies) if strategies is not None else tuple(cost_model.strategies))
     return KINDS[kind](cost_model, memory_budget_bytes, gamma=gamma, margin_bytes=margin_bytes,
-                       strategies=strategies, refinement=refinement, device_kind=device_kind, **kwargs)
+                       strategies=strategies, refinement=refinement, device_kind=device_kind,
+                       recompute=recompute, recompute_chunk=recompute_chunk, **kwargs)
 
 
 def make_plan_fn(planner: Planner, on_no_fit: str = "error", multiple: int = 1):

@@ -22,6 +22,22 @@ def lower_hull(points):
     return hull[:best + 1]
 
 
+class Hulls:
+    """``hulls[j]``: the lower hull of points ``j..`` of (m, t), made when first asked for (a
+    search often stops before it needs the deeper ones)."""
+
+    __slots__ = ("m", "t", "got")
+
+    def __init__(self, m, t):
+        self.m, self.t, self.got = m, t, [None] * len(m)
+
+    def __getitem__(self, j):
+        h = self.got[j]
+        if h is None:
+            h = self.got[j] = lower_hull(list(zip(self.m[j:], self.t[j:])))
+        return h
+
+
 def lp_bound(hull, r, c):
     """min sum of times for r layers of average memory <= c / r over the hull (continuous)."""
     if r == 0:

@@ -4,8 +4,9 @@ planners' choice per sequence length as a table, without starting a training run
     python -m megatron_paradyse.plan --cost-model M.json --seq-lens 4k,32k,256k --memory-budget 70
     python -m megatron_paradyse.plan --p 2 --pack 72,900,31 --memory-budget 0.03   # a pack
 
-Per length: every candidate (each uniform plan, the heuristic's two-strategy mixes, the
-optimal plan) with its predicted time and peak, whether it fits the budget minus the margin,
+Per length: every candidate (each uniform plan, recomputed ones too with ``--recompute auto``,
+the heuristic's two-strategy mixes, the optimal plan; ``tp_sp:rc*2+tp_sp*2``: two layers of
+``tp_sp`` recomputed in backward, then two plain) with its predicted time and peak, whether it fits the budget minus the margin,
 which plan each planner chose and why; when nothing fits, the numbers and the longest length
 that fits with the leanest plan.
 """
@@ -63,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="GiB kept free (default 10%% of the budget for a GPU cost model, 5%% for a CPU one: by the cost model's device, not this machine)")
     ap.add_argument("--gamma", type=float, default=None)
     ap.add_argument("--planner", choices=("heuristic", "optimal", "both"), default="both")
+    ap.add_argument("--recompute", choices=("auto", "off"), default="auto",
+                    help="auto (default): a layer may also run recomputed in backward (plan entry "
+                         "'tp_sp:rc': only its input kept, the layer run again in backward), where the "
+                         "cost model prices that; off: never")
     return ap
 
 
@@ -97,7 +102,9 @@ def explain(planners: dict, s: int, b: int) -> str:
     """The table of every candidate plan at ``(s, b)`` and what each planner chose (the command's output)."""
     any_pl = next(iter(planners.values()))
     h = planners.get("heuristic") or HeuristicPlanner(any_pl.cm, any_pl.budget, gamma=0.0,
-                                                       margin_bytes=any_pl.margin, strategies=any_pl.strategies)
+                                                       margin_bytes=any_pl.margin, strategies=any_pl.strategies,
+                                                       recompute=any_pl.recompute,
+                                                       recompute_chunk=any_pl.recompute_chunk)
     costs = h.costs(s, b)
     rows = {}
     for layers, sec, peak, fits, note in h.candidates(costs):
@@ -146,7 +153,8 @@ def main(argv=None) -> int:
         logging.getLogger(__name__).warning(f"warning: {note}")
     kinds = ("heuristic", "optimal") if a.planner == "both" else (a.planner,)
     margin = None if a.memory_margin is None else a.memory_margin * GiB
-    planners = {k: build_planner(k, cm, a.memory_budget * GiB, gamma=a.gamma, margin_bytes=margin) for k in kinds}
+    planners = {k: build_planner(k, cm, a.memory_budget * GiB, gamma=a.gamma, margin_bytes=margin,
+                                 recompute=a.recompute) for k in kinds}
     shape = getattr(cm, "shape", None)
     print(f"cost model: {type(cm).__name__}" + (f" for {shape.describe()}" if shape is not None else "")
           + f"; {next(iter(planners.values())).describe()}")

@@ -5,8 +5,16 @@ the hysteresis, the no-fit message and the longest length that fits.
 model prices a pack's layers on its documents (``costmodel/packs.py``) and everything below
 (the exact search, the order, the pool) is the same; plans and costs are cached per pack.
 
+A plan entry is a strategy, or a strategy recomputed in backward (``tp_sp:rc``,
+``parallel.plans``): the planners' candidates per layer (:attr:`Planner.entries`) are the
+strategies and, with ``recompute="auto"`` where the cost model prices them
+(``CostModel.recomputes()``), each one's ``:rc`` entry; ``"off"`` the strategies,
+``"only"`` the ``:rc`` entries. A recomputed layer is a candidate like any other, with its own
+(seconds, saved bytes: its input, transient: the recompute and backward above it) and its
+strategy's pool and refinement factors; everything below holds for candidates.
+
 Memory model (that of :meth:`megatron_paradyse.costmodel.base.CostModel.step` for a plan given
-as counts): a plan with ``k_i`` layers of strategy ``i`` at padded length ``s`` and micro-batch
+as counts): a plan with ``k_i`` layers of candidate ``i`` at padded length ``s`` and micro-batch
 size ``b`` peaks at
 
     static + sum_i k_i * saved_i + max(nonlayer.saved + nonlayer.transient,
@@ -29,13 +37,20 @@ count, so only the model's error is left to cover).
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import NamedTuple
 
 from ..costmodel.base import plan_counts, union_bytes
 from ..errors import UserError
 from ..parallel.packing import PackShape
+from ..parallel.plans import make_entry, split_entry, strategy_of
 from ..units import GiB, MiB
+
+log = logging.getLogger(__name__)
+
+_WARNED: set = set()  # cost models already warned about (they cannot price :rc entries)
+RECOMPUTE = ("auto", "off", "only")  # the candidates: strategies and their :rc entries, plain only, :rc only
 
 
 def plan_key(s):
@@ -60,7 +75,7 @@ def fmt_bytes(x: float) -> str:
 class PlanChoice(NamedTuple):
     """A planner's answer for one micro-batch."""
 
-    layers: tuple          # one strategy name per layer
+    layers: tuple          # one plan entry per layer: a strategy name, or one with ":rc" (recomputed)
     seconds: float         # predicted forward+backward seconds of the micro-batch
     peak_bytes: float      # predicted peak bytes on one rank
     fits: bool             # peak_bytes <= budget - margin
@@ -78,17 +93,26 @@ def default_margin_fraction(device_kind: str) -> float:
 
 
 class Costs(NamedTuple):
-    """Per-strategy layer costs at one (s, b), refinement factors applied."""
+    """Per-candidate layer costs at one (s, b), refinement factors applied. A candidate is a
+    plan entry: a strategy, or a strategy recomputed in backward (``tp_sp:rc``: its saved bytes
+    the layer's input, its transient the recompute and backward above it, its pool the
+    strategy's)."""
 
-    names: tuple
+    names: tuple    # the candidates (plan entries)
     t: tuple        # seconds per layer
     m: tuple        # saved bytes per layer
     x: tuple        # transient bytes per layer
     t0: float       # non-layer seconds
     base: float     # static + non-layer saved bytes
     x0: float       # non-layer transient bytes
-    pool: tuple = ()    # per strategy: {buffer: bytes} of the communication pool
+    pool: tuple = ()    # per candidate: {buffer: bytes} of the communication pool (its strategy's)
     pool0: dict = {}    # the non-layer part's pool buffers
+    group: tuple = ()   # per candidate: the index of its strategy (candidates of one strategy share
+    #                     a pool); () = each candidate its own strategy
+
+    def groups(self) -> tuple:
+        """Per candidate, its strategy's index (:attr:`group`, or each its own)."""
+        return self.group or tuple(range(len(self.names)))
 
     def pool_bytes(self, used) -> float:
         """The pool of a plan using the strategies at indices ``used``: each buffer name once."""
@@ -162,7 +186,8 @@ class Planner:
 
     def __init__(self, cost_model, memory_budget_bytes: float, gamma: float = 0.05,
                  margin_bytes: float | None = None, strategies=None, refinement=None,
-                 cache_size: int = 4096, device_kind: str | None = None):
+                 cache_size: int = 4096, device_kind: str | None = None, recompute: str = "auto",
+                 recompute_chunk: int = 1):
         if memory_budget_bytes is None or not (float(memory_budget_bytes) > 0):
             raise ValueError(f"memory budget must be a positive number of bytes, got {memory_budget_bytes!r}")
         if gamma is None or gamma < 0:
@@ -177,6 +202,7 @@ class Planner:
             raise ValueError(f"strategies {unknown or names} not predicted by the cost model "
                              f"(it knows {tuple(cost_model.strategies)})")
         self.strategies = names
+        self._set_recompute(recompute, recompute_chunk)
         self.budget = float(memory_budget_bytes)
         self.device_kind = device_kind or getattr(cost_model, "device_kind", lambda: "cpu")()
         self.margin = (default_margin_fraction(self.device_kind) * self.budget if margin_bytes is None
@@ -195,6 +221,34 @@ class Planner:
         self._cache_version = None
         self.prior = None        # the previous plan returned by plan() (hysteresis)
         self.hits = self.misses = 0
+
+    def _set_recompute(self, recompute: str, chunk: int) -> None:
+        """The candidates per layer (:attr:`entries`) from ``recompute``: ``auto`` the strategies
+        and, when the cost model prices them (``CostModel.recomputes()``), each one's ``:rc``
+        entry; ``off`` the strategies; ``only`` the ``:rc`` entries (every layer recomputed, as
+        megatron's ``--recompute-granularity full --recompute-method uniform`` imposes).
+        ``chunk`` (megatron's ``--recompute-num-layers`` with the uniform method): layers
+        recomputed together, so an ``:rc`` entry's transient also holds ``chunk - 1`` more
+        layers' saved activations (the largest of the strategies', a bound)."""
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+        if isinstance(chunk, bool) or int(chunk) != chunk or int(chunk) < 1:
+            raise ValueError(f"recompute_chunk must be an integer >= 1, got {chunk!r}")
+        can = bool(getattr(self.cm, "recomputes", lambda: False)())
+        if recompute == "only" and not can:
+            raise ValueError(f"recompute='only' needs a cost model that prices recomputed layers "
+                             f"(':rc' plan entries): {type(self.cm).__name__}.recomputes() is False")
+        if recompute == "auto" and not can:
+            if type(self.cm).__name__ not in _WARNED:  # once per process and kind of cost model
+                _WARNED.add(type(self.cm).__name__)
+                log.warning(f"warning: the cost model ({type(self.cm).__name__}) does not price recomputed "
+                            f"layers (':rc' plan entries): the planner plans without recompute")
+            recompute = "off"
+        self.recompute = recompute
+        self.recompute_chunk = int(chunk)
+        plain = () if recompute == "only" else self.strategies
+        rc = () if recompute == "off" else tuple(make_entry(n, True) for n in self.strategies)
+        self.entries = plain + rc
 
     # ------------------------------------------------------------------ costs
     def update_seconds(self) -> float:
@@ -220,15 +274,33 @@ class Planner:
             self._costs.clear()
             self._cache_version = v
 
+    def layer_seconds(self, entry: str, s, b: int) -> float:
+        """The planner's seconds of one layer of plan entry ``entry`` at (s, b) (refined)."""
+        costs = self.costs(plan_key(s), int(b))
+        return costs.t[costs.names.index(entry)]
+
     def _compute_costs(self, s: int, b: int) -> Costs:
         r = self.refinement
-        t, m, x = [], [], []
-        for n in self.strategies:
+        t, m, x, group = [], [], [], []
+        index = {n: i for i, n in enumerate(self.strategies)}
+        plain_saved = {}  # the strategies' saved bytes (refined): a recompute chunk's bound
+        for n in self.entries:
+            name, rc = split_entry(n)
             c = self.cm.layer(n, s, b)
-            ft, fm = r.factors(n, s) if r is not None else (1.0, 1.0)
+            ft, fm = r.factors(name, s) if r is not None else (1.0, 1.0)
             t.append(float(c.seconds) * ft)
             m.append(float(c.saved_bytes) * fm)
             x.append(float(c.transient_bytes) * fm)
+            group.append(index[name])
+            if not rc:
+                plain_saved[name] = m[-1]
+        if self.recompute_chunk > 1 and self.recompute != "off":
+            for name in self.strategies:
+                if name not in plain_saved:
+                    fm = r.factors(name, s)[1] if r is not None else 1.0
+                    plain_saved[name] = float(self.cm.layer(name, s, b).saved_bytes) * fm
+            extra = (self.recompute_chunk - 1) * max(plain_saved.values())
+            x = [xi + extra if split_entry(n)[1] else xi for n, xi in zip(self.entries, x)]
         nl = self.cm.nonlayer(s, b)
         ft, fm = r.factors("nonlayer", s) if r is not None else (1.0, 1.0)
         # CostModel.step for a counts plan: the output layer and loss peak at
@@ -238,11 +310,15 @@ class Planner:
         res = getattr(self.cm, "resident_bytes", None)
         resident = float(res(s, b)) * fm if res is not None else float(nl.saved_bytes) * fm
         pool = getattr(self.cm, "pool", None)
-        pools = tuple(dict(pool(n, s, b)) for n in self.strategies) if pool else ()
-        return Costs(self.strategies, tuple(t), tuple(m), tuple(resident + xi for xi in x),
+        if pool:
+            by = {n: dict(pool(n, s, b)) for n in self.strategies}  # an :rc entry: its strategy's pool
+            pools = tuple(by[strategy_of(n)] for n in self.entries)
+        else:
+            pools = ()
+        return Costs(self.entries, tuple(t), tuple(m), tuple(resident + xi for xi in x),
                      float(nl.seconds) * ft, float(self.cm.static_bytes()),
                      float(nl.saved_bytes + nl.transient_bytes) * fm,
-                     pools, dict(pool("nonlayer", s, b)) if pool else {})
+                     pools, dict(pool("nonlayer", s, b)) if pool else {}, tuple(group))
 
     @staticmethod
     def evaluate(costs: Costs, counts: dict) -> tuple:
@@ -366,8 +442,10 @@ class Planner:
                 f"is {longest} tokens" + ("" if longest else " (none)"))
 
     def describe(self) -> str:
+        rc = {"off": "off", "auto": "auto (any layer may be recomputed)", "only": "every layer"}[self.recompute]
+        chunk = f" in chunks of {self.recompute_chunk} layers" if self.recompute_chunk > 1 and self.recompute != "off" else ""
         return (f"{self.kind} planner, budget {fmt_bytes(self.budget)}, margin {fmt_bytes(self.margin)}, "
-                f"gamma {self.gamma:g}, strategies {','.join(self.strategies)}")
+                f"gamma {self.gamma:g}, strategies {','.join(self.strategies)}, recompute {rc}{chunk}")
 
 
 def pareto(items):

@@ -1,25 +1,34 @@
 """The exact fastest plan under the memory budget.
 
-By default (``order="ordered"``) the plan is exact over every per-layer tuple with the ordered
-peak; the search per set of strategies is ``ordered.solve_nested``, seeded by the order-free
-optimum below. ``order="free"`` stops at the order-free optimum.
+A candidate per layer is a plan entry: a strategy, or (``recompute`` "auto" or "only", where
+the cost model prices it) a strategy recomputed in backward, ``tp_sp:rc``: its own time,
+saved bytes (the layer's input) and transient (the recompute and backward above it), and its
+strategy's communication pool. Up to 10 candidates for 5 strategies; the sets below are sets
+of strategies (a strategy's candidates share its pool), so there are at most 31 whatever
+recompute adds.
 
-Order-free: layers of one model are alike, so a plan is a count ``k_i`` of layers per strategy:
+By default (``order="ordered"``) the plan is exact over every per-layer tuple of the
+candidates with the ordered peak: one subproblem per set of strategies (``_ordered_sets``,
+every candidate of the set's strategies under the set's pool), each solved by
+``ordered.solve_nested``, run in the order of their LP bounds and stopped at the first that
+cannot beat the best plan. ``order="free"`` plans under the order-free bound instead:
+
+Order-free: layers of one model are alike, so a plan is a count ``k_i`` of layers per candidate:
 its time ``t0 + sum k_i t_i`` and its bound on the peak ``base + sum k_i m_i + max(x0,
 max_{k_i > 0} x_i) + pool({i: k_i > 0})`` (every order peaks at most there) do not depend on
-the order of the layers. The last two terms depend only
-on the set ``S`` of strategies used, so each set is a subproblem: only strategies in ``S`` are
-allowed and the saved bytes must fit in ``limit - base - X(S) - pool(S)``. Every plan found in
-the subproblem of ``S`` is feasible (it uses a subset of ``S``: its transient and pool are at
-most those of ``S``), and the optimum is feasible in the subproblem of its own set, so the best
-over all sets is the optimum (2^n - 1 sets, n <= 5 strategies).
+the order of the layers. The last two terms depend only on the candidates used, so per set of
+strategies ``G`` and per largest transient ``X`` (``_free_sets``) a subproblem allows the
+candidates of ``G`` with transient <= X, whose saved bytes must fit in ``limit - base - X -
+pool(G)``. Every plan found there is feasible (its transient and pool are at most those), and
+the optimum is feasible in the subproblem of its own set and transient, so the best over all
+of them is the optimum.
 
-Each subproblem (``min sum k_i t_i`` s.t. ``sum k_i = L``, ``sum k_i m_i <= C``, integers) is
-solved by depth-first branch and bound over the strategies sorted fastest first (dominated ones
-removed: a strategy at least as slow and as large as another is never needed), most layers on
-the faster strategy first, pruned by the linear-programming bound (the lower convex hull of the
-remaining strategies in (memory, time)). Exact; ``tests/test_planner.py`` checks it against
-brute force over every composition.
+Each order-free subproblem (``min sum k_i t_i`` s.t. ``sum k_i = L``, ``sum k_i m_i <= C``,
+integers) is solved by depth-first branch and bound over the candidates sorted fastest first
+(dominated ones removed: one at least as slow and as large as another is never needed), most
+layers on the faster first, pruned by the linear-programming bound (the lower convex hull of the
+remaining candidates in (memory, time)). Exact; ``tests/test_planner.py`` checks both searches
+against brute force (every per-layer tuple; every composition under the bound).
 
 Where "layers are alike" breaks (then this is a model, not the truth):
 
@@ -28,8 +37,11 @@ Where "layers are alike" breaks (then this is a model, not the truth):
 * the first and last layers differ from the others (embedding and output layer are handled as
   the non-layer term here; a model whose layers differ in width, MoE layers, or
   local/global attention alternation needs per-layer costs, i.e. a DP over layers);
-* activation recomputation: a recomputed layer keeps only its input, and the peak moves to the
-  recompute of the layer with the largest transient, which depends on where it sits;
+* activation recomputation is per layer here (``:rc``: the layer's input kept, its recompute
+  and backward its transient, placed by the same order); megatron's uniform recompute of N
+  layers as one chunk is priced as a bound (``recompute_chunk``: N - 1 more layers' saved
+  bytes in every recomputed transient), and its block method (the first N layers) is the
+  trainer's to impose;
 * the peak is taken at the backward of the layer with the largest transient while every
   layer's activations are alive; with strongly different per-layer saved bytes the order in
   which backward frees them could make an earlier moment the peak (not for a stack of like layers).
@@ -38,7 +50,7 @@ from __future__ import annotations
 
 import math
 
-from .bounds import EPS, lower_hull, lp_bound
+from .bounds import EPS, Hulls, lp_bound
 from .core import Costs, PlanChoice, Planner, layers_of
 from .ordered import solve_nested
 
@@ -63,7 +75,7 @@ def solve_counts(t, m, L, C, upper=math.inf):
         return L * mt[0], _counts(len(t), front, [L] + [0] * (len(front) - 1))
     if L * mm[-1] > C:  # not even the leanest fits
         return math.inf, None
-    hulls = [lower_hull(list(zip(mm[s:], mt[s:]))) for s in range(len(front))]
+    hulls = Hulls(mm, mt)
     if lp_bound(hulls[0], L, C) >= upper * (1 - EPS):
         return math.inf, None
     best = _best_pair(mt, mm, L, C, upper)
@@ -156,43 +168,114 @@ def _branch_and_bound(mt, mm, hulls, L, C, best) -> None:
     rec(0, L, C, 0.0)
 
 
-def _sets(costs: Costs) -> list:
-    """``(mask, X, pool)`` for the sets of strategies worth a subproblem (bit i: strategy i):
-    the set's largest transient (at least the non-layer one) and its pool bytes (each buffer
-    name once, with the non-layer part's). A set that could take one more strategy at no cost
-    (same transient, same pool) is left out: the larger set has the same capacity and more
-    choice (without pools this leaves one subproblem per transient value). Ordered by the
-    set's fastest layer time (ties: larger sets first), so the search can stop at the first
-    set that cannot beat the best plan."""
-    n, full = len(costs.names), 1 << len(costs.names)
+def _pools(costs: Costs) -> tuple:
+    """``(members, P, same)`` over the sets of strategies (bit g: strategy g): ``members[g]``
+    the candidates of strategy g (plain and ``:rc``, which share its pool), ``P[mask]`` the
+    pool bytes of a plan using the strategies of ``mask`` (each buffer name once, with the
+    non-layer part's), ``same[mask]`` the strategies outside ``mask`` that join it at no cost
+    to the pool."""
+    grp = costs.groups()
+    n = max(grp) + 1 if grp else 0
+    full = 1 << n
+    members = [[] for _ in range(n)]
+    for e, g in enumerate(grp):
+        members[g].append(e)
     names = sorted({k for d in (costs.pool0,) + tuple(costs.pool) for k in d})
-    vec = [tuple(float(costs.pool[i].get(k, 0.0)) for k in names) if costs.pool else () for i in range(n)]
+    vec = [tuple(float(costs.pool[members[g][0]].get(k, 0.0)) for k in names) if costs.pool else ()
+           for g in range(n)]
     maxes = [tuple(float(costs.pool0.get(k, 0.0)) for k in names)] + [None] * (full - 1)
-    X, P, T = [costs.x0] + [0.0] * (full - 1), [sum(maxes[0])] + [0.0] * (full - 1), [0.0] * full
+    P = [sum(maxes[0])] + [0.0] * (full - 1)
     for mask in range(1, full):
         low = (mask & -mask).bit_length() - 1
-        rest = mask & (mask - 1)
-        maxes[mask] = tuple(map(max, maxes[rest], vec[low])) if names else ()
-        X[mask] = max(X[rest], costs.x[low])
+        maxes[mask] = tuple(map(max, maxes[mask & (mask - 1)], vec[low])) if names else ()
         P[mask] = sum(maxes[mask])
-        T[mask] = costs.t[low] if not rest else min(T[rest], costs.t[low])
-    out = []
+    same = [0] * full
     for mask in range(1, full):
-        x, pool = X[mask], P[mask]
-        if any(not mask >> j & 1 and X[mask | 1 << j] == x and P[mask | 1 << j] == pool for j in range(n)):
-            continue
-        out.append((T[mask], -bin(mask).count("1"), mask, x, pool))
-    out.sort()
-    return [(mask, x, pool) for _, _, mask, x, pool in out]
+        for g in range(n):
+            bit = 1 << g
+            if not mask & bit and P[mask | bit] == P[mask]:
+                same[mask] |= bit
+    return members, P, same
 
 
-def _undominated(costs: Costs, idx: list) -> list:
-    """The strategies of ``idx`` that no other member matches or beats in time, saved and
-    transient bytes: a dominated one's layers can move to its dominator, which sorts no earlier
-    by transient, so no prefix of saved bytes grows (ties: the first index is kept)."""
-    key = {i: (costs.t[i], costs.m[i], costs.x[i]) for i in idx}
-    return [a for a in idx if not any(
-        b != a and all(u <= v for u, v in zip(key[b], key[a])) and (key[a] != key[b] or b < a) for b in idx)]
+def _ordered_sets(costs: Costs) -> list:
+    """``(candidates, pool)`` of the ordered search's subproblems: per set ``G`` of strategies,
+    every candidate of ``G``'s strategies under ``G``'s pool. A set that could take one more
+    strategy at no cost (the same pool) is left out: the larger set has the same capacities
+    (the ordered caps are per candidate, not per set) and more choice; without pools that
+    leaves the set of all strategies. At most 31 sets for 5 strategies, whatever recompute
+    adds (a strategy's candidates share its pool)."""
+    members, P, same = _pools(costs)
+    out = []
+    for mask in range(1, len(P)):
+        if not same[mask]:
+            out.append(([e for g in range(len(members)) if mask >> g & 1 for e in members[g]], P[mask]))
+    return out
+
+
+def _free_sets(costs: Costs) -> list:
+    """``(candidates, X, pool)`` of the order-free search's subproblems, by their fastest
+    layer time (ties: more candidates first), so the search can stop at the first that cannot
+    beat the best plan. The bound charges a plan the largest transient ``X`` of the candidates
+    it uses (at least the non-layer one), so per set ``G`` of strategies and per value of
+    ``X``: the candidates of ``G`` whose transient is at most ``X``; kept when they cover every
+    strategy of ``G`` (else the smaller set, with no larger pool, has the same candidates) and
+    no strategy outside ``G`` could join at no cost (the same pool, a candidate within ``X``:
+    the larger set has the same capacity and more choice). Without recompute that is one
+    subproblem per set of strategies, less those that could take another at no cost."""
+    members, P, same = _pools(costs)
+    grp, t = costs.groups(), costs.t
+    xe = [max(costs.x0, x) for x in costs.x]
+    gbit = [1 << g for g in grp]
+    ties = []  # the candidates by transient, ascending, those of equal transient together
+    for e in sorted(range(len(grp)), key=lambda e: xe[e]):
+        if ties and xe[ties[-1][0]] == xe[e]:
+            ties[-1].append(e)
+        else:
+            ties.append([e])
+    out = []
+    for mask in range(1, len(P)):
+        allowed, covered, tmin = [], 0, math.inf
+        for tie in ties:
+            if any(same[mask] & gbit[e] for e in tie):
+                break
+            inside = [e for e in tie if mask & gbit[e]]
+            if not inside:
+                continue
+            allowed += inside
+            for e in inside:
+                covered |= gbit[e]
+                tmin = min(tmin, t[e])
+            if covered == mask:
+                out.append((tmin, -len(allowed), list(allowed), xe[tie[0]], P[mask]))
+    out.sort(key=lambda r: r[:2])
+    return [r[2:] for r in out]
+
+
+def _dominators(costs: Costs) -> list:
+    """Per candidate, the bit mask of the candidates that match or beat it in time, saved and
+    transient bytes (ties: the first index dominates): within a subproblem a dominated
+    candidate's layers can move to a dominator, which sorts no earlier by transient, so no
+    prefix of saved bytes grows."""
+    key = list(zip(costs.t, costs.m, costs.x))
+    out = []
+    for a, ka in enumerate(key):
+        bits = 0
+        for b, kb in enumerate(key):
+            if b != a and kb[0] <= ka[0] and kb[1] <= ka[1] and kb[2] <= ka[2] and (ka != kb or b < a):
+                bits |= 1 << b
+        out.append(bits)
+    return out
+
+
+def _undominated(costs: Costs, idx: list, dom: list | None = None) -> list:
+    """The candidates of ``idx`` that no other member matches or beats in time, saved and
+    transient bytes (:func:`_dominators`)."""
+    dom = _dominators(costs) if dom is None else dom
+    mask = 0
+    for i in idx:
+        mask |= 1 << i
+    return [a for a in idx if not dom[a] & mask]
 
 
 class OptimalPlanner(Planner):
@@ -210,12 +293,11 @@ class OptimalPlanner(Planner):
         self.order = order
 
     def _search(self, costs: Costs, s: int, b: int) -> PlanChoice:
-        L, sets = self.num_layers, _sets(costs)
-        best = self._order_free(costs, sets)
+        L = self.num_layers
         if self.order == "ordered":
-            if best is not None:
-                best = (best[0], self.evaluate_ordered(costs, best[2])[1], best[2])
-            best = self._ordered(costs, sets, best)
+            best = self._ordered(costs, _ordered_sets(costs))
+        else:
+            best = self._order_free(costs, _free_sets(costs))
         if best is None:
             name, sec, peak = min(self.uniform(costs), key=lambda u: (u[2], u[1]))
             return PlanChoice((name,) * L, sec, peak, False, "nothing fits")
@@ -227,10 +309,9 @@ class OptimalPlanner(Planner):
 
     def _order_free(self, costs: Costs, sets: list):
         """``(seconds, peak, counts)`` of the fastest plan under the order-free bound, or None."""
-        L, n = self.num_layers, len(costs.names)
+        L = self.num_layers
         best = None
-        for mask, X, pool in sets:
-            allowed = [i for i in range(n) if mask >> i & 1]
+        for allowed, X, pool in sets:
             if best is not None and costs.t0 + L * min(costs.t[i] for i in allowed) >= best[0]:
                 break  # sets come fastest-first: no later set can beat the best plan
             C = self.limit - costs.base - X - pool
@@ -249,19 +330,34 @@ class OptimalPlanner(Planner):
                 best = (sec, peak, cdict)
         return best
 
-    def _ordered(self, costs: Costs, sets: list, best):
+    def _ordered(self, costs: Costs, sets: list, best=None):
         """The fastest plan over every order (``ordered.solve_nested`` per set of strategies),
-        starting from ``best`` (a fitting plan or None)."""
-        L, n = self.num_layers, len(costs.names)
-        for mask, _, pool in sets:
-            allowed = sorted(_undominated(costs, [i for i in range(n) if mask >> i & 1]),
-                             key=lambda i: (-costs.x[i], i))
-            if best is not None and costs.t0 + L * min(costs.t[i] for i in allowed) >= best[0]:
-                break
+        starting from ``best`` (a fitting plan or None). The subproblems run in the order of
+        their LP bound (the continuous optimum of the set's candidates under its last cap), and
+        the search stops at the first whose bound cannot beat the best plan."""
+        L = self.num_layers
+        dom = _dominators(costs)
+        subs = []
+        for cands, pool in sets:
             room = self.limit - costs.base - pool
-            caps = [min(room - costs.x[i], room - costs.x0) for i in allowed]
+            # a candidate whose transient alone overflows can hold no layer: left out, so the
+            # first cap is >= 0 and a cap of a candidate left at 0 layers is implied (ordered.py)
+            fit = [i for i in cands if room - max(costs.x[i], costs.x0) >= 0]
+            allowed = sorted(_undominated(costs, fit, dom), key=lambda i: (-costs.x[i], i))
+            if not allowed:
+                continue
+            caps = [room - max(costs.x[i], costs.x0) for i in allowed]
+            tm, mm = [costs.t[i] for i in allowed], [costs.m[i] for i in allowed]
+            hulls = Hulls(mm, tm)
+            bound = lp_bound(hulls[0], L, caps[-1])
+            if bound < math.inf:
+                subs.append((bound, len(subs), allowed, tm, mm, caps, hulls))
+        subs.sort(key=lambda r: r[:2])
+        for bound, _, allowed, tm, mm, caps, hulls in subs:
+            if best is not None and costs.t0 + bound >= best[0] * (1 - EPS):
+                break
             upper = math.inf if best is None else (best[0] - costs.t0) * (1 + 1e-9)
-            _, counts = solve_nested([costs.t[i] for i in allowed], [costs.m[i] for i in allowed], caps, L, upper)
+            _, counts = solve_nested(tm, mm, caps, L, upper, hulls=hulls)
             if counts is None:
                 continue
             cdict = {costs.names[allowed[j]]: k for j, k in enumerate(counts) if k}

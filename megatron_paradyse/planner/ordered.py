@@ -12,20 +12,29 @@ set ``S`` sorted by transient, largest first, a plan of ``k_j`` layers per strat
 
 a knapsack with nested capacities (``cap`` non-decreasing in j, since the transients fall).
 Imposing the constraint of a strategy of ``S`` that a plan leaves at 0 layers is harmless: its
-prefix is the previous strategy's, already within a smaller cap. So every plan found for ``S``
+prefix is the previous strategy's, already within a smaller cap (a strategy whose cap is
+negative can hold no layer and is left out by the caller, so the first cap is >= 0). So every plan found for ``S``
 fits, and the optimum is found in the subproblem of the set it uses: the best over all sets is
 the optimum over every per-layer tuple (``tests/test_planner.py`` checks it by brute force).
 
-:func:`solve_nested` solves one subproblem: depth first over the strategies in transient order,
-the last two in closed form, pruned by the linear-programming bound of the remaining
-strategies under the last cap (``bounds.lp_bound``; convex in the layers given to the current
-strategy, so the scan stops once past its minimum).
+The strategies here are the planner's candidates (a strategy, or one recomputed in backward,
+``tp_sp:rc``, with its own time, saved bytes and transient): nothing below depends on which.
+
+:func:`solve_nested` solves one subproblem: depth first over the candidates in transient
+order, the last two in closed form, pruned by the linear-programming bound of the remaining
+candidates under the last cap (``bounds.lp_bound``). That bound is convex in the layers ``k``
+given to the current candidate, so the children are visited from its minimum outwards in
+increasing bound (found by bisection; good plans come first, no seed needed) and each side
+stops where the bound reaches the best plan. A symmetry prunes what recompute multiplies
+(candidates of equal saved bytes, near-equal times): a later candidate holds no layer while
+an earlier one that is faster and no larger has room for one more in every prefix between
+them (moving the layer there is faster and fits).
 """
 from __future__ import annotations
 
 import math
 
-from .bounds import EPS, lower_hull, lp_bound
+from .bounds import EPS, Hulls, lp_bound
 
 _TOL = 1e-9  # relative slack on a capacity: rounding only (the planner re-checks every plan)
 
@@ -56,16 +65,52 @@ def _last_two(t, m, caps, a, z, r, used):
     return None
 
 
-def solve_nested(t, m, caps, L, upper=math.inf):
+def _finite(bnd, kmax):
+    """``(lo, hi)``: the ``k`` in ``0..kmax`` where ``bnd(k)`` is finite, or None. The rest fits
+    where a linear inequality in ``k`` holds, so that is an interval holding 0 or ``kmax``
+    (ends found by bisection); if neither end is finite (the interval is empty but for
+    rounding), a scan."""
+    f0, fk = bnd(0) < math.inf, bnd(kmax) < math.inf
+    if f0 and fk:
+        return 0, kmax
+    if not f0 and not fk:
+        inside = [k for k in range(1, kmax) if bnd(k) < math.inf]
+        return (inside[0], inside[-1]) if inside else None
+    a, b = 0, kmax  # bnd finite at exactly one of a, b
+    while b - a > 1:
+        mid = (a + b) // 2
+        if (bnd(mid) < math.inf) == fk:
+            b = mid
+        else:
+            a = mid
+    return (b, kmax) if fk else (0, a)
+
+
+def solve_nested(t, m, caps, L, upper=math.inf, hulls=None):
     """Exact ``min sum k_j t_j`` s.t. ``sum k_j = L``, ``sum_{i <= j} k_i m_i <= caps[j]`` for every
     j, ``k_j >= 0`` integers (``caps`` non-decreasing). Returns ``(time, counts)`` or
-    ``(inf, None)``; only a plan faster than ``upper`` is of interest."""
+    ``(inf, None)``; only a plan faster than ``upper`` is of interest. ``hulls``: a
+    ``bounds.Hulls`` of ``(m, t)`` the caller already made."""
     q = len(t)
     if q == 0 or caps[0] < -_TOL * max(1.0, abs(caps[0])):
         return math.inf, None
-    hulls = [lower_hull(list(zip(m[j:], t[j:]))) for j in range(q)]
+    if hulls is None:
+        hulls = Hulls(m, t)  # hulls[j]: of strategies j.., made when first needed
     best = [upper, None]
     ks = [0] * q
+    pref = [0.0] * q  # the saved bytes of strategies 0..p on the current path
+    # Symmetry: for an earlier strategy a (larger transient) that is faster and no larger than a
+    # later j, a plan with a layer on j while every prefix from a to j - 1 has room for one more
+    # layer of a is beaten by moving that layer to a (the prefixes from a to j - 1 grow by m_a and
+    # stay within their caps, the later ones shrink by m_j - m_a >= 0): j then holds no layer.
+    leaner = [[a for a in range(j) if m[a] <= m[j] and t[a] < t[j]] for j in range(q)]
+
+    def must_skip(j):
+        """Whether strategy j must hold no layer (the symmetry above) on the current path."""
+        for a in leaner[j]:
+            if min(caps[p] - pref[p] for p in range(a, j)) >= m[a]:
+                return True
+        return False
 
     def leaf(tot, assign):
         if tot < best[0] * (1 - EPS):
@@ -79,25 +124,59 @@ def solve_nested(t, m, caps, L, upper=math.inf):
             if _within(used + r * m[j], caps[j]):
                 leaf(acc + r * t[j], [(j, r)])
             return
+        skip = bool(leaner[j]) and must_skip(j)
         if j == q - 2:
+            if skip:
+                if _within(used + r * m[j + 1], caps[j + 1]):
+                    leaf(acc + r * t[j + 1], [(j, 0), (j + 1, r)])
+                return
             got = _last_two(t, m, caps, j, q - 1, r, used)
             if got is not None:
                 leaf(acc + got[0], [(j, got[1]), (q - 1, r - got[1])])
             return
-        kmax = r if m[j] <= 0 else min(r, math.floor((caps[j] - used) / m[j] * (1 + 1e-12) + 1e-9))
-        prev = None
-        for k in range(kmax, -1, -1):
-            if not _within(used + k * m[j], caps[j]):
-                continue
-            bound = acc + k * t[j] + lp_bound(hulls[j + 1], r - k, caps[-1] - used - k * m[j])
-            if bound >= best[0] * (1 - EPS):
-                if prev is not None and bound >= prev:
-                    break  # convex in k: past its minimum it only grows
-                prev = bound
-                continue
-            prev = bound
+        tj, mj = t[j], m[j]
+        kmax = 0 if skip else r if mj <= 0 else min(r, math.floor((caps[j] - used) / mj * (1 + 1e-12) + 1e-9))
+        if kmax < 0:
+            return
+        h, cl, memo = hulls[j + 1], caps[-1] - used, {}
+
+        def bnd(k):  # the LP bound with k layers on j: convex in k (infinite where the rest cannot fit)
+            v = memo.get(k)
+            if v is None:
+                v = memo[k] = acc + k * tj + lp_bound(h, r - k, cl - k * mj)
+            return v
+
+        span = _finite(bnd, kmax)
+        if span is None:
+            return
+        lo, hi = span
+        a, b = lo, hi
+        if a < b and bnd(b - 1) >= bnd(b):  # the minimum at an end (often: no bisection)
+            a = b
+        elif a < b and bnd(a + 1) >= bnd(a):
+            b = a
+        while a < b:  # the smallest minimiser of the bound (convex: bisection on its slope)
+            mid = (a + b) // 2
+            if bnd(mid) <= bnd(mid + 1):
+                b = mid
+            else:
+                a = mid + 1
+        down, up = a, a + 1  # the children in increasing bound from the minimum outwards: good
+        while True:          # plans early; each side ends where its bound reaches the best plan
+            target = best[0] * (1 - EPS)
+            bd = bnd(down) if down >= lo else math.inf
+            bu = bnd(up) if up <= hi else math.inf
+            if bd <= bu:
+                if not bd < target:
+                    return
+                k, down = down, down - 1
+            else:
+                if not bu < target:
+                    return
+                k, up = up, up + 1
             ks[j] = k
-            rec(j + 1, r - k, used + k * m[j], acc + k * t[j])
+            pref[j] = used + k * mj
+            rec(j + 1, r - k, pref[j], acc + k * tj)
             ks[j] = 0
 
     if q == 1:

@@ -15,7 +15,8 @@ plan check (:mod:`megatron_paradyse.parallel.plan_check`) stays as the safety ne
 
 A step's ratio is attributed to the (family, bucket) cells of its micro-batches in proportion
 to their share of the step's predicted time (time) or to their share of the layers (memory).
-Families: one per strategy, plus ``nonlayer`` (embedding, output layer, optimizer).
+Families: one per strategy, plus ``nonlayer`` (embedding, output layer, optimizer). A recomputed
+layer (plan entry ``tp_sp:rc``) is its strategy's family: it shares the strategy's factors.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel.plan_check import collective_device
+from ..parallel.plans import strategy_of
 
 NUM_BUCKETS = 40
 
@@ -48,7 +50,9 @@ class Refinement:
         self.updates = 0
 
     def _cell(self, family: str, s: int) -> int:
-        return self._index[family] * NUM_BUCKETS + bucket(s)
+        """The cell of ``family`` (a strategy, a plan entry such as ``tp_sp:rc``: its strategy's,
+        or ``nonlayer``) at length ``s``."""
+        return self._index[strategy_of(family)] * NUM_BUCKETS + bucket(s)
 
     def factors(self, family: str, s: int) -> tuple:
         c = self._cell(family, s)
@@ -62,8 +66,8 @@ class Refinement:
                      layer_seconds=None) -> list:
         """One rank's step as a flat list: per cell [w_t, w_t * time ratio, w_m, w_m * mem ratio].
 
-        ``micro``: [(plan layers, padded s)] of this rank's micro-batches; ``layer_seconds(name,
-        s)`` the predicted seconds of one layer (for the time shares; default: equal per layer).
+        ``micro``: [(plan layers, padded s)] of this rank's micro-batches (entries with ``:rc``
+        count for their strategy); ``layer_seconds(entry, s)`` the predicted seconds of one layer (for the time shares; default: equal per layer).
         ``measured_seconds`` or ``measured_peak`` None: that side was not measured this step.
         """
         n = len(self.families) * NUM_BUCKETS
