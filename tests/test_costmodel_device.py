@@ -130,8 +130,8 @@ def _oom_world(rank, world, shape_d, cfg):
         if current["st"] == "ulysses" and s == 128:  # every rank, at the start of the pass
             raise oom("ulysses, every rank")
         out = memory(self, part, s, b, passes)  # the pass's collectives ran on every rank
-        if rank == 1 and current["st"] == "ring" and s == 64:
-            raise oom("ring, rank 1 alone")
+        if rank == 1 and current["st"] in ("ring", "metp:rc") and s == 64:
+            raise oom(f"{current['st']}, rank 1 alone")
         return out
 
     def time_(self, part, s, b, warmup=1, repeats=3):
@@ -153,7 +153,7 @@ def test_out_of_memory_is_skipped_by_every_rank_together():
 
     shape = demo_shape(2)
     cfg = ProfileConfig(seqs=OOM_SEQS, strategies=OOM_STRATS, parts=["layer"], warmup=1, repeats=1,
-                        nonlayer=False)
+                        nonlayer=False, recompute_points=3)
     per_rank = run_ranks(_oom_world, 2, shape.key(), cfg, timeout=150)  # a hang would end here as RankError
 
     def cells(rows):
@@ -173,6 +173,12 @@ def test_out_of_memory_is_skipped_by_every_rank_together():
     for r in merged:
         if r["type"] == "layer":
             assert r["layer_seconds"] > 0 and r["saved_bytes"] > 0 and len(r["layer_times"]) >= 1
+    # the recompute phase at the lengths each strategy fit; metp:rc out of memory on rank 1 alone
+    # at 64: skipped by both ranks, with its own limit row (the layer sweep's limits untouched)
+    rc = {(r["strategy"], r["s"]) for r in merged if r["type"] == "recompute"}
+    assert rc == {("tp_sp", 32), ("tp_sp", 64), ("ulysses", 32), ("ulysses", 64), ("ring", 32), ("metp", 32)}
+    assert [(r["strategy"], r["s"], r["oom_ranks"]) for r in per_rank[0] if r["type"] == "recompute_limit"] \
+        == [("metp", 64, [1])]
 
 
 # ------------------------------------------------------------------------------------ layering

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from megatron_paradyse.costmodel import build_cost_model, demo_shape
@@ -19,7 +20,7 @@ from megatron_paradyse.costmodel.report import measure_steps, step_errors
 
 SHAPE = demo_shape(2)
 CFG = ProfileConfig(seqs=[128, 256, 512], batches=[1], strategies=["tp_sp", "ring", "metp"], parts=["layer", "attn"],
-                    warmup=1, repeats=1, command="test")
+                    warmup=1, repeats=1, command="test", recompute_points=2)
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +63,58 @@ def test_profile_writes_every_row_the_fit_needs(fitted):
         if "flash" in saved["kernel_rates"]:  # absent only if the noise left no s**2 term
             assert phys["attention_rate"] == "kernel"
             assert phys["rates"]["attn_flops"] == saved["kernel_rates"]["flash"]["attn_flops"]
+
+
+def test_the_recompute_phase_is_measured_and_priced(fitted):
+    """The recompute phase (on by default): per strategy at the shortest and the longest of its
+    lengths (recompute_points=2), ``st`` and ``st:rc`` timed in the same rounds and both
+    memories measured; the fitted model prices ``st:rc`` from them, its saved and transient
+    bytes an upper bound of the tracker's."""
+    rows, cm, _ = fitted
+    rc = [r for r in rows if r["type"] == "recompute"]
+    assert {(r["strategy"], r["s"]) for r in rc} == {(st, s) for st in CFG.strategies for s in (128, 512)}
+    layers = {(r["strategy"], r["s"]): r for r in rows if r["type"] == "layer"}
+    assert cm.recomputes()
+    for r in rc:
+        st, s = r["strategy"], r["s"]
+        assert len(r["rc_times"]) == len(r["plain_times"]) == 4 and r["seconds"] > 0 and r["plain_seconds"] > 0
+        # the plain layer measured beside it is the layer sweep's; recomputed, it keeps its output
+        # (and the checkpoint's RNG states) only, and peaks at about the plain saved + transient
+        assert (r["plain_saved_bytes"], r["plain_transient_bytes"]) == (layers[(st, s)]["saved_bytes"],
+                                                                       layers[(st, s)]["transient_bytes"])
+        out = s // 2 * SHAPE.hidden * SHAPE.elt
+        assert out <= r["saved_bytes"] < out + 64 * 1024 and r["saved_bytes"] < r["plain_saved_bytes"]
+        plain_sum = r["plain_saved_bytes"] + r["plain_transient_bytes"]
+        assert plain_sum <= r["transient_bytes"] < 1.05 * plain_sum
+        got = cm.layer(st + ":rc", s, 1)
+        assert r["saved_bytes"] <= got.saved_bytes <= 1.001 * r["saved_bytes"]
+        assert r["transient_bytes"] <= got.transient_bytes <= 1.01 * r["transient_bytes"]
+        f = float(np.median([a / c - 1 for a, c in zip(r["rc_times"], r["plain_times"])]))
+        assert got.seconds / cm.layer(st, s, 1).seconds - 1 == pytest.approx(f, rel=1e-9)
+
+
+def test_recompute_only_appends_to_an_existing_profile(fitted, capsys):
+    """``profile --recompute-only --append``: the phase alone, its rows after a ``section`` row at
+    the end of a profile of the same shape, the profile's own lines unchanged."""
+    from megatron_paradyse.costmodel.profile import main
+
+    _, _, d = fitted
+    lines = (d / "p.jsonl").read_text().splitlines(keepends=True)
+    base = "".join(x for x in lines if json.loads(x)["type"] != "recompute")
+    (d / "q.jsonl").write_text(base)
+    main(["--p", "2", "--seqs", "128", "--strategies", "tp_sp", "--repeats", "1", "--recompute-only",
+          "--append", "-o", str(d / "q.jsonl")])
+    assert "appended to" in capsys.readouterr().out
+    text = (d / "q.jsonl").read_text()
+    assert text.startswith(base)
+    new = [json.loads(x) for x in text[len(base):].splitlines()]
+    assert [r["type"] for r in new] == ["section", "recompute"] and new[0]["phase"] == "recompute"
+    assert "--recompute-only" in new[0]["command"] and new[0]["duration_s"] > 0
+    meta = fit_profile(str(d / "q.jsonl"), str(d / "q.json"))
+    assert set(meta["recompute"]) == {"tp_sp"} and not meta["recompute_complete"]  # one strategy of three
+    with pytest.raises(SystemExit):  # before any rank starts
+        main(["--p", "2", "--seqs", "128", "--recompute-only", "--append", "-o", str(d / "q.jsonl")])
+    assert "recompute rows already" in capsys.readouterr().err
 
 
 def test_a_mixed_plans_training_step_peaks_where_the_model_says(fitted):

@@ -31,6 +31,7 @@ import json
 import math
 import os
 
+from ..parallel.plans import split_entry, strategy_of
 from . import packs
 from .base import CostModel, LayerCost, as_tokens, check_length
 from .shape import ModelShape
@@ -505,7 +506,17 @@ def pack_pool(strategy: str, p: int, s, pool: dict) -> dict:
 
 
 class AnalyticCostModel(CostModel):
-    """Memory from the formulas above; time from a roofline + alpha-beta collectives."""
+    """Memory from the formulas above; time from a roofline + alpha-beta collectives.
+
+    Recomputed layers (plan entry ``st:rc``, :meth:`recomputes`): *assumed*, not measured:
+    time, the plain layer plus its forward once more (``1 / passes`` of it: a third, a fourth
+    for ``metp``, whose backward already recomputes part of its forward, :func:`flops_parts`);
+    saved, one ``[s/p, b, h]`` tensor (the layer's output, the next layer's input; the
+    checkpoint's few RNG states are left out); transient, the plain layer's saved + transient
+    (the recompute rebuilds what the plain layer saves, then its backward runs as the plain
+    one's). The profile measures these (``recompute`` rows; ``fit.fit_recompute``); this model
+    is the fallback for shapes without one.
+    """
 
     kind = "analytic"
 
@@ -536,7 +547,17 @@ class AnalyticCostModel(CostModel):
             raise KeyError(f"unknown strategy {strategy!r}; the model knows {self.strategies}")
         check_length(s, b, self.shape.p)
 
+    def recomputes(self) -> bool:
+        return True
+
     def layer(self, strategy: str, s: int, b: int) -> LayerCost:
+        base, rc = split_entry(strategy)
+        if rc:
+            plain = self.layer(base, s, b)
+            tokens, bb = as_tokens(s, b, self.shape.p)
+            passes = 4 if base == "metp" else 3
+            saved = basis(self.shape, tokens, bb)["t*h"]
+            return LayerCost(plain.seconds * (1.0 + 1.0 / passes), saved, plain.saved_bytes + plain.transient_bytes)
         self._check(strategy, s, b)
         saved, trans = layer_memory(strategy, self.shape, s, b)
         flops = layer_flops(strategy, self.shape, s, b)
@@ -548,7 +569,7 @@ class AnalyticCostModel(CostModel):
         return static_bytes(self.shape, self.optimizer)
 
     def pool(self, strategy: str, s: int, b: int) -> dict:
-        return pool_buffers(strategy, self.shape, s, b)
+        return pool_buffers(strategy_of(strategy), self.shape, s, b)  # st:rc's pool is st's
 
     def nonlayer(self, s, b: int) -> LayerCost:
         sh = self.shape

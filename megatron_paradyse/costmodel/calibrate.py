@@ -53,9 +53,10 @@ def lengths_for(cm: FittedCostModel, seq_length: int) -> list:
 
 def config_for(cm: FittedCostModel, lengths: list, model_args: dict | None = None) -> ProfileConfig:
     """The sweep of a calibration: the layer of every strategy of the model at ``lengths``,
-    b = 1, no kernel calibration, no non-layer part, no memory limit."""
+    b = 1, no kernel calibration, no recompute phase, no non-layer part, no memory limit (a
+    recomputed layer's time follows its strategy's factor, ``FittedCostModel.layer``)."""
     return ProfileConfig(seqs=tuple(lengths), strategies=tuple(cm.strategies), batches=(1,), parts=("layer",),
-                         warmup=1, repeats=REPEATS, nonlayer=False, kernels=False, memory_limit=None,
+                         warmup=1, repeats=REPEATS, nonlayer=False, kernels=False, recompute=False, memory_limit=None,
                          command="calibrate", model_args=model_args)
 
 

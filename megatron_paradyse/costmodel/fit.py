@@ -300,7 +300,7 @@ def read_profiles(paths) -> tuple[dict, list]:
                                      f"{h.get(key)!r} vs {header.get(key)!r}")
             rows = rows + rs
         for r in rs:
-            if r.get("type") in ("layer", "pool", "nonlayer", "kernel"):
+            if r.get("type") in ("layer", "pool", "nonlayer", "kernel", "recompute"):
                 k = (r["type"], r.get("strategy") or r.get("kernel"), r["s"], r["b"])
                 if k in seen and seen[k] != path:
                     raise ProfileFileError(f"profiles {seen[k]!r} and {path!r} both measure {k[0]} "
@@ -395,7 +395,87 @@ def fit_profile(profile_path, out_path: str, use_xgb: bool = False, time_stat: s
     if any(r.get("type") == "pack" for r in rows):
         fit_packs(meta, rows, shape, out_path, holdout_packs)
         _save(meta, out_path)
+    if any(r.get("type") == "recompute" for r in rows):
+        fit_recompute(meta, rows, shape, out_path)
+        _save(meta, out_path)
     return meta
+
+
+def fit_recompute(meta: dict, rows: list, shape: ModelShape, out_path: str) -> None:
+    """``meta["recompute"]``: per strategy, what a recomputed layer (``st:rc``) costs beside the
+    plain one, from the profile's ``recompute`` rows (``sweep._recompute_rows``):
+
+    * ``extra_measured``: per cell ``[s, b, f]``, ``f`` the median over its rounds of ``rc /
+      plain - 1`` (the two timed in the same round: the ratio is what a noisy machine leaves
+      intact), ``extra_spread`` its rounds' quartiles, the strategy's ``extra_median`` and
+      ``extra_range`` over cells; ``extra``: the same with each inner cell's ``f`` the median
+      of it and its two neighbours (:func:`running_median3`), which the model interpolates in
+      log s between the cells (constant outside them) and multiplies the plain layer's
+      predicted time by ``1 + f``;
+    * ``saved``: ``[c0, c1]``, ``c0 + c1 * (b*s/p)`` bytes (``c1``: the bytes per local token,
+      the layer's output; ``c0``: what the checkpoint keeps beside it, the RNG states), least
+      squares on the cells, ``c0`` then raised to cover every cell;
+    * ``transient_factor`` (>= 1) and ``transient_extra`` (bytes >= 0): the recompute and the
+      backward above the saved bytes, ``factor * (plain saved + plain transient) + extra`` of
+      the plain layer as this model predicts it: ``extra`` the least measured excess over the
+      prediction, ``factor`` the least that then covers every cell (an upper bound of every
+      measured cell, so plans stay within memory).
+
+    The section covers the strategies with recompute rows; ``recompute_complete`` says whether
+    that is all of the model's (``FittedCostModel.recomputes``)."""
+    from .fitted import FittedCostModel
+
+    model = FittedCostModel.load(out_path, shape)
+    out = {}
+    for st in meta["strategies"]:
+        cells = sorted((r for r in rows if r.get("type") == "recompute" and r["strategy"] == st
+                        and r.get("rc_times") and r.get("plain_times")), key=lambda r: (r["b"], r["s"]))
+        if not cells:
+            continue
+        extra, spread, plain_mem, t = [], [], [], []
+        for r in cells:
+            f = [a / c - 1.0 for a, c in zip(r["rc_times"], r["plain_times"]) if c > 0]
+            extra.append([int(r["s"]), int(r["b"]), float(np.median(f))])
+            spread.append([float(np.percentile(f, 25)), float(np.percentile(f, 75))])
+            pl = model.layer(st, int(r["s"]), int(r["b"]))
+            plain_mem.append(pl.saved_bytes + pl.transient_bytes)
+            t.append(r["b"] * r["s"] / shape.p)
+        t, plain_mem = np.array(t, float), np.array(plain_mem)
+        saved = np.array([float(r["saved_bytes"]) for r in cells])
+        trans = np.array([float(r["transient_bytes"]) for r in cells])
+        if len(set(t)) > 1:
+            c0, c1 = np.linalg.lstsq(np.stack([np.ones_like(t), t], axis=1), saved, rcond=None)[0]
+        else:
+            c0, c1 = 0.0, float(saved[0] / t[0])
+        c1 = max(float(c1), 0.0)
+        c0 = math.ceil(float(c0) + max(0.0, float(np.max(saved - (c0 + c1 * t)))))
+        while np.any(c0 + c1 * t < saved):  # an upper bound, rounding included
+            c0 += 1
+        t_extra = float(math.floor(max(0.0, float(np.min(trans - plain_mem)))))
+        factor = max(1.0, float(np.max((trans - t_extra) / plain_mem)))
+        while np.any(factor * plain_mem + t_extra < trans):
+            factor = float(np.nextafter(factor, 2.0))
+        plain_meas = np.array([float(r["plain_saved_bytes"]) + float(r["plain_transient_bytes"]) for r in cells])
+        fs = [e[2] for e in extra]
+        # one noisy cell does not bend the curve: each inner cell's the median of it and its
+        # two neighbours (as the time correction's points, :func:`running_median3`)
+        smooth = running_median3(np.array(fs), np.array([e[1] for e in extra], float))
+        out[st] = {"extra": [[e[0], e[1], float(v)] for e, v in zip(extra, smooth)], "extra_measured": extra,
+                   "extra_spread": spread, "extra_median": float(np.median(fs)),
+                   "extra_range": [float(min(fs)), float(max(fs))],
+                   "saved": [c0, c1], "saved_bytes_per_token": c1,
+                   "transient_factor": factor, "transient_extra": t_extra,
+                   "transient_ratio": [float(v) for v in trans / plain_mem],
+                   # the plain layer's memory measured beside it against this model's prediction
+                   "plain_memory_error": float(np.max(np.abs(plain_meas / plain_mem - 1.0))),
+                   "cells": [[int(r["s"]), int(r["b"]), float(r["seconds"]), float(r["plain_seconds"]),
+                              float(r["saved_bytes"]), float(r["transient_bytes"])] for r in cells]}
+    meta["recompute"] = out
+    missing = [st for st in meta["strategies"] if st not in out]
+    meta["recompute_complete"] = not missing
+    if missing:
+        log.warning(f"warning: no recompute rows for {missing}: the model prices no recomputed (:rc) layer "
+                    "(profile --recompute-only --append at lengths they fit, and fit again)")
 
 
 def _save(meta: dict, out_path: str) -> None:
@@ -626,6 +706,8 @@ def main(argv=None):
         log.warning("warning: no pool rows in the profile: the communication pool is not modelled (run "
                     "`profile --pool-only` with the same shape and give its file as a second PROFILE)")
     print("\n".join(rates_table(meta)))
+    if meta.get("recompute"):
+        print("\n".join(recompute_table(meta)))
     if meta.get("pack_fitted") is not None:
         print(f"packs: fitted on {len(meta['pack_fitted'])}, held out {meta['pack_held_out']}; "
               f"time correction at the padded length: {meta['pack_correction']}")
@@ -641,6 +723,20 @@ def _ints(text: str, what: str) -> list:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise UserError(f"{what} must be comma-separated integers, got {text!r}") from None
+
+
+def recompute_table(meta: dict) -> list:
+    """The fit's lines on recomputed layers: per strategy the extra time over the plain layer
+    per cell (with the rounds' range), the saved bytes and the transient factor."""
+    lines = ["recompute (:rc): extra time over the plain layer per length, measured [rounds' quartiles] "
+             "-> used; saved; transient"]
+    for st, r in meta["recompute"].items():
+        cells = ", ".join(f"{s}: {f:+.0%} [{lo:+.0%}..{hi:+.0%}] -> {g:+.0%}" for (s, _, f), (lo, hi), (_, _, g)
+                          in zip(r["extra_measured"], r["extra_spread"], r["extra"]))
+        lines.append(f"  {st:9s} {cells}; saved {r['saved'][1]:.0f} B/token + {r['saved'][0]:.0f} B; transient "
+                     f"{r['transient_factor']:.4f} x plain (saved + transient) + {r['transient_extra']:.0f} B "
+                     f"(plain memory measured beside it vs model: {r['plain_memory_error']:.2%})")
+    return lines
 
 
 def rates_table(meta: dict) -> list:

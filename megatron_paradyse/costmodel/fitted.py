@@ -20,6 +20,9 @@ Prediction of a target ``y`` (layer seconds, saved bytes, transient bytes) at ``
 * a pack (``packs``; :meth:`FittedCostModel.predict_pack`): the same rates on the pack's
   analytic work, the pack's own fitted rates, memory as the single sequence of its padded
   length plus the analytic difference;
+* a recomputed layer (plan entry ``st:rc``, where the file has a ``recompute`` section:
+  :meth:`FittedCostModel.recomputes`): the plain prediction with the measured extra time,
+  saved bytes and transient factor (:meth:`FittedCostModel._recomputed`, ``fit.fit_recompute``);
 * beyond the largest profiled length ``s_max``: for time, the correction at ``s_max`` fades
   linearly in log2 s to none at ``2 * s_max`` (:func:`fade`), so far beyond the profile the
   rates alone predict (a format-1 file carries the ratio at ``s_max`` on); for memory,
@@ -36,6 +39,7 @@ import os
 import numpy as np
 
 from ..errors import UserError
+from ..parallel.plans import split_entry, strategy_of
 from . import analytic, packs
 from .base import CostModel, LayerCost, as_tokens, check_length
 from .shape import ModelShape
@@ -248,8 +252,44 @@ class FittedCostModel(CostModel):
         ratio = ((self.meta.get("pack_memory") or {}).get(st) or {}).get(tg, 0.0)
         return (one + delta) * (1.0 + ratio)
 
+    def recomputes(self) -> bool:
+        """True where the file has a ``recompute`` section (``fit.fit_recompute``, from the
+        profile's ``recompute`` rows) covering every strategy: :meth:`layer` then prices
+        ``st:rc`` entries. Files fitted before (or from profiles without those rows): False."""
+        rc = self.meta.get("recompute")
+        return bool(rc) and all(st in rc for st in self.strategies)
+
+    def _recomputed(self, entry: str, strategy: str, s, b: int) -> LayerCost:
+        """A recomputed layer (``st:rc``) from the plain one (calibrated where the model is):
+        time times ``1 +`` the measured extra fraction interpolated in log s (a pack: at its
+        padded length; constant outside the measured lengths); saved ``c0 + c1 * b*s/p``;
+        transient ``factor * (plain saved + transient) + extra`` (``fit.fit_recompute``)."""
+        rc = (self.meta.get("recompute") or {}).get(strategy)
+        if not self.recomputes() or rc is None:
+            raise KeyError(f"the cost model {self.path!r} cannot price the recomputed layer {entry!r}: it was "
+                           "fitted from a profile without recompute rows for every strategy (profile "
+                           "--recompute-only --append, then fit again)")
+        plain = self.layer(strategy, s, b)
+        tokens, bb = as_tokens(s, b, self.shape.p)
+        pts = rc["extra"]
+        near = min({x[1] for x in pts}, key=lambda v: abs(v - bb))
+        sel = sorted((x[0], x[2]) for x in pts if x[1] == near)
+        f = float(np.interp(np.log(tokens), [np.log(x[0]) for x in sel], [x[1] for x in sel]))
+        c0, c1 = rc["saved"]
+        saved = c0 + c1 * tokens * bb / self.shape.p
+        trans = rc["transient_factor"] * (plain.saved_bytes + plain.transient_bytes) + rc["transient_extra"]
+        return LayerCost(plain.seconds * (1.0 + f), saved, trans)
+
     def layer(self, strategy: str, s, b: int) -> LayerCost:
-        """One layer at ``s`` (a length, or a pack: :meth:`predict_pack`) and ``b``."""
+        """One layer at ``s`` (a length, or a pack: :meth:`predict_pack`) and ``b``; a plan entry
+        ``st:rc`` (recomputed in backward) where :meth:`recomputes`."""
+        base, rc = split_entry(strategy)
+        if rc and base in self.strategies:
+            check_length(s, b, self.shape.p)
+            key = (strategy, s, b)
+            if key not in self._cache:
+                self._cache[key] = self._recomputed(strategy, base, s, b)
+            return self._cache[key]
         if strategy not in self.strategies:
             raise KeyError(f"unknown strategy {strategy!r}; the model {self.path!r} knows {self.strategies}")
         check_length(s, b, self.shape.p)
@@ -294,6 +334,7 @@ class FittedCostModel(CostModel):
     def pool(self, strategy: str, s, b: int) -> dict:
         """The pool's buffers from the profile's pool rows (empty for a model fitted without
         them); a pack's from its padded length's (``analytic.pack_pool``)."""
+        strategy = strategy_of(strategy)  # a recomputed layer's pool is its strategy's
         if packs.is_pack(s):
             return analytic.pack_pool(strategy, self.shape.p, s, self.pool(strategy, *as_tokens(s, b, self.shape.p)))
         got = (self.meta.get("pool") or {}).get(strategy, {})

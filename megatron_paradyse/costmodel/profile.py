@@ -34,8 +34,13 @@ the lengths its strategies measured; ``--no-kernels`` skips them);
 (what a training step runs after its backward: gradient reduction and optimizer step, as
 megatron-core training runs them, ``measure.TrainingUpdate``); ``type:
 pool`` per strategy (and ``nonlayer``) at three (s, b): the communication pool's buffers one
-micro-batch allocates (``{"name/dtype": bytes}``; ``--pool-only`` measures just these); a footer
-with the duration. Progress and the estimated time left go to stderr.
+micro-batch allocates (``{"name/dtype": bytes}``; ``--pool-only`` measures just these); ``type:
+recompute`` per (strategy, s, b) of the recompute phase (``--no-recompute`` skips it): the layer
+plain and checkpointed (``st:rc``), timed in the same rounds (``rc_times``, ``plain_times``:
+per round, the max over ranks; ``seconds``, ``plain_seconds``: medians), and the memory of
+both (``saved_bytes``, ``transient_bytes``, ``plain_saved_bytes``, ``plain_transient_bytes``);
+``--recompute-only`` runs this phase alone (``--append``: its rows go at the end of an
+existing profile of the shape, after a ``type: section`` row); a footer with the duration. Progress and the estimated time left go to stderr.
 
 Every (strategy, length) first gets its memory passes and a warm-up; then the timed repeats
 run in rounds over all of them (alternating direction), so that a slow spell on a shared
@@ -110,13 +115,17 @@ class ProfileConfig:
     packs: tuple = ()
     packs_per_length: int = 3
     pack_seed: int = 0
+    recompute: bool = True
+    recompute_only: bool = False
+    recompute_seqs: tuple = ()
+    recompute_points: int = 4
 
     def pack_shapes(self, p: int) -> list:
         """The profile's packs: ``packs.random_packs`` of the totals ``packs`` (fixed seed)."""
         return random_packs(self.packs, self.packs_per_length, self.pack_seed, p) if self.packs else []
 
     def __post_init__(self):
-        for name in ("seqs", "strategies", "batches", "parts", "packs"):
+        for name in ("seqs", "strategies", "batches", "parts", "packs", "recompute_seqs"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         for name in ("seqs", "batches"):
             values = getattr(self, name)
@@ -127,6 +136,10 @@ class ProfileConfig:
             raise ValueError(f"unknown strategies {bad}; known: {STRATEGIES}")
         if "layer" not in self.parts or set(self.parts) - {"layer", "attn", "mlp"}:
             raise ValueError("--parts must include 'layer' and only name layer, attn, mlp")
+        if self.recompute_only and (self.pool_only or not self.recompute):
+            raise ValueError("--recompute-only goes with neither --pool-only nor --no-recompute")
+        if self.recompute_points < 1 or any(int(v) != v or v < 1 for v in self.recompute_seqs):
+            raise ValueError("--recompute-points and --recompute-seqs must be positive integers")
         self._check_fake()
 
     def _check_fake(self):
@@ -205,7 +218,8 @@ def merge_ranks(per_rank: list) -> list:
                 m[f"{part}_spread"] = (max(meds) - min(meds)) / max(meds) if max(meds) else 0.0
                 m[f"{part}_times"] = [max(ts) for ts in zip(*[r[key] for r in rows])]
                 m[f"{part}_min_seconds"] = min(all_t)
-            elif key in ("saved_bytes", "transient_bytes", "buffer_bytes", "param_bytes"):
+            elif key in ("saved_bytes", "transient_bytes", "buffer_bytes", "param_bytes", "plain_saved_bytes",
+                         "plain_transient_bytes"):
                 m[key] = max(r[key] for r in rows)
             elif key == "buffers":
                 names = sorted({n for r in rows for n in r[key]})
@@ -216,6 +230,8 @@ def merge_ranks(per_rank: list) -> list:
             m["transient_by_rank"] = [r["transient_bytes"] for r in rows]
         if row.get("type") == "nonlayer":
             m["seconds"] = m["nonlayer_seconds"]
+        if row.get("type") == "recompute":  # st:rc's times and the plain layer's, round by round
+            m["seconds"] = m["rc_seconds"]
         out.append(m)
     return out
 
@@ -321,6 +337,8 @@ def _header(shape: ModelShape, cfg: ProfileConfig, mode: str, dev_type: str, don
             "seqs": list(cfg.seqs), "batches": list(cfg.batches), "strategies": list(cfg.strategies),
             "packs": list(cfg.packs), "packs_per_length": cfg.packs_per_length, "pack_seed": cfg.pack_seed,
             "memory_limit": cfg.memory_limit, "kernels": cfg.kernels, "command": cfg.command,
+            "recompute": cfg.recompute, "recompute_only": cfg.recompute_only,
+            "recompute_seqs": list(cfg.recompute_seqs), "recompute_points": cfg.recompute_points,
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0))}
 
 
@@ -400,6 +418,20 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pool-only", action="store_true",
                     help="measure only the communication pool (seconds): its rows can be added to an "
                          "older profile with a second PROFILE argument to `fit`")
+    ap.add_argument("--no-recompute", action="store_true",
+                    help="skip the recompute phase (`recompute` rows: per strategy at a few lengths, the layer "
+                         "plain and checkpointed, `st:rc`, timed in the same rounds, and both memories; `fit` "
+                         "prices `:rc` plan entries from them)")
+    ap.add_argument("--recompute-only", action="store_true",
+                    help="run the recompute phase alone, at --seqs (or --recompute-seqs) up to the memory limit; "
+                         "with --append its rows go at the end of -o, an existing profile of this shape")
+    ap.add_argument("--recompute-seqs", default="",
+                    help="the recompute phase's lengths (default: up to --recompute-points spread over each "
+                         "strategy's lengths that fit)")
+    ap.add_argument("--recompute-points", type=int, default=4)
+    ap.add_argument("--append", action="store_true",
+                    help="with --recompute-only: append the rows to -o, an existing profile of the same shape "
+                         "and model flags, after a `section` row (its command, start, duration)")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("-o", "--output", required=True)
     return ap
@@ -416,6 +448,8 @@ def main(argv=None):
     any rank starts, then profiles."""
     ap = build_parser()
     args = ap.parse_args(argv)
+    if args.append and not args.recompute_only:
+        ap.error("--append goes with --recompute-only")
     writable_file(args.output, "-o")
     try:
         cfg = _config(args, argv)
@@ -430,9 +464,17 @@ def main(argv=None):
         ap.error(str(e))
     dev_type = "cuda" if backend == "nccl" else "cpu"
     shape = _checked_shape(ap, cfg, p, dev_type)
+    if args.append:
+        base = _appendable(args.output, shape, cfg, dev_type)
     t0 = time.time()
-    rows = run_profile(shape, cfg, nproc=nproc, out=args.output, timeout=args.timeout)
-    if rows:
+    rows = run_profile(shape, cfg, nproc=nproc, out=None if args.append else args.output, timeout=args.timeout)
+    if rows and args.append:
+        append_section(args.output, base, rows)
+    if rows and cfg.recompute_only:
+        n = sum(1 for r in rows if r.get("type") == "recompute")
+        print(f"{'appended to' if args.append else 'wrote'} {args.output}: {n} recompute measurements of "
+              f"{shape.describe()} in {time.time() - t0:.0f} s")
+    elif rows:
         n = sum(1 for r in rows if r.get("type") == "layer")
         k = sum(1 for r in rows if r.get("type") == "pool")
         np_ = sum(1 for r in rows if r.get("type") == "pack")
@@ -448,10 +490,51 @@ def _config(args, argv) -> ProfileConfig:
         packs=parse_ints(args.packs, "--packs") if args.packs.strip() else (),
         packs_per_length=args.packs_per_length, pack_seed=args.pack_seed,
         warmup=args.warmup, repeats=args.repeats, memory_limit=_bytes(args.memory_limit),
-        nonlayer=not args.no_nonlayer, kernels=not args.no_kernels, pool_only=args.pool_only, backend=args.backend,
+        nonlayer=not (args.no_nonlayer or args.recompute_only), kernels=not (args.no_kernels or args.recompute_only),
+        pool_only=args.pool_only, backend=args.backend, recompute=not args.no_recompute,
+        recompute_only=args.recompute_only, recompute_points=args.recompute_points,
+        recompute_seqs=parse_ints(args.recompute_seqs, "--recompute-seqs") if args.recompute_seqs.strip() else (),
         fake_world=args.fake_world, fake_rank=args.fake_rank, interconnect=args.interconnect,
         interconnect_path=args.interconnect_config, command=_command(argv),
         model_args={k: getattr(args, k) for k in M.model_flag_names()})
+
+
+def _appendable(path: str, shape: ModelShape, cfg: ProfileConfig, dev_type: str) -> dict:
+    """The header of ``path``, an existing profile that rows measured with ``cfg`` may join: the
+    same shape and model (norm, position embedding, fusions: the header's ``model``), profiled
+    on the same kind of device; a :class:`ProfileFileError` naming the difference otherwise."""
+    header, rows = read_profile(path)
+    if header.get("shape") != shape.key():
+        raise ProfileFileError(f"--append: profile {path!r} is of another shape ({header.get('shape')}), "
+                               f"not {shape.key()}")
+    _, done = _with_model_args(shape, cfg, dev_type)
+    mine = json.loads(json.dumps(M.describe_args(done)))
+    theirs = header.get("model")
+    diff = sorted(k for k in set(mine) | set(theirs or {}) if mine.get(k) != (theirs or {}).get(k)
+                  # the RoPE table's length is the longest --seqs of each run, not a model property
+                  and not (k == "max_position_embeddings" and mine.get("position_embedding_type") == "rope"))
+    if theirs is not None and diff:
+        raise ProfileFileError(f"--append: profile {path!r} was measured with other model flags ({diff})")
+    if (header.get("hardware") or {}).get("device", dev_type) != dev_type:
+        raise ProfileFileError(f"--append: profile {path!r} was measured on {header['hardware']['device']}, "
+                               f"not {dev_type}")
+    if any(r.get("type") == "recompute" for r in rows):
+        raise ProfileFileError(f"--append: profile {path!r} has recompute rows already")
+    return header
+
+
+def append_section(path: str, header: dict, rows: list) -> None:
+    """``rows`` (a profile of its own: header, measurements, footer) appended to the profile
+    ``path`` as a ``section`` row (what was run, when, how long, on which machine and with
+    which allocator settings) and the measurements; the file is replaced at once."""
+    head, body, foot = rows[0], rows[1:-1], rows[-1]
+    _, old = read_profile(path)
+    section = {"type": "section", "phase": "recompute", "command": head.get("command"),
+               "started": head.get("started"), "duration_s": foot.get("duration_s"),
+               "hardware": head.get("hardware"), "versions": head.get("versions"),
+               "repeats": head.get("repeats"), "memory_limit": head.get("memory_limit"),
+               "recompute_seqs": head.get("recompute_seqs"), "recompute_points": head.get("recompute_points")}
+    _write_rows(path, [header] + old + [section] + body)
 
 
 def _world_p(ap, args, seqs) -> int:

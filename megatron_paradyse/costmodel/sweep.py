@@ -6,7 +6,9 @@ and a warm-up at every length up to the memory limit, and per strategy on every 
 profile (``--packs``: ``pack`` rows, none longer than the strategy's longest length that fit);
 then the timed repeats in rounds over every cell (packs among them); then the attention kernel
 classes alone at the lengths their strategies measured (``kernel`` rows, ``kernels.py``); then
-the non-layer part and the step's update. Whether a cell fits is decided by
+the recompute phase (``recompute`` rows: per strategy at a few of its lengths, the layer plain
+and checkpointed, ``st:rc``, timed in the same rounds; ``--recompute-only`` runs this phase
+alone); then the non-layer part and the step's update. Whether a cell fits is decided by
 all ranks together (each reports, one all-reduce MAX): a cell that ran out of memory on any
 rank is skipped on every rank, with a ``limit`` row, and its strategy goes no longer.
 """
@@ -19,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .. import device
+from ..parallel.plans import RC
 from . import analytic, kernels
 from . import measure as M
 from .packs import PackShape
@@ -135,6 +138,10 @@ def rank_sweep(rank, world, shape_d, cfg):
     rank returns the same sequence of rows: each skip (memory limit, out of memory) is agreed by
     all of them."""
     sw = Sweep(rank, ModelShape(**shape_d), cfg)
+    if cfg.recompute_only:
+        sw.total_w = sw.done_w = 0.0  # the estimate counts this phase's cells only
+        _recompute_rows(sw, None)
+        return sw.rows
     pool_points = pool_lengths(cfg.seqs, sw.shape.p)
     _pool_rows(sw, pool_points)
     cells = [] if cfg.pool_only else [row for st, b in sw.groups for row in _memory_cells(sw, st, b)]
@@ -145,6 +152,8 @@ def rank_sweep(rank, world, shape_d, cfg):
     _layer_rows(sw, kept)
     if cfg.kernels and not cfg.pool_only:
         _kernel_rows(sw, kept)
+    if cfg.recompute and not cfg.pool_only:
+        _recompute_rows(sw, kept)
     if cfg.nonlayer:
         _nonlayer_rows(sw, pool_points)
     return sw.rows
@@ -366,6 +375,156 @@ def _kernel_rows(sw: Sweep, layers: list) -> None:
             sw.rows.append(c)
             times = sorted(c["kernel_times"])
             sw.progress(f"kernel {c['kernel']:5s} s={c['s']:5d} b={c['b']}: {times[len(times) // 2] * 1e3:8.1f} ms")
+
+
+def spread(lengths, k: int) -> list:
+    """Up to ``k`` of ``lengths`` (ascending), spread over them evenly by rank: the shortest and
+    the longest among them."""
+    lengths = sorted(set(lengths))
+    if len(lengths) <= k:
+        return lengths
+    if k <= 1:
+        return lengths[-1:]
+    return sorted({lengths[round(i * (len(lengths) - 1) / (k - 1))] for i in range(k)})
+
+
+def recompute_lengths(cfg, p: int, fit: list) -> list:
+    """The lengths of the recompute phase for a strategy whose layer fit at ``fit`` (a full
+    profile: the lengths its memory phase kept; ``--recompute-only``: every ``--seqs`` divisible
+    by p, the memory limit then decides as the phase goes): ``cfg.recompute_seqs`` among them
+    where given, else up to ``cfg.recompute_points`` spread over them (:func:`spread`)."""
+    fit = sorted(s for s in set(fit) if s % p == 0)
+    if cfg.recompute_seqs:
+        return [s for s in sorted(set(cfg.recompute_seqs)) if s in fit]
+    return spread(fit, cfg.recompute_points)
+
+
+def _recompute_rows(sw: Sweep, layers) -> None:
+    """The recompute phase: per strategy, at a few of its lengths (:func:`recompute_lengths`,
+    the smallest micro-batch size), the layer under ``st`` and under ``st:rc`` (checkpointed:
+    its input saved, the layer run again inside the backward; ``parallel/recompute.py``): the
+    memory of both (saved, transient), a warm-up of both, then the timed passes in rounds over
+    every cell (alternating direction), each visit one untimed and one timed pass of each
+    entry, in alternating order, so that a cell's two times share the machine's state of that
+    moment: their ratio is what the fit reads. ``recompute`` rows; a cell over the memory limit
+    (the plain layer's ``num_layers`` saved + transient, as the memory phase decides) or out of
+    memory on any rank ends its strategy's phase on every rank (a ``recompute_limit`` row;
+    ``limit`` rows are the layer sweep's)."""
+    cfg, p = sw.cfg, sw.shape.p
+    b = min(cfg.batches)
+    cells = []
+    for st in cfg.strategies:
+        if layers is None:
+            fit = list(cfg.seqs)
+        else:
+            fit = [r["s"] for r in layers if r["type"] == "layer" and r["strategy"] == st and r["b"] == b]
+        lens = recompute_lengths(cfg, p, fit)
+        for s in lens:
+            w = 2 * s * b * (1 + s / 2048)
+            sw.weights[("rc:" + st, s, b)] = w
+            sw.total_w += 2 * w
+        prev = None
+        for s in lens:
+            row = None if _recompute_over(sw, st, s, b, prev) else _recompute_memory(sw, st, s, b)
+            if row is None:
+                break
+            cells.append(row)
+            prev = (s, row["plain_saved_bytes"], row["plain_transient_bytes"])
+        sw.progress(f"{st}{RC}: memory measured at {sum(1 for c in cells if c['strategy'] == st)} lengths")
+    reps = [repeats_for(cfg.repeats, c["s"] * c["b"]) for c in cells]
+    dropped = set()
+    for rnd in range(max(reps, default=0)):
+        for i in round_visits(reps, rnd, dropped):
+            c = cells[i]
+            entries = (c["strategy"], c["strategy"] + RC)
+            order = entries if (rnd + i) % 2 == 0 else entries[::-1]
+
+            def visit():
+                out = {}
+                for entry in order:
+                    M.set_strategy(sw.model, entry)
+                    out[entry] = sw.runner.time("layer", c["s"], c["b"], 1, 1)
+                return out
+
+            got, bad = sw.attempt(visit, f"{c['strategy']}{RC} s={c['s']} b={c['b']} (timed)")
+            if bad:
+                dropped |= {j for j, o in enumerate(cells) if o["strategy"] == c["strategy"] and o["s"] >= c["s"]}
+                _recompute_stop(sw, c["strategy"], c["s"], c["b"], oom_reason(bad), oom_ranks=bad)
+                continue
+            c["plain_times"] += got[entries[0]]
+            c["rc_times"] += got[entries[1]]
+            sw.done_w += sw.weights[("rc:" + c["strategy"], c["s"], c["b"])] / reps[i]
+        sw.progress(f"round {rnd + 1}/{max(reps)} of the recompute phase's timed passes")
+    for i, c in enumerate(cells):
+        if i in dropped:
+            continue
+        sw.rows.append(c)
+        rc, pl = sorted(c["rc_times"]), sorted(c["plain_times"])
+        sw.progress(f"{c['strategy'] + RC:11s} s={c['s']:5d} b={c['b']}: {rc[len(rc) // 2] * 1e3:8.1f} ms "
+                    f"(plain {pl[len(pl) // 2] * 1e3:8.1f} ms), saved {c['saved_bytes'] / 2**20:7.2f} MiB "
+                    f"(plain {c['plain_saved_bytes'] / 2**20:7.2f}), transient {c['transient_bytes'] / 2**20:7.2f} "
+                    f"MiB (plain {c['plain_transient_bytes'] / 2**20:7.2f})")
+
+
+def _recompute_over(sw: Sweep, st: str, s: int, b: int, prev) -> bool:
+    """Whether the plain layer of ``st`` at ``s`` is predicted over the memory limit (its
+    ``num_layers`` saved + transient) or a rank's free device memory, from the analytic form
+    scaled to the last cell measured (``prev``: ``(s, saved, transient)``; the first cell: the
+    analytic form alone), so that ``--recompute-only`` at lengths the layer sweep stopped
+    before does not start them; a ``recompute_limit`` row then (decided by all ranks)."""
+    shape, limit = sw.shape, sw.cfg.memory_limit
+    now = analytic.layer_memory(st, shape, s, b)
+    if prev is None:
+        saved1, trans1 = now
+    else:
+        was = analytic.layer_memory(st, shape, prev[0], b)
+        saved1, trans1 = prev[1] * now[0] / max(was[0], 1.0), prev[2] * now[1] / max(was[1], 1.0)
+    guess = saved1 * shape.num_layers + trans1
+    if sw.agree(limit is not None and guess > limit):
+        _recompute_stop(sw, st, s, b, f"memory limit {limit} bytes: {shape.num_layers} layers' saved + transient "
+                                      f"predicted {guess:.0f} bytes")
+        return True
+    free = M.free_device_bytes()
+    if sw.agree(free is not None and saved1 + trans1 > free):
+        _recompute_stop(sw, st, s, b, f"predicted out of memory: one layer's saved + transient {saved1 + trans1:.0f} "
+                                      "bytes exceed a rank's free device memory")
+        return True
+    return False
+
+
+def _recompute_memory(sw: Sweep, st: str, s: int, b: int) -> dict | None:
+    """One cell of the recompute phase: the memory of ``st`` and ``st:rc``, and a warm-up of
+    both; None (and a ``recompute_limit`` row) where it is over the memory limit or out of
+    memory on any rank."""
+    limit, L = sw.cfg.memory_limit, sw.shape.num_layers
+    row = {"type": "recompute", "strategy": st, "s": s, "b": b, "rank": sw.rank}
+    for entry, key in ((st, "plain_"), (st + RC, "")):
+        M.set_strategy(sw.model, entry)
+        got, bad = sw.attempt(lambda: sw.runner.memory("layer", s, b), f"{entry} s={s} b={b} (memory)")
+        if bad:
+            _recompute_stop(sw, st, s, b, oom_reason(bad), oom_ranks=bad)
+            return None
+        row[key + "saved_bytes"], row[key + "transient_bytes"] = got
+        if key and sw.agree(limit is not None and got[0] * L + got[1] > limit):
+            _recompute_stop(sw, st, s, b, f"memory limit {limit} bytes: {L} layers' saved + transient = "
+                                          f"{got[0] * L + got[1]:.0f} bytes")
+            return None
+    for entry in (st, st + RC):
+        M.set_strategy(sw.model, entry)
+        _, bad = sw.attempt(lambda: sw.runner.time("layer", s, b, sw.cfg.warmup, 0), f"{entry} s={s} b={b} (warm-up)")
+        if bad:
+            _recompute_stop(sw, st, s, b, oom_reason(bad), oom_ranks=bad)
+            return None
+    row.update(plain_times=[], rc_times=[])
+    sw.done_w += sw.weights[("rc:" + st, s, b)]
+    return row
+
+
+def _recompute_stop(sw: Sweep, st: str, s: int, b: int, reason: str, **extra) -> None:
+    """A ``recompute_limit`` row: the recompute phase of ``st`` goes no longer than ``s``."""
+    sw.rows.append({"type": "recompute_limit", "strategy": st, "s": s, "b": b, "rank": sw.rank, "reason": reason,
+                    **extra})
+    sw.progress(f"{st}{RC} s={s} b={b}: {reason.split(':')[0]}, its recompute phase stops")
 
 
 def _nonlayer_rows(sw: Sweep, pool_points: list) -> None:
