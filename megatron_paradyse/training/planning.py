@@ -67,6 +67,11 @@ def planner_from_args(args, can_refine: bool = True, cost_model=None):
     margin = None if args.paradyse_memory_margin is None else args.paradyse_memory_margin * GiB
     refine = can_refine and {"on": True, "off": False}.get(args.paradyse_refine, not is_cpu())
     mode, chunk, first = recompute_plan(args)
+    if mode == "only" and not cm.recomputes():
+        log_single_rank(log, logging.WARNING, "> warning: megatron recomputes every layer (--recompute-method "
+                        "uniform) but the cost model cannot price recomputed layers: the planner plans them as "
+                        "not recomputed (its peaks are upper bounds, its times too low)")
+        mode, chunk = "off", 1
     planner = build_planner(args.paradyse_planner, cm, budget * GiB, gamma=args.paradyse_gamma,
                             margin_bytes=margin, strategies=args.paradyse_planner_strategies,
                             refinement=True if refine else None, device_kind=current_device().type,
@@ -114,9 +119,13 @@ def force_first_recomputed(planner, first: int) -> None:
         if layers == c.layers:
             return c
         costs = planner.costs(plan_key(seq_len), int(micro_batch))
-        if not all(e in costs.names for e in layers):  # the cost model cannot price :rc entries
+        if all(e in costs.names for e in layers):
+            sec, peak = planner.evaluate_layers(costs, layers)
+        elif planner.cm.recomputes():  # --paradyse-recompute off: :rc entries are no candidates
+            step = planner.cm.step(layers, plan_key(seq_len), int(micro_batch))
+            sec, peak = step.seconds, step.peak_bytes
+        else:  # the cost model cannot price :rc entries: the planner's numbers, said so once
             return c._replace(layers=layers)
-        sec, peak = planner.evaluate_layers(costs, layers)
         fits = c.fits and peak <= planner.limit
         why = c.reason if fits else f"{c.reason}; with megatron's block recompute of the first {first} layers it peaks above the budget"
         return c._replace(layers=layers, seconds=sec, peak_bytes=peak, fits=fits, reason=why)

@@ -295,9 +295,8 @@ class Trainer:
         if ref is not None:
             micro = [(mb.plan, mb.plan_length) for mb in self.data_iterator.current if mb.plan is not None]
             b = self.args.micro_batch_size
-            idx = {n: i for i, n in enumerate(planner.strategies)}
             vec = ref.contribution(micro, pred_s, stats.seconds if time_ok else None, pred_m, measured,
-                                   layer_seconds=lambda n, s: planner.costs(s, b).t[idx[n]])
+                                   layer_seconds=lambda n, s: planner.layer_seconds(n, s, b))
             ref.step(vec)  # one all-reduce over the world: every rank applies the same sum
         self.last_measure = dict(pred_seconds=pred_s, pred_peak=pred_m, peak=measured,
                                  peak_reserved=reserved, seconds=stats.seconds,
