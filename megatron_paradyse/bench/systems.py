@@ -86,7 +86,13 @@ class SystemSpec:
         if self.kind == "stock" or self.cost_model is None:
             return None
         if self.kind == "planner" and hasattr(self.planner, "longest_fit"):
-            return int(self.planner.longest_fit(1, multiple=res, upper=cap)) or None
+            # the same rule as the static systems' start below: the full budget. Beyond its
+            # margin the planner runs its leanest plan, which the steps judge by the budget too
+            limit, self.planner.limit = self.planner.limit, self.budget
+            try:
+                return int(self.planner.longest_fit(1, multiple=res, upper=cap)) or None
+            finally:
+                self.planner.limit = limit
 
         def ok(s):
             if self.kind == "planner":
