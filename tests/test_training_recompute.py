@@ -77,3 +77,21 @@ def test_the_planner_recomputes_under_a_tight_budget(world):
     worst = max(_rel(x["loss"], y["loss"]) for x, y in zip(world["planned"], stock))
     assert worst < 1e-5, worst
     assert any("recompute" in line and "planner" in line for line in world["planned_log"]), world["planned_log"][:3]
+
+
+def test_the_demo_budget_plans_recompute():
+    """The demo's budget (the CPU launcher's 0.03 GiB) with the shipped p = 4 model: the longer
+    packs are planned with recomputed layers (what ``scripts/run_demo.sh`` prints)."""
+    import os
+
+    from megatron_paradyse.costmodel.fitted import FittedCostModel
+    from megatron_paradyse.parallel.packing import PackShape
+    from megatron_paradyse.planner import build_planner
+    from megatron_paradyse.units import GiB
+
+    models = os.path.join(os.path.dirname(__file__), "..", "megatron_paradyse", "costmodel", "models")
+    cm = FittedCostModel.load(os.path.join(models, "demo_p4.json"))
+    planner = build_planner("optimal", cm, 0.03 * GiB, device_kind="cpu")
+    short, long = planner.choose(PackShape((512, 300)), 1), planner.choose(PackShape((2044, 800)), 1)
+    assert short.fits and not any(e.endswith(":rc") for e in short.layers), short
+    assert long.fits and any(e.endswith(":rc") for e in long.layers), long
