@@ -167,17 +167,22 @@ def test_optimal_equals_brute_force_over_every_tuple():
         assert found > 100 and beats_free > 10, (found, beats_free)
 
 
+def _assert_best_order(cm, pl, rng, case):
+    """``layers_of`` (largest transient first) peaks no higher than any permutation of a random
+    plan of ``pl``'s candidates."""
+    costs = pl.costs(1024, 1)
+    counts = plan_counts(tuple(rng.choice(pl.entries) for _ in range(cm.num_layers)))
+    best = min(cm.step(p, 1024, 1).peak_bytes
+               for p in set(itertools.permutations([n for n, k in counts.items() for _ in range(k)])))
+    assert math.isclose(pl.evaluate_ordered(costs, counts)[1], best, rel_tol=1e-12), case
+
+
 def test_the_best_order_puts_the_largest_transient_first():
     """``layers_of`` (largest transient first) peaks no higher than any permutation of the layers."""
     rng = random.Random(5)
     for case in range(200):
         cm = random_model(rng, layers=rng.randint(2, 5))
-        pl = build_planner("optimal", cm, 1e12)
-        costs = pl.costs(1024, 1)
-        counts = plan_counts(tuple(rng.choice(cm.strategies) for _ in range(cm.num_layers)))
-        best = min(cm.step(p, 1024, 1).peak_bytes
-                   for p in set(itertools.permutations([n for n, k in counts.items() for _ in range(k)])))
-        assert math.isclose(pl.evaluate_ordered(costs, counts)[1], best, rel_tol=1e-12), case
+        _assert_best_order(cm, build_planner("optimal", cm, 1e12), rng, case)
 
 
 def test_optimal_equals_brute_force_with_large_transients():
@@ -542,12 +547,7 @@ def test_the_best_order_puts_the_largest_transient_first_with_recompute():
     rng = random.Random(6)
     for case in range(60):
         cm = random_rc_model(rng, k=rng.randint(2, 3), layers=rng.randint(2, 4))
-        pl = build_planner("optimal", cm, 1e12)
-        costs = pl.costs(1024, 1)
-        counts = plan_counts(tuple(rng.choice(pl.entries) for _ in range(cm.num_layers)))
-        best = min(cm.step(p, 1024, 1).peak_bytes
-                   for p in set(itertools.permutations([n for n, k in counts.items() for _ in range(k)])))
-        assert math.isclose(pl.evaluate_ordered(costs, counts)[1], best, rel_tol=1e-12), case
+        _assert_best_order(cm, build_planner("optimal", cm, 1e12), rng, case)
 
 
 def _rc_fixture(layers=4):
