@@ -5,6 +5,8 @@ One world of p = 2 ranks: per flag set, stock megatron-core TP+SP and ParaDySe w
 cycles over every strategy, recomputed or not, per step, micro-batch and layer; then the planner
 (``--paradyse-recompute auto``) under a budget where recompute pays.
 """
+import math
+
 import pytest
 
 from megatron_paradyse.testing.spawn import run_world
@@ -95,3 +97,31 @@ def test_the_demo_budget_plans_recompute():
     short, long = planner.choose(PackShape((512, 300)), 1), planner.choose(PackShape((2044, 800)), 1)
     assert short.fits and not any(e.endswith(":rc") for e in short.layers), short
     assert long.fits and any(e.endswith(":rc") for e in long.layers), long
+
+
+def test_megatron_flags_fix_recompute_where_they_apply():
+    """megatron's uniform recompute: the planner plans :rc entries only (chunks bound the
+    transient); block: the first N layers are :rc in every plan, priced and re-checked."""
+    from argparse import Namespace
+
+    from megatron_paradyse.costmodel.analytic import AnalyticCostModel
+    from megatron_paradyse.costmodel.shape import demo_shape
+    from megatron_paradyse.planner import build_planner
+    from megatron_paradyse.training.planning import force_first_recomputed, recompute_plan
+    from megatron_paradyse.units import MiB
+
+    flags = lambda g=None, m=None, n=None: Namespace(paradyse_recompute="auto", recompute_granularity=g,  # noqa: E731
+                                                     recompute_method=m, recompute_num_layers=n)
+    assert recompute_plan(flags()) == ("auto", 1, 0)
+    assert recompute_plan(flags("selective")) == ("auto", 1, 0)
+    assert recompute_plan(flags("full", "uniform", 2)) == ("only", 2, 0)
+    assert recompute_plan(flags("full", "block", 3)) == ("auto", 1, 3)
+    cm = AnalyticCostModel(demo_shape(4))
+    only = build_planner("optimal", cm, 64 * MiB, recompute="only", recompute_chunk=2)
+    assert all(e.endswith(":rc") for e in only.choose(2048, 1).layers)
+    for mode in ("auto", "off"):
+        pl = build_planner("optimal", cm, 64 * MiB, recompute=mode)
+        force_first_recomputed(pl, 2)
+        c = pl.choose(512, 1)
+        assert all(e.endswith(":rc") for e in c.layers[:2]), c
+        assert c.fits and math.isclose(c.peak_bytes, cm.step(c.layers, 512, 1).peak_bytes, rel_tol=1e-9), (mode, c)
