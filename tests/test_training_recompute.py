@@ -13,7 +13,7 @@ from megatron_paradyse.testing.spawn import run_world
 
 from .test_training import _cycling_plan_fn, _rel, _summary, _train
 
-STEPS = 6
+STEPS = 4
 # 2.4 MiB per rank: the analytic model of this shape fits plain plans up to 44 tokens and, with
 # recompute, the whole 64 (the planner must recompute to train the longer documents)
 BUDGET_GIB = str(2.4 / 1024)
