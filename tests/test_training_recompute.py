@@ -6,6 +6,7 @@ cycles over every strategy, recomputed or not, per step, micro-batch and layer; 
 (``--paradyse-recompute auto``) under a budget where recompute pays.
 """
 import math
+import re
 
 import pytest
 
@@ -125,3 +126,22 @@ def test_megatron_flags_fix_recompute_where_they_apply():
         c = pl.choose(512, 1)
         assert all(e.endswith(":rc") for e in c.layers[:2]), c
         assert c.fits and math.isclose(c.peak_bytes, cm.step(c.layers, 512, 1).peak_bytes, rel_tol=1e-9), (mode, c)
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--recompute-granularity", "full"], "needs --recompute-method"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "3"],
+     "must divide the layers per pipeline stage (4)"),
+    (["--recompute-method", "block", "--recompute-num-layers", "1"], "need --recompute-granularity full"),
+    (["--recompute-activations", "--recompute-num-layers", "1"], "are for --recompute-granularity full"),
+    (["--recompute-activations", "--recompute-modules", "mlp"], "needs --disable-bias-linear"),
+    (["--recompute-activations", "--recompute-modules", "layernorm", "--disable-bias-linear"],
+     "needs Transformer Engine"),
+])
+def test_recompute_flags_megatron_core_cannot_run_are_refused(flags, said):
+    from megatron_paradyse.training import arguments
+
+    from .test_training import _argv
+
+    with pytest.raises(arguments.ArgumentError, match=re.escape(said)):
+        arguments.parse_args(_argv(2, flags + ["--paradyse"]), world_size=2)

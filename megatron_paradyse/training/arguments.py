@@ -193,7 +193,7 @@ LAYERNORM_RECOMPUTE_WITHOUT_TE = (
     "in the first forward, stock megatron-core alike)")
 
 
-def _have_te() -> bool:
+def te_installed() -> bool:
     """Whether megatron-core found Transformer Engine (its checkpoint module imported it)."""
     from megatron.core.tensor_parallel import random as tp_random
 
@@ -216,7 +216,7 @@ def check_recompute(args, layers: int) -> None:
                  "(selective recompute takes --recompute-modules)")
         if "mlp" in (args.recompute_modules or ()) and not getattr(args, "disable_bias_linear", True):
             _err(MLP_RECOMPUTE_WITH_BIAS)
-        if "layernorm" in (args.recompute_modules or ()) and not _have_te():
+        if "layernorm" in (args.recompute_modules or ()) and not te_installed():
             _err(LAYERNORM_RECOMPUTE_WITHOUT_TE)
         return
     if method is None or n is None:

@@ -3,7 +3,7 @@ inside Megatron-LM's ``validate_args``."""
 from __future__ import annotations
 
 from ..arguments import (LAYERNORM_RECOMPUTE_WITHOUT_TE, MLP_RECOMPUTE_WITH_BIAS,
-                         OVERLAP_PARAM_GATHER_WITH_PARADYSE, _have_te, add_paradyse_args, add_planner_args,
+                         OVERLAP_PARAM_GATHER_WITH_PARADYSE, te_installed, add_paradyse_args, add_planner_args,
                          check_fixed_plan, positions_error, validate_planner_args)
 
 
@@ -107,7 +107,7 @@ def _check_recompute(args) -> None:
     if getattr(args, "recompute_granularity", None) == "selective":
         if "mlp" in modules and getattr(args, "add_bias_linear", False):
             raise ValueError(MLP_RECOMPUTE_WITH_BIAS)
-        if "layernorm" in modules and not _have_te():
+        if "layernorm" in modules and not te_installed():
             raise ValueError(LAYERNORM_RECOMPUTE_WITHOUT_TE)
     layers = args.num_layers // max(1, args.pipeline_model_parallel_size)
     n = getattr(args, "recompute_num_layers", None)
