@@ -52,7 +52,7 @@ class HeuristicPlanner(Planner):
                 layers = layers_of(cnt, costs)  # a fresh tuple per candidate
                 sec, peak = self.evaluate(costs, cnt)
                 out.append((layers, sec, peak, peak <= lim,
-                            f"first {e} layers {costs.names[i]}, the rest {costs.names[k]}"))
+                            f"{e} layers {costs.names[i]}, {L - e} {costs.names[k]} (largest transient first)"))
         return out
 
     def _search(self, costs: Costs, s: int, b: int) -> PlanChoice:
