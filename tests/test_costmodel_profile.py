@@ -115,6 +115,9 @@ def test_recompute_only_appends_to_an_existing_profile(fitted, capsys):
     with pytest.raises(SystemExit):  # before any rank starts
         main(["--p", "2", "--seqs", "128", "--recompute-only", "--append", "-o", str(d / "q.jsonl")])
     assert "recompute rows already" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a profile that is not there: named, and no folder made for it
+        main(["--p", "2", "--recompute-only", "--append", "-o", str(d / "none" / "p.jsonl")])
+    assert "does not exist" in capsys.readouterr().err and not (d / "none").exists()
 
 
 def test_a_mixed_plans_training_step_peaks_where_the_model_says(fitted):

@@ -70,7 +70,7 @@ from ..cpu_compat import ALLOCATOR_ENV, RANK_ENV
 from ..device import default_backend
 from ..model import ModelArgsError
 from ..parallel.strategies import STRATEGIES, supports
-from ..paths import shown_argv, writable_file
+from ..paths import shown, shown_argv, writable_file
 from . import measure as M
 from .analytic import load_config
 from .measure import add_model_flags
@@ -450,6 +450,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.append and not args.recompute_only:
         ap.error("--append goes with --recompute-only")
+    if args.append and not os.path.isfile(args.output):  # before -o's folder is made
+        ap.error(f"--append: profile {shown(args.output)!r} does not exist")
     writable_file(args.output, "-o")
     try:
         cfg = _config(args, argv)
