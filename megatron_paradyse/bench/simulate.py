@@ -85,9 +85,6 @@ def datasheet_rates(hw: Hardware) -> dict:
             "attn_flops": 1.0 / (hw.bf16_flops * hw.mfu_attention), **{k: link for k in COMM_FEATURES}}
 
 
-# the forward's share of a layer's forward + backward in the roofline (costmodel.analytic.flops_parts:
-# the backward is twice the forward; metp's backward runs attention and fc1 forward once more)
-FORWARD_SHARE = {"tp_sp": 1 / 3, "ulysses": 1 / 3, "ring": 1 / 3, "colossal": 1 / 3, "metp": 1 / 4}
 
 
 class H100Roofline(CostModel):
@@ -95,7 +92,7 @@ class H100Roofline(CostModel):
     or recomputed in backward (plan entry ``st:rc``, :meth:`recomputes`).
 
     A recomputed layer is *assumed*, not measured: its time is the plain layer's plus its
-    forward once more, the forward being :data:`FORWARD_SHARE` of the layer (the roofline's own
+    forward once more, the forward being ``1 / analytic.forward_passes`` of the layer (the roofline's own
     split, ``analytic.flops_parts``: a third, a fourth for ``metp``; the roofline assumes the
     same share of the layer's communication, as it has no forward/backward split of its own);
     it keeps one ``[s/p, b, h]`` bf16 tensor (its input); its transient is the plain layer's
@@ -122,10 +119,10 @@ class H100Roofline(CostModel):
         strategy, rc = split_entry(entry)
         saved, transient = self._memory(strategy, s, b)
         seconds = float(rates_predict(self.rates, analytic.time_features(strategy, self.shape, s, b)))
+        plain = LayerCost(seconds, saved, transient)
         if rc:  # the class docstring
-            return LayerCost(seconds * (1 + FORWARD_SHARE[strategy]), s * b * self.m.hidden * 2 / self.m.p,
-                             saved + transient)
-        return LayerCost(seconds, saved, transient)
+            return analytic.assumed_recompute(strategy, plain, s * b * self.m.hidden * 2 / self.m.p)
+        return plain
 
     def _memory(self, strategy, s, b):
         """``(saved, transient)`` bytes of one layer on one rank."""

@@ -269,8 +269,23 @@ def flops_parts(strategy: str, shape: ModelShape, s: int, b: int) -> tuple[float
     att = 2 * 2 * T * s * shape.heads * shape.head_dim / p / 2
     if pack:  # the documents' causal pairs (tp_sp, ulysses), the busiest rank's blocks (rings)
         att *= r[PACK_ATTENTION[strategy]]
-    passes = 4 if strategy == "metp" else 3
+    passes = forward_passes(strategy)
     return float(passes * lin), float(passes * att)
+
+
+def forward_passes(strategy: str) -> int:
+    """A layer's forward + backward in forward passes: 3 (the backward is twice the forward),
+    4 for ``metp`` (its backward runs attention and fc1 forward once more)."""
+    return 4 if strategy == "metp" else 3
+
+
+def assumed_recompute(strategy: str, plain: LayerCost, kept_bytes: float) -> LayerCost:
+    """A recomputed layer (``st:rc``) as the analytic models *assume* it: the plain layer's time
+    plus its forward once more (:func:`forward_passes`), ``kept_bytes`` saved (its
+    ``[s/p, b, h]`` output), the plain layer's saved + transient as transient (the recompute
+    rebuilds what the plain layer saves, then its backward runs as the plain one's)."""
+    return LayerCost(plain.seconds * (1.0 + 1.0 / forward_passes(strategy)), kept_bytes,
+                     plain.saved_bytes + plain.transient_bytes)
 
 
 # which of packs.ratios scales a pack's attention work: per document over the whole sequence,
@@ -553,11 +568,8 @@ class AnalyticCostModel(CostModel):
     def layer(self, strategy: str, s: int, b: int) -> LayerCost:
         base, rc = split_entry(strategy)
         if rc:
-            plain = self.layer(base, s, b)
             tokens, bb = as_tokens(s, b, self.shape.p)
-            passes = 4 if base == "metp" else 3
-            saved = basis(self.shape, tokens, bb)["t*h"]
-            return LayerCost(plain.seconds * (1.0 + 1.0 / passes), saved, plain.saved_bytes + plain.transient_bytes)
+            return assumed_recompute(base, self.layer(base, s, b), basis(self.shape, tokens, bb)["t*h"])
         self._check(strategy, s, b)
         saved, trans = layer_memory(strategy, self.shape, s, b)
         flops = layer_flops(strategy, self.shape, s, b)
