@@ -6,8 +6,8 @@
     MEGATRON_LM_PATH=/path/to/Megatron-LM python -m megatron_paradyse.check
 
 Sections: ``env`` (what runs), ``kernels`` (the ring's block kernels against float64),
-``exactness`` (every strategy and two mixed plans against stock megatron-core TP = 1 on the
-same weights, fp32 and, on GPUs, bf16; with torch's kernels and with flash-attn where
+``exactness`` (every strategy and three mixed plans, one recomputing layers, against stock
+megatron-core TP = 1 on the same weights, fp32 and, on GPUs, bf16; with torch's kernels and with flash-attn where
 installed), ``profile`` (a short profile and fit of the model, error on a held-out length),
 ``training`` (planned steps under the default budget: peaks beside predictions, no OOM) and,
 launched with ``MEGATRON_LM_PATH``, ``megatron-lm`` (Megatron-LM's own ``pretrain_gpt.py``

@@ -1,5 +1,5 @@
-"""The check's exactness section: every strategy and two mixed plans against stock megatron-core
-TP = 1 on the same weights and batch, in this world.
+"""The check's exactness section: every strategy and three mixed plans (one recomputes layers)
+against stock megatron-core TP = 1 on the same weights and batch, in this world.
 
 Reference first: each rank builds the stock model at TP = 1 (every rank computes the same
 reference), then the model at TP = p with the same seed and CPU initialisation (shards of the
@@ -15,7 +15,7 @@ import torch
 from ..device import current
 from ..model import build_gpt
 from ..parallel.dispatch import install, installed, set_plan
-from ..parallel.plans import describe
+from ..parallel.plans import describe, make_entry
 from ..parallel.strategies import STRATEGIES, supports
 from .compare import allreduce_sequence_parallel_grads, errors, forward_backward, gather_full
 from .results import SKIP, Line
@@ -26,9 +26,11 @@ BF16_SLACK = 1e-3
 
 def mixed_plans(num_layers: int, names) -> list:
     """Two per-layer mixes of ``names``, cycled from the first and from the ``num_layers``-th:
-    with ``2 * num_layers >= len(names)`` every strategy is in one of them."""
+    with ``2 * num_layers >= len(names)`` every strategy is in one of them. A third mix is the
+    first with every other layer recomputed in backward (``:rc``), which re-runs its strategy."""
     names = list(names)
-    return [[names[(i + start) % len(names)] for i in range(num_layers)] for start in (0, num_layers)]
+    mixes = [[names[(i + start) % len(names)] for i in range(num_layers)] for start in (0, num_layers)]
+    return mixes + [[make_entry(n, i % 2 == 0) for i, n in enumerate(mixes[0])]]
 
 
 def _init(tp: int, seed: int) -> None:
