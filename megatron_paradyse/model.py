@@ -184,8 +184,15 @@ def transformer_config(args, **overrides):
         persist_layer_norm=False, gradient_accumulation_fusion=args.gradient_accumulation_fusion,
         apply_rope_fusion=args.apply_rope_fusion,
     )
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    kw.update(pipeline_model_parallel_size=pp)
     kw.update(overrides)
-    return TransformerConfig(**kw)
+    config = TransformerConfig(**kw)
+    if pp > 1:
+        # each micro-batch's p2p shape follows its length (training/pipeline.py supplies them);
+        # set after the checks, which refuse it with the default MoE dispatcher of a dense model
+        config.variable_seq_lengths = True
+    return config
 
 
 def layer_spec(config):
@@ -198,22 +205,43 @@ def layer_spec(config):
         return spec
     spec.submodules.input_layernorm = SPTorchNorm
     spec.submodules.pre_mlp_layernorm = SPTorchNorm
-    return TransformerBlockSubmodules(layer_specs=[spec] * config.num_layers, layer_norm=SPTorchNorm)
+    return TransformerBlockSubmodules(layer_specs=[spec] * stage_layers(config), layer_norm=SPTorchNorm)
+
+
+def stage_layers(config) -> int:
+    """Decoder layers this pipeline stage builds (megatron's own count; all of them without PP)."""
+    if config.pipeline_model_parallel_size == 1:
+        return config.num_layers
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    return get_num_layers_to_build(config)
+
+
+def pipeline_ends() -> tuple:
+    """``(pre_process, post_process)`` of this rank's pipeline stage: the embedding lives on the
+    first stage, the output layer and loss on the last (both without PP)."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return True, True
+    return parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
 
 
 def build_gpt(config, vocab_size: int, max_sequence_length: int, *, position_embedding_type="rope",
               rotary_percent=1.0, rotary_base=10000, share_embeddings_and_output_weights=False,
               seed: int | None = None, device=None):
     """The stock ``GPTModel`` for ``config`` on ``device`` (default: this process's device),
-    unwrapped. ``seed`` seeds torch first: with ``use_cpu_initialization`` every rank draws
+    unwrapped; with pipeline stages (``config.pipeline_model_parallel_size``) this rank's
+    stage. ``seed`` seeds torch first: with ``use_cpu_initialization`` every rank draws
     the same full master weights, so any TP size holds shards of the same model."""
     from megatron.core.models.gpt import GPTModel
 
     if seed is not None:
         torch.manual_seed(seed)
+    pre, post = pipeline_ends() if config.pipeline_model_parallel_size > 1 else (True, True)
     model = GPTModel(
         config=config, transformer_layer_spec=layer_spec(config), vocab_size=vocab_size,
-        max_sequence_length=max_sequence_length, pre_process=True, post_process=True,
+        max_sequence_length=max_sequence_length, pre_process=pre, post_process=post,
         parallel_output=True, share_embeddings_and_output_weights=share_embeddings_and_output_weights,
         position_embedding_type=position_embedding_type, rotary_percent=rotary_percent,
         rotary_base=rotary_base,

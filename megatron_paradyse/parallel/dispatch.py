@@ -146,7 +146,9 @@ def _gpt_forward(self, input_ids, position_ids, attention_mask, *args, **kwargs)
         if kwargs.get("labels") is not None:
             kwargs["labels"] = _pad_row(kwargs["labels"], pad)
     out = _ORIGINAL["gpt"](self, input_ids, position_ids, attention_mask, **kwargs)
-    return out[:, :s] if pad and torch.is_tensor(out) else out
+    # the last stage's [b, T] loss or logits lose the padding; an earlier pipeline stage's
+    # output is the padded [T/p, 1, h] activation the next stage receives
+    return out[:, :s] if pad and torch.is_tensor(out) and self.post_process else out
 
 
 def _pad_row(x, pad: int, positions: bool = False):
@@ -176,7 +178,8 @@ _VERIFIED_CALLS = [0]
 def set_plan(model, plan, verify: bool = False, group=None) -> tuple:
     """Run each decoder layer of ``model`` with the strategy the plan names.
 
-    ``plan`` is one entry for all layers or a list with one entry per layer; an entry is a
+    ``plan`` is one entry for all layers or a list with one entry per layer of the whole
+    model (``config.num_layers``; a pipeline stage takes its own layers' entries); an entry is a
     strategy name, or one with ``:rc`` (``tp_sp:rc``: that layer is also recomputed in
     backward). A recompute, planned or megatron's own (``recompute_granularity``), re-runs the
     plan of its forward, whatever plan is set by then (``recompute.py``). Every check
@@ -227,7 +230,7 @@ def _set_plan(model, plan) -> tuple:
             setattr(layer, recompute.RC_ATTR, False)
         gpt._paradyse_plan = None
         return None
-    plan = normalize_plan(plan, len(layers))
+    plan = normalize_plan(plan, gpt.config.num_layers)
     cfg = gpt.config
     p = cfg.tensor_model_parallel_size
     if p > 1 and not cfg.sequence_parallel:
@@ -240,13 +243,19 @@ def _set_plan(model, plan) -> tuple:
     if not getattr(gpt, _MODULES_CHECKED, False):  # once per model: set_plan runs every micro-batch
         check_model(gpt)
         setattr(gpt, _MODULES_CHECKED, True)
-    for layer, entry in zip(layers, plan):
+    for layer, entry in zip(layers, stage_entries(plan, layers)):
         name, rc = split_entry(entry)
         setattr(layer.self_attention, _ATTR, name)
         setattr(layer.mlp, _ATTR, name)
         setattr(layer, recompute.RC_ATTR, rc)
     gpt._paradyse_plan = plan
     return plan
+
+
+def stage_entries(plan: tuple, layers) -> tuple:
+    """The entries of a whole-model ``plan`` for ``layers``, by megatron's global (1-based)
+    ``layer_number``: with pipeline stages each stage runs its own slice of one plan."""
+    return tuple(plan[layer.layer_number - 1] for layer in layers)
 
 
 def get_plan(model):

@@ -244,7 +244,12 @@ def _add_distributed_args(p: argparse.ArgumentParser) -> None:
     """Parallel sizes, backend and timeout."""
     g = p.add_argument_group("distributed")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="pipeline stages (megatron's 1F1B schedule; layers split evenly)")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="refused: the interleaved schedule is not supported (docs/pipeline.md)")
+    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
+                   help="refused: the interleaved schedule is not supported (docs/pipeline.md)")
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
@@ -397,15 +402,26 @@ def validate_args(args, world_size: int | None = None) -> argparse.Namespace:
     return args
 
 
+VIRTUAL_PIPELINE = (
+    "--num-layers-per-virtual-pipeline-stage / --virtual-pipeline-model-parallel-size: the "
+    "interleaved (virtual-pipeline) schedule is not supported; pipeline stages run megatron's "
+    "1F1B schedule (drop the flag; docs/pipeline.md says why)")
+
+
 def _check_parallel(args, world_size: int, tp: int) -> None:
-    """TP divides the world (the rest is data parallel); no pipeline or context parallelism;
-    the sequence-parallel layout ``--paradyse`` switches in."""
-    if tp < 1 or world_size % tp:
-        _err(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp}")
-    args.data_parallel_size = world_size // tp
-    if args.pipeline_model_parallel_size != 1:
-        _err("--pipeline-model-parallel-size must be 1: this trainer (and ParaDySe) runs without "
-             "pipeline parallelism")
+    """TP x PP divides the world (the rest is data parallel); PP splits the layers evenly (the
+    1F1B schedule; the interleaved one is refused); no context parallelism; the
+    sequence-parallel layout ``--paradyse`` switches in."""
+    pp = args.pipeline_model_parallel_size
+    if tp < 1 or pp < 1 or world_size % (tp * pp):
+        _err(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+             f"--pipeline-model-parallel-size {pp}")
+    args.data_parallel_size = world_size // (tp * pp)
+    if args.num_layers % pp:
+        _err(f"--num-layers {args.num_layers} must be divisible by --pipeline-model-parallel-size {pp} "
+             "(megatron's even split of the layers over the stages)")
+    if args.num_layers_per_virtual_pipeline_stage is not None or args.virtual_pipeline_model_parallel_size is not None:
+        _err(VIRTUAL_PIPELINE)
     if args.context_parallel_size != 1:
         _err("--context-parallel-size must be 1: ParaDySe's ulysses/ring strategies replace "
              "context parallelism inside the TP group")

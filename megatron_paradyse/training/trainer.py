@@ -45,7 +45,7 @@ from ..parallel.dispatch import install
 from ..parallel.plan_check import collective_device
 from ..parallel.plans import describe_plans, parse_plan, rule_plan_fn
 from ..units import GiB, MiB
-from . import checkpointing
+from . import checkpointing, pipeline
 from .arguments import parse_args, transformer_config_from_args
 from .faults import FailFast
 from .forward_step import forward_step
@@ -161,7 +161,8 @@ class Trainer:
             install()
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
+                                                 pipeline_model_parallel_size=args.pipeline_model_parallel_size)
         random.seed(args.seed)
         np.random.seed(args.seed)
         torch.manual_seed(args.seed)
@@ -170,6 +171,8 @@ class Trainer:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_group = parallel_state.get_data_parallel_group()
+        self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()
 
     def _build_model_and_optimizer(self):
         """The stock GPT in megatron-core's DDP, its optimizer and scheduler, the grad hooks."""
@@ -316,6 +319,8 @@ class Trainer:
         synchronize()
         t0 = time.perf_counter()
         micro = self.data_iterator.prefetch()
+        if args.paradyse and self.pp_size > 1:
+            pipeline.expect([self._activation_shape(mb) for mb in micro])
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         fwd_bwd = get_forward_backward_func()
@@ -327,12 +332,14 @@ class Trainer:
         )
         if args.paradyse:
             release_pool()  # nothing of the pool outlives the step (see forward_step)
+            pipeline.clear()
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=args.global_batch_size)
         total = torch.zeros(3, dtype=torch.float64)
-        for r in reports:
+        for r in reports:  # the last pipeline stage's: the others have none
             total[:2] += r["lm loss"].detach().double().cpu()
+        total[:2] = pipeline.sum_over_stages(total[:2], collective_device())
         total[2] = sum(mb.tokens.numel() for mb in micro)
         if self.dp_size > 1:
             t = total.to(collective_device())
@@ -350,6 +357,13 @@ class Trainer:
             plans=tuple(mb.plan for mb in micro), skipped=not ok)
         self.history.append(stats)
         return stats
+
+    def _activation_shape(self, mb) -> list:
+        """The activation a pipeline stage sends for ``mb``: its (padded) tokens over p."""
+        args = self.args
+        tp = args.tensor_model_parallel_size
+        s = mb.seq_length + (-mb.seq_length) % tp if mb.cu_seqlens is not None else mb.seq_length
+        return pipeline.activation_shape(s, mb.tokens.shape[0], args.hidden_size, tp, self.config.sequence_parallel)
 
     # ------------------------------------------------------------------ loop
     def train(self, train_iters: int | None = None) -> list:
@@ -423,7 +437,8 @@ def describe_setup(args, custom_plan: bool = False, planner=None) -> str:
     mode = (f"with ParaDySe ({plan})" if args.paradyse
             else "with stock Megatron TP+SP" if args.sequence_parallel else "with stock Megatron TP")
     return (f"GPT {args.num_layers}L h{args.hidden_size} a{args.num_attention_heads} on "
-            f"{args.world_size} ranks (TP={args.tensor_model_parallel_size} x DP={args.data_parallel_size}) "
+            f"{args.world_size} ranks (TP={args.tensor_model_parallel_size} x PP={args.pipeline_model_parallel_size} "
+            f"x DP={args.data_parallel_size}) "
             f"{mode}")
 
 

@@ -1,0 +1,95 @@
+"""Pipeline stages in training: each micro-batch's p2p shape, known before the step, and the
+step's sums over the stages.
+
+With varying lengths megatron's pipeline schedule needs ``config.variable_seq_lengths``
+(Megatron-LM has no flag for it; the model's config sets it with PP, ``model.py``), and then
+exchanges every activation's shape with its peer before sending it
+(``P2PCommunicator._communicate_shapes``). The plugin knows every shape before the step's
+first transfer: every rank of a data-parallel replica, every stage included, read and agreed
+on the step's micro-batches (the iterator's plan check). :func:`expect` queues them; while a
+step's queue is there, the shape exchange is answered from it, with no message: forward
+receives take the micro-batches' shapes in order, backward receives too (1F1B runs the
+backwards in forward order). That skips a round trip per transfer, and the exchange's own
+ordering bugs (NVIDIA/Megatron-LM #5100, PP >= 4 with batched p2p; #5271, PP = 2). Without a
+queue (stock training, or a schedule run the plugin did not plan) megatron's exchange runs.
+"""
+from __future__ import annotations
+
+import collections
+
+import torch
+import torch.distributed as dist
+
+_ORIGINAL: dict = {}
+_QUEUES = {"forward": collections.deque(), "backward": collections.deque()}
+_ACTIVE = [False]  # a step's shapes are queued: its receives are answered from them
+
+
+def activation_shape(seq_length: int, micro_batch: int, hidden: int, tp: int, sequence_parallel: bool) -> list:
+    """The ``[s/p, b, h]`` (``[s, b, h]`` without sequence parallelism) tensor a stage sends."""
+    return [seq_length // tp if sequence_parallel else seq_length, micro_batch, hidden]
+
+
+def expect(shapes: list) -> None:
+    """The step's activation shapes in run order: what this rank's receives will be."""
+    install()
+    for q in _QUEUES.values():
+        q.clear()
+        q.extend(tuple(int(x) for x in s) for s in shapes)
+    _ACTIVE[0] = True
+
+
+def clear() -> None:
+    """Forget the step's shapes (megatron's exchange answers until the next :func:`expect`)."""
+    for q in _QUEUES.values():
+        q.clear()
+    _ACTIVE[0] = False
+
+
+def pending() -> dict:
+    """Shapes not yet received, per direction (a finished step leaves none)."""
+    return {k: list(q) for k, q in _QUEUES.items()}
+
+
+def install() -> None:
+    """Answer megatron's p2p shape exchange from the queues; idempotent."""
+    if _ORIGINAL:
+        return
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    _ORIGINAL["shapes"] = P2PCommunicator._communicate_shapes
+    P2PCommunicator._communicate_shapes = _communicate_shapes
+
+
+def uninstall() -> None:
+    if not _ORIGINAL:
+        return
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    P2PCommunicator._communicate_shapes = _ORIGINAL.pop("shapes")
+    clear()
+
+
+def _communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
+    if not _ACTIVE[0]:
+        return _ORIGINAL["shapes"](self, tensor_send_next, tensor_send_prev, recv_prev, recv_next)
+    fwd, bwd = _QUEUES["forward"], _QUEUES["backward"]
+    if (recv_prev and not fwd) or (recv_next and not bwd):
+        # the peer answers from its queue too: falling back to the exchange would hang it
+        raise RuntimeError("ParaDySe: the pipeline received more activations than the step's "
+                           "micro-batches (training/pipeline.py expect); the schedule ran micro-batches "
+                           "the planned iterator did not give it")
+    prev = list(fwd.popleft()) if recv_prev else [0, 0, 0]
+    nxt = list(bwd.popleft()) if recv_next else [0, 0, 0]
+    return prev, nxt
+
+
+def sum_over_stages(values: torch.Tensor, device) -> torch.Tensor:
+    """``values`` summed over this rank's pipeline group (only the last stage has losses)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return values
+    t = values.to(device)
+    dist.all_reduce(t, group=parallel_state.get_pipeline_model_parallel_group())
+    return t.cpu()
