@@ -1,0 +1,121 @@
+"""Training with pipeline stages (issue 35): ``pretrain_gpt_paradyse.py`` at PP = 2 x TP = 2
+equals stock megatron-core PP = 2 x TP = 2 on the same data, with plans changing per step,
+micro-batch, layer and so per stage: variable lengths, packs, megatron's recompute with
+``:rc`` entries; checkpoints move both ways between stock and ParaDySe.
+
+One world of 4 gloo ranks (stage 0: ranks 0-1, stage 1: ranks 2-3). Stock runs megatron's own
+p2p shape exchange (``variable_seq_lengths``); ParaDySe answers it from the agreed micro-batches
+(``training/pipeline.py``), and the test makes megatron's exchange raise in those runs.
+"""
+import pytest
+
+from megatron_paradyse.testing.spawn import run_world
+
+from .test_training import _cycling_plan_fn, _param_rel, _rel, _summary, _train
+
+STEPS = 4
+SAVE_AT = 2
+PP = ["--pipeline-model-parallel-size", "2", "--train-iters", str(STEPS)]
+UNPACKED = ["--micro-batch-size", "1", "--global-batch-size", "4"]
+PACK = ["--paradyse-pack-tokens", "64", "--paradyse-pack", "balanced"]  # stock: the same documents unpacked
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"]
+
+
+def _with_rc(config, p):
+    """The cycling plan, every other entry recomputed (``:rc``)."""
+    base = _cycling_plan_fn(config, p)
+
+    def plan_fn(mb, step, index):
+        return tuple(n + (":rc" if (step + index + i) % 2 else "") for i, n in enumerate(base(mb, step, index)))
+
+    return plan_fn
+
+
+class _NoExchange:
+    """megatron's p2p shape exchange made to raise: ParaDySe's runs must not use it."""
+
+    def __enter__(self):
+        from megatron_paradyse.training import pipeline
+
+        pipeline.install()
+        self.real = pipeline._ORIGINAL["shapes"]
+
+        def refuse(*a, **k):
+            raise AssertionError("megatron's shape exchange ran in a ParaDySe step")
+
+        pipeline._ORIGINAL["shapes"] = refuse
+
+    def __exit__(self, *exc):
+        from megatron_paradyse.training import pipeline
+
+        pipeline._ORIGINAL["shapes"] = self.real
+
+
+def _pair(world, extra, factory=_cycling_plan_fn, save=None, packed=False):
+    """Stock and ParaDySe runs of ``extra`` (``packed``: ParaDySe packs the documents stock
+    runs one per micro-batch): their summaries and final full weights."""
+    out = {}
+    for name, paradyse in (("stock", False), ("paradyse", True)):
+        more = list(extra) + (PACK if packed and paradyse else [])
+        if save:
+            more += ["--save", f"{save}/{name}", "--save-interval", str(SAVE_AT)]
+        if paradyse:
+            with _NoExchange():
+                hist, params, _ = _train(2, world, PP + more, paradyse=True, plan_fn_factory=factory)
+        else:
+            hist, params, _ = _train(2, world, PP + more, paradyse=False)
+        out[name], out[f"{name}_params"] = _summary(hist), params
+    return out
+
+
+def _resume(world, root):
+    """From step SAVE_AT: ParaDySe from stock's checkpoint, stock from ParaDySe's."""
+    load = ["--ckpt-step", str(SAVE_AT)]
+    with _NoExchange():
+        a, _, _ = _train(2, world, PP + ["--load", f"{root}/stock"] + load, paradyse=True,
+                         plan_fn_factory=_cycling_plan_fn)
+    b, _, _ = _train(2, world, PP + ["--load", f"{root}/paradyse"] + load, paradyse=False)
+    return {"paradyse_from_stock": _summary(a), "stock_from_paradyse": _summary(b)}
+
+
+def _world(rank, world, root):
+    out = {"plain": _pair(world, [], save=root)}
+    out["resume"] = _resume(world, root)
+    out["packed"] = _pair(world, UNPACKED, packed=True)
+    out["recompute"] = _pair(world, RECOMPUTE, factory=_with_rc)
+    if rank in (0, 2):  # each stage's first rank: its stage's full weights
+        return out
+    return {k: {n: v for n, v in d.items() if not n.endswith("params")} for k, d in out.items()}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("pp"))
+    return run_world(_world, 4, root, timeout=300)
+
+
+@pytest.mark.parametrize("case", ["plain", "packed", "recompute"])
+def test_pipeline_stages_train_equal_to_stock_pipeline(world, case):
+    got = world[0][case]
+    stock, pd = got["stock"], got["paradyse"]
+    assert len(stock) == len(pd) == STEPS
+    plans = [p for step in pd for p in step["plans"]]
+    # per stage: stage 0 runs layers 1-2, stage 1 layers 3-4; each changes per micro-batch
+    assert len({p[:2] for p in plans}) > 1 and len({p[2:] for p in plans}) > 1, plans
+    assert len({s for step in pd for s in step["s"]}) > 1  # lengths vary per micro-batch
+    loss = max(_rel(x["loss"], y["loss"]) for x, y in zip(pd, stock))
+    gn = max(_rel(x["gn"], y["gn"]) for x, y in zip(pd, stock))
+    weights = max(_param_rel(world[r][case]["paradyse_params"], world[r][case]["stock_params"]) for r in (0, 2))
+    print(f"\n{case}: {STEPS} steps at PP=2 x TP=2, loss {loss:.1e}, grad norm {gn:.1e}, weights {weights:.1e}")
+    assert loss < 1e-5 and gn < 1e-5 and weights < 1e-5
+    for r in world[1:]:  # every rank reports the same losses (summed over the stages)
+        assert [x["loss"] for x in r[case]["paradyse"]] == [x["loss"] for x in pd]
+
+
+def test_checkpoints_move_both_ways_between_stock_and_paradyse_pipelines(world):
+    plain, resumed = world[0]["plain"], world[0]["resume"]
+    for key, ref in (("paradyse_from_stock", plain["stock"]), ("stock_from_paradyse", plain["paradyse"])):
+        got = resumed[key]
+        assert [x["it"] for x in got] == list(range(SAVE_AT + 1, STEPS + 1))
+        worst = max(_rel(x["loss"], y["loss"]) for x, y in zip(got, ref[SAVE_AT:]))
+        assert worst < 1e-5, (key, worst)
