@@ -1,9 +1,10 @@
-"""Training with pipeline stages (issue 35): ``pretrain_gpt_paradyse.py`` at PP = 2 x TP = 2
-equals stock megatron-core PP = 2 x TP = 2 on the same data, with plans changing per step,
-micro-batch, layer and so per stage: variable lengths, packs, megatron's recompute with
+"""Training with pipeline stages (issue 35): ``pretrain_gpt_paradyse.py`` at PP = 2 x TP = 2 x
+DP = 2 equals stock megatron-core at the same layout on the same data, with plans changing per
+step, micro-batch, layer and so per stage: variable lengths, packs, megatron's recompute with
 ``:rc`` entries; checkpoints move both ways between stock and ParaDySe.
 
-One world of 4 gloo ranks (stage 0: ranks 0-1, stage 1: ranks 2-3). Stock runs megatron's own
+One world of 8 gloo ranks (megatron's order: TP fastest, then DP, then PP; stage 0 is ranks
+0-3, stage 1 ranks 4-7), about 35 s here. Stock runs megatron's own
 p2p shape exchange (``variable_seq_lengths``); ParaDySe answers it from the agreed micro-batches
 (``training/pipeline.py``), and the test makes megatron's exchange raise in those runs.
 """
@@ -15,8 +16,10 @@ from .test_training import _cycling_plan_fn, _param_rel, _rel, _summary, _train
 
 STEPS = 4
 SAVE_AT = 2
+WORLD = 8
+FIRST_OF_STAGE = (0, WORLD // 2)  # each stage's first rank: it returns its stage's full weights
 PP = ["--pipeline-model-parallel-size", "2", "--train-iters", str(STEPS)]
-UNPACKED = ["--micro-batch-size", "1", "--global-batch-size", "4"]
+UNPACKED = ["--micro-batch-size", "1", "--global-batch-size", "8"]
 PACK = ["--paradyse-pack-tokens", "64", "--paradyse-pack", "balanced"]  # stock: the same documents unpacked
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"]
 
@@ -83,7 +86,7 @@ def _world(rank, world, root):
     out["resume"] = _resume(world, root)
     out["packed"] = _pair(world, UNPACKED, packed=True)
     out["recompute"] = _pair(world, RECOMPUTE, factory=_with_rc)
-    if rank in (0, 2):  # each stage's first rank: its stage's full weights
+    if rank in FIRST_OF_STAGE:
         return out
     return {k: {n: v for n, v in d.items() if not n.endswith("params")} for k, d in out.items()}
 
@@ -91,7 +94,7 @@ def _world(rank, world, root):
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("pp"))
-    return run_world(_world, 4, root, timeout=300)
+    return run_world(_world, WORLD, root, timeout=300)
 
 
 @pytest.mark.parametrize("case", ["plain", "packed", "recompute"])
@@ -105,8 +108,9 @@ def test_pipeline_stages_train_equal_to_stock_pipeline(world, case):
     assert len({s for step in pd for s in step["s"]}) > 1  # lengths vary per micro-batch
     loss = max(_rel(x["loss"], y["loss"]) for x, y in zip(pd, stock))
     gn = max(_rel(x["gn"], y["gn"]) for x, y in zip(pd, stock))
-    weights = max(_param_rel(world[r][case]["paradyse_params"], world[r][case]["stock_params"]) for r in (0, 2))
-    print(f"\n{case}: {STEPS} steps at PP=2 x TP=2, loss {loss:.1e}, grad norm {gn:.1e}, weights {weights:.1e}")
+    weights = max(_param_rel(world[r][case]["paradyse_params"], world[r][case]["stock_params"])
+                  for r in FIRST_OF_STAGE)
+    print(f"\n{case}: {STEPS} steps at PP=2 x TP=2 x DP=2, loss {loss:.1e}, grad norm {gn:.1e}, weights {weights:.1e}")
     assert loss < 1e-5 and gn < 1e-5 and weights < 1e-5
     for r in world[1:]:  # every rank reports the same losses (summed over the stages)
         assert [x["loss"] for x in r[case]["paradyse"]] == [x["loss"] for x in pd]
