@@ -17,6 +17,7 @@ from ..parallel.packing import PackShape
 from .core import RECOMPUTE, NoFitError, PlanChoice, Planner, default_margin_fraction, pareto
 from .heuristic import HeuristicPlanner
 from .optimal import OptimalPlanner, solve_counts
+from .pipeline import PipelinePlanner, StepPlan, make_step_plan_fn, simulate_1f1b, stage_cost_model
 from .refine import Refinement
 
 KINDS = {"heuristic": HeuristicPlanner, "optimal": OptimalPlanner}
@@ -26,7 +27,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["build_planner", "Planner", "PlanChoice", "NoFitError", "HeuristicPlanner", "OptimalPlanner",
            "Refinement", "KINDS", "ON_NO_FIT", "make_plan_fn", "default_margin_fraction", "pareto",
-           "solve_counts", "RECOMPUTE"]
+           "solve_counts", "RECOMPUTE", "PipelinePlanner", "StepPlan", "make_step_plan_fn", "simulate_1f1b",
+           "stage_cost_model"]
 
 
 def build_planner(kind: str, cost_model, memory_budget_bytes: float, gamma: float | None = None,

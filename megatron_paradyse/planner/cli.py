@@ -3,12 +3,16 @@ planners' choice per sequence length as a table, without starting a training run
 
     python -m megatron_paradyse.plan --cost-model M.json --seq-lens 4k,32k,256k --memory-budget 70
     python -m megatron_paradyse.plan --p 2 --pack 72,900,31 --memory-budget 0.03   # a pack
+    python -m megatron_paradyse.plan --pp 2 --step-lengths 4096,1024,2048,512 --memory-budget 0.05   # a pipelined step
 
 Per length: every candidate (each uniform plan, recomputed ones too with ``--recompute auto``,
 the heuristic's two-strategy mixes, the optimal plan; ``tp_sp:rc*2+tp_sp*2``: two layers of
 ``tp_sp`` recomputed in backward, then two plain) with its predicted time and peak, whether it fits the budget minus the margin,
 which plan each planner chose and why; when nothing fits, the numbers and the longest length
-that fits with the leanest plan.
+that fits with the leanest plan. ``--step-lengths`` (one step's micro-batches, in run order)
+with ``--pp P`` (pipeline stages, default 1): each planner's plans for the step over the
+stages (``PipelinePlanner.explain_step``: per stage its layers, each micro-batch's plan, the
+predicted peak against the limit; the step time and its bubble fraction).
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from . import build_planner
 from ..parallel.packing import PackShape
 from .core import describe_length, fmt_bytes
 from .heuristic import HeuristicPlanner
+from .pipeline import PipelinePlanner
 
 
 def parse_length(text: str) -> int:
@@ -68,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="auto (default): a layer may also run recomputed in backward (plan entry "
                          "'tp_sp:rc': only its input kept, the layer run again in backward), where the "
                          "cost model prices that; off: never")
+    ap.add_argument("--pp", type=int, default=1,
+                    help="pipeline stages (megatron's 1F1B schedule) for --step-lengths; the layers must split evenly")
+    ap.add_argument("--step-lengths", default="", metavar="S1,S2,...",
+                    help="one step's micro-batches (padded lengths, in run order): plan them together over --pp stages")
     return ap
 
 
@@ -141,26 +150,51 @@ def main(argv=None) -> int:
         lens += [PackShape(tuple(parse_length(x) for x in pk.split(",") if x.strip())) for pk in a.pack]
     except (argparse.ArgumentTypeError, ValueError) as e:
         raise UserError(str(e)) from None
-    if not lens:
-        raise UserError("give --seq-lens and/or --pack")
+    try:
+        step = [parse_length(x) for x in a.step_lengths.split(",") if x.strip()]
+    except argparse.ArgumentTypeError as e:
+        raise UserError(f"--step-lengths: {e}") from None
+    if not lens and not step:
+        raise UserError("give --seq-lens, --pack and/or --step-lengths")
+    if a.pp < 1 or (a.pp > 1 and not step):
+        raise UserError("--pp needs a number of stages >= 1 and --step-lengths (the step's micro-batches)")
     if a.pack and a.micro_batch != 1:
         raise UserError("a pack is one micro-batch row: --micro-batch must be 1 with --pack")
     if a.memory_budget <= 0:
         raise UserError("--memory-budget must be positive (GiB)")
     cm = load_model(a)
-    note = extrapolation_note(cm, max(int(getattr(s, "tokens", s)) for s in lens))
+    note = extrapolation_note(cm, max(int(getattr(s, "tokens", s)) for s in lens + step))
     if note:
         logging.getLogger(__name__).warning(f"warning: {note}")
     kinds = ("heuristic", "optimal") if a.planner == "both" else (a.planner,)
     margin = None if a.memory_margin is None else a.memory_margin * GiB
     planners = {k: build_planner(k, cm, a.memory_budget * GiB, gamma=a.gamma, margin_bytes=margin,
                                  recompute=a.recompute) for k in kinds}
+    pipes = pipeline_planners(kinds, cm, a, margin, step)
     shape = getattr(cm, "shape", None)
     print(f"cost model: {type(cm).__name__}" + (f" for {shape.describe()}" if shape is not None else "")
           + f"; {next(iter(planners.values())).describe()}")
     for s in lens:
         print(explain(planners, s, a.micro_batch))
+    for pipe in pipes.values():
+        print("\n" + pipe.explain_step([(s, a.micro_batch) for s in step]))
     return 0
+
+
+def pipeline_planners(kinds, cm, a, margin, step: list) -> dict:
+    """``{kind: PipelinePlanner}`` for the ``--step-lengths`` over ``--pp`` stages (none without
+    them); a length that is not a multiple of p or layers that do not split evenly: UserError."""
+    if not step:
+        return {}
+    p = int(getattr(getattr(cm, "shape", None), "p", 1) or 1)
+    bad = [s for s in step if s % p]
+    if bad:
+        raise UserError(f"--step-lengths must be multiples of p = {p}: {', '.join(map(str, bad))}")
+    try:
+        return {k: PipelinePlanner(k, cm, a.memory_budget * GiB, a.pp, gamma=a.gamma, margin_bytes=margin,
+                                   recompute=a.recompute) for k in kinds}
+    except ValueError as e:  # layers that do not split evenly over the stages
+        raise UserError(f"--pp {a.pp}: {e}") from None
 
 
 if __name__ == "__main__":

@@ -361,14 +361,20 @@ class Planner:
     def _version(self):
         return None if self.refinement is None else self.refinement.version
 
-    def choose(self, seq_len, micro_batch: int) -> PlanChoice:
-        """The best plan at (s, b) without hysteresis; cached per (padded length, micro-batch
-        size). ``seq_len``: a length, or a pack (``PackShape``, b = 1: planned on its documents)."""
+    @staticmethod
+    def _key(seq_len, micro_batch: int) -> tuple:
+        """``(s, b)`` as plans are cached by; ValueError for a non-positive one or a pack with b != 1."""
         s, b = plan_key(seq_len), int(micro_batch)
         if int(s) < 1 or b < 1:
             raise ValueError(f"sequence length and micro-batch size must be positive, got s={s}, b={b}")
         if isinstance(s, PackShape) and b != 1:
             raise ValueError(f"a pack is one row of a micro-batch: b must be 1, got {b}")
+        return s, b
+
+    def choose(self, seq_len, micro_batch: int) -> PlanChoice:
+        """The best plan at (s, b) without hysteresis; cached per (padded length, micro-batch
+        size). ``seq_len``: a length, or a pack (``PackShape``, b = 1: planned on its documents)."""
+        s, b = self._key(seq_len, micro_batch)
         self._check_version()
         key = (s, b)
         hit = self._cache.get(key)
@@ -380,6 +386,37 @@ class Planner:
         choice = self._search(costs, s, b)
         if not choice.fits:
             choice = choice._replace(reason=self.no_fit_message(s, b, choice))
+        if len(self._cache) >= self._cache_size:
+            self._cache.pop(next(iter(self._cache)))
+        self._cache[key] = choice
+        return choice
+
+    def choose_under(self, seq_len, micro_batch: int, limit: float) -> PlanChoice:
+        """The best plan at (s, b) whose peak is at most ``limit`` bytes instead of budget - margin
+        (a pipeline stage keeps room for the other micro-batches in flight); a limit above the
+        planner's own is capped to it, so no plan is ever over budget. ``fits`` is against
+        ``limit``. No hysteresis, no state; cached per (s, b, limit) beside :meth:`choose`'s
+        (s, b) keys, cleared with them."""
+        limit = min(float(limit), self.limit)
+        if limit == self.limit:
+            return self.choose(seq_len, micro_batch)
+        s, b = self._key(seq_len, micro_batch)
+        self._check_version()
+        key = (s, b, limit)
+        hit = self._cache.get(key)
+        if hit is not None:
+            self.hits += 1
+            return hit
+        self.misses += 1
+        costs = self.costs(s, b)
+        own, self.limit = self.limit, limit  # the searches read self.limit
+        try:
+            choice = self._search(costs, s, b)
+        finally:
+            self.limit = own
+        if not choice.fits:
+            choice = choice._replace(reason=f"nothing fits under {fmt_bytes(limit)} at {describe_length(s)}, "
+                                            f"micro-batch size {b}")
         if len(self._cache) >= self._cache_size:
             self._cache.pop(next(iter(self._cache)))
         self._cache[key] = choice
