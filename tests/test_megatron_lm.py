@@ -446,3 +446,74 @@ def test_four_ranks(tp):
     _assert_close(got.losses, stock.losses, range(1, ITERS + 1), f"TP={tp} x DP={4 // tp}: --paradyse vs stock")
     assert len(stock.valid) == 4 and set(got.valid) == set(stock.valid)
     _assert_close(got.valid, stock.valid, sorted(stock.valid), f"TP={tp}: validation/test loss")
+
+
+# ------------------------------------------------------------------ pipeline stages (issue 35)
+PP_ITERS = 5  # Megatron-LM evaluates at 5 (--eval-interval), then the validation and test sets
+
+
+def _with(flags: list, **values) -> list:
+    """``flags`` with ``--name value`` replaced (``name`` with underscores) or appended."""
+    out = list(flags)
+    for name, value in values.items():
+        flag = "--" + name.replace("_", "-")
+        if flag in out:
+            out[out.index(flag) + 1] = str(value)
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def pipeline_flags() -> list:
+    """4 ranks: PP = 2 stages x TP = 2 (stage 0: ranks 0-1, stage 1: ranks 2-3), 2 layers a stage."""
+    return _with(model_flags(2), pipeline_model_parallel_size=2, train_iters=PP_ITERS) + [
+        "--mock-data", "--paradyse-document-data"]
+
+
+def test_pipeline_stages_equal_stock():
+    """PP = 2 x TP = 2 on 4 ranks: --paradyse (the plan mixes strategies per layer, so the two
+    stages run different ones, and changes per micro-batch) gives stock Megatron-LM's training,
+    validation and test losses. Stock sends every activation at --seq-length; ParaDySe's
+    transfers have each micro-batch's own length, their shapes from the micro-batches every
+    stage read ahead (no shape exchange; megatron_lm/schedule.py)."""
+    stock = launch(pipeline_flags(), nproc=4).check()
+    got = launch(pipeline_flags() + ["--paradyse", "--paradyse-plan", PLAN], nproc=4).check()
+    assert re.search(r"pipeline_model_parallel_size \.+ 2\n", stock.out)
+    assert "[paradyse]" not in stock.out
+    assert "2 pipeline stages (1F1B)" in got.out, got.out[-3000:]
+    assert sorted(got.plans) == list(range(1, PP_ITERS + 1))
+    _assert_close(got.losses, stock.losses, range(1, PP_ITERS + 1), "PP=2 x TP=2: --paradyse vs stock")
+    assert len(stock.valid) == 3 and set(got.valid) == set(stock.valid), (stock.valid, got.valid)
+    _assert_close(got.valid, stock.valid, sorted(stock.valid), "PP=2 x TP=2: validation/test loss")
+    lengths = {int(s) for lens, _ in got.plans.values() for s in lens.split(",")}
+    plans = {p for _, line in got.plans.values() for p in line.split(",")}
+    assert len(lengths) >= 5 and len(plans) >= 3, (lengths, plans)
+
+
+def test_interleaved_pipeline_is_refused():
+    """The interleaved (virtual-pipeline) schedule: one clear error naming the flag, locally,
+    from Megatron-LM's parsed arguments (its validate_args turns each interleaving flag into
+    ``virtual_pipeline_model_parallel_size``); stock Megatron-LM keeps it."""
+    import argparse
+
+    from megatron_paradyse.training.megatron_lm import check_paradyse_args
+
+    for flag, value in (("num_layers_per_virtual_pipeline_stage", 1), ("num_virtual_stages_per_pipeline_rank", 2),
+                        ("pipeline_model_parallel_layout", "Ett|tt|tt|ttL")):
+        args = argparse.Namespace(paradyse=True, overlap_param_gather=False, paradyse_document_data=False,
+                                  tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=1,
+                                  pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                                  **{flag: value})
+        with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')} selects the interleaved") as e:
+            check_paradyse_args(args)
+        assert "only megatron's 1F1B schedule" in str(e.value)
+        args.paradyse = False
+        check_paradyse_args(args)
+
+
+@full
+def test_interleaved_pipeline_is_one_line_through_megatron_lm():
+    out = launch(pipeline_flags() + ["--num-layers-per-virtual-pipeline-stage", "1", "--paradyse",
+                                     "--paradyse-plan", PLAN], nproc=4)
+    one_line(out, "--num-layers-per-virtual-pipeline-stage selects the interleaved")
+    assert "initializing torch distributed" not in out.out

@@ -72,18 +72,37 @@ def _check_document_data(args) -> None:
         raise ValueError("--paradyse-document-data takes one --data-path prefix (no blends)")
 
 
+# Megatron-LM's flags for the interleaved schedule (validate_args turns each into
+# args.virtual_pipeline_model_parallel_size, None for one stage per rank)
+VIRTUAL_PIPELINE_FLAGS = ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
+                          "pipeline_model_parallel_layout")
+
+
+def virtual_pipeline_error(args) -> str:
+    """The refusal of the interleaved schedule, naming the flag given."""
+    given = [k for k in VIRTUAL_PIPELINE_FLAGS if getattr(args, k, None) is not None]
+    flag = "--" + (given[0] if given else VIRTUAL_PIPELINE_FLAGS[0]).replace("_", "-")
+    return (f"{flag} selects the interleaved (virtual-pipeline) schedule, which --paradyse does not "
+            f"support: only megatron's 1F1B schedule (one stage per pipeline rank) is supported "
+            f"with --pipeline-model-parallel-size (drop {flag})")
+
+
 def _check_switchable(args) -> None:
-    """Megatron-LM's flags under which the strategies can switch: the TP+SP layout, no pipeline
-    or context parallelism, local layers, no dropout, no overlapped parameter gather."""
+    """Megatron-LM's flags under which the strategies can switch: the TP+SP layout, pipeline
+    stages only with the 1F1B schedule, no context parallelism, local layers, no dropout, no
+    overlapped parameter gather."""
     if args.overlap_param_gather:
         raise ValueError(OVERLAP_PARAM_GATHER_WITH_PARADYSE)
     tp = args.tensor_model_parallel_size
     if tp > 1 and not args.sequence_parallel:
         raise ValueError("--paradyse needs --sequence-parallel: every strategy keeps the "
                          "[s/p, b, h] sequence-parallel layout between layers")
-    if args.pipeline_model_parallel_size != 1 or args.context_parallel_size != 1:
-        raise ValueError("--paradyse needs --pipeline-model-parallel-size 1 and "
-                         "--context-parallel-size 1 (the strategies switch inside the TP group)")
+    if args.context_parallel_size != 1:
+        raise ValueError("--paradyse needs --context-parallel-size 1 (ParaDySe's ulysses/ring "
+                         "strategies replace context parallelism inside the TP group)")
+    # Megatron-LM's validate_args has turned every interleaving flag into this one
+    if getattr(args, "virtual_pipeline_model_parallel_size", None) is not None:
+        raise ValueError(virtual_pipeline_error(args))
     if args.transformer_impl != "local":
         raise ValueError("--paradyse needs --transformer-impl local (the strategies run "
                          "megatron-core's local layer modules; Transformer Engine layers are not "
@@ -100,6 +119,12 @@ def _check_switchable(args) -> None:
     _check_recompute(args)
 
 
+# Megatron-LM's flags for stages of unequal layer counts (each layer keeps its global number)
+UNEVEN_SPLIT = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+                "pipeline_model_parallel_layout")
+
+
 def _check_recompute(args) -> None:
     """Megatron-LM's recompute flags that megatron-core itself cannot run (stock alike), named
     before the first step instead of a recursion or a NameError inside it."""
@@ -111,7 +136,8 @@ def _check_recompute(args) -> None:
             raise ValueError(LAYERNORM_RECOMPUTE_WITHOUT_TE)
     layers = args.num_layers // max(1, args.pipeline_model_parallel_size)
     n = getattr(args, "recompute_num_layers", None)
-    if getattr(args, "recompute_method", None) == "uniform" and n and layers % n:
+    uneven = any(getattr(args, k, None) for k in UNEVEN_SPLIT)  # megatron-core checks each stage
+    if getattr(args, "recompute_method", None) == "uniform" and n and layers % n and not uneven:
         raise ValueError(f"--recompute-num-layers {n} must divide the layers per pipeline stage ({layers}) "
                          "with --recompute-method uniform (megatron-core's chunks would run past the last layer)")
 

@@ -1,11 +1,13 @@
 """The hooks into ``megatron.training``: ``parse_args`` and ``validate_args`` (the plugin's flags
-and their checks), ``pretrain`` (the forward step and datasets providers), and megatron-core's
+and their checks), ``pretrain`` (the forward step and datasets providers),
+``get_forward_backward_func`` (pipeline stages: ``schedule.py``), and megatron-core's
 ``compile_helpers`` where the compiled module ships; installed and removed together."""
 from __future__ import annotations
 
 from ..arguments import ArgumentError
 from .args import check_paradyse_args, compose_args_providers
 from .providers import paradyse_datasets_provider, paradyse_forward_step
+from .schedule import wrap_get_forward_backward_func
 
 _HOOKS: dict = {}
 
@@ -106,6 +108,9 @@ def install_hooks() -> None:
     for mod in (training, mt):
         _HOOKS[(mod, "pretrain")] = mod.pretrain
         mod.pretrain = new
+    # pipeline stages: the schedule's micro-batches read ahead, their p2p shapes (schedule.py)
+    _HOOKS[(training, "get_forward_backward_func")] = training.get_forward_backward_func
+    training.get_forward_backward_func = wrap_get_forward_backward_func(training.get_forward_backward_func)
 
 
 def original(module, name: str):

@@ -15,6 +15,7 @@ from .batches import tp_batches
 
 _MEGATRON_ITERATORS: dict = {}
 _MEGATRON_PLANNER: dict = {}
+_EVAL_MICROBATCHES = [1]  # micro-batches an evaluation step reads (pipeline stages: the schedule's)
 
 log = logging.getLogger(__name__)
 
@@ -45,14 +46,31 @@ def planned_iterator(data_iterator, model):
 
         nmb = get_num_microbatches
     else:
-        nmb = 1  # evaluation: plan and check each micro-batch on its own
+        # evaluation: plan and check each micro-batch on its own, or with pipeline stages the
+        # schedule call's micro-batches together, read ahead (prefetch_step)
+        nmb = lambda: _EVAL_MICROBATCHES[0]  # noqa: E731
     it = _LoggedPlannedIterator(tp_batches(holder, args, multiple), _plan_fn(args), nmb,
                                 group_index=parallel_state.get_data_parallel_rank(),
                                 num_groups=parallel_state.get_data_parallel_world_size(),
                                 start_step=int(getattr(args, "iteration", 0) or 0))
     it.log_steps = model.training and torch.distributed.get_rank() == 0
+    it.ahead_only = int(getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1
     _MEGATRON_ITERATORS[key] = (holder, it)
     return it
+
+
+def prefetch_step(data_iterator, model, num_microbatches: int) -> list:
+    """Read, plan and check one schedule call's ``num_microbatches`` micro-batches before the
+    schedule runs (pipeline stages: every stage, before the first transfer; ``schedule.py``);
+    its forward steps then take them in order."""
+    if not model.training:
+        _EVAL_MICROBATCHES[0] = int(num_microbatches)
+    it = planned_iterator(data_iterator, model)
+    items = it.prefetch()
+    if len(items) != num_microbatches:
+        raise RuntimeError(f"ParaDySe: the schedule runs {num_microbatches} micro-batches, the planned "
+                           f"iterator read {len(items)} ahead")
+    return items
 
 
 def _plan_fn(args):
@@ -84,6 +102,15 @@ class _LoggedPlannedIterator(PlannedIterator):
     (largest)."""
 
     log_steps = False
+    ahead_only = False  # pipeline stages: a step's micro-batches are read before its schedule runs
+
+    def __next__(self):
+        if self.ahead_only and not self._buffer:
+            # reading here, inside the schedule, would leave the other stages waiting in a transfer
+            raise RuntimeError("ParaDySe with pipeline stages: a forward step ran with no micro-batch read "
+                               "ahead; the schedule was not called through the plugin's wrapper of "
+                               "get_forward_backward_func (megatron_lm/schedule.py)")
+        return super().__next__()
 
     def prefetch(self):
         fresh = not self._buffer

@@ -21,19 +21,24 @@ def paradyse_forward_step(stock_forward_step=None):
     one all-reduce that all ranks agree, and runs the stock GPT forward with Megatron-LM's loss.
     """
 
+    def reads_planned(args) -> bool:
+        """This step reads the plugin's planned micro-batches (else the stock step runs)."""
+        return bool(getattr(args, "paradyse", False)) or stock_forward_step is None
+
     def _forward_step(data_iterator, model, *unused_args, **unused_kwargs):
         from megatron.training import get_args
 
         args = get_args()
-        paradyse = bool(getattr(args, "paradyse", False))
-        if not paradyse and stock_forward_step is not None:
+        if not reads_planned(args):
             return stock_forward_step(data_iterator, model, *unused_args, **unused_kwargs)
+        paradyse = bool(getattr(args, "paradyse", False))
         if paradyse:
             install()
         it = planned_iterator(data_iterator, model)
         return forward_step(it, model, paradyse=paradyse)
 
     _forward_step._paradyse = True
+    _forward_step.reads_planned = reads_planned  # schedule.py: pipeline stages read ahead
     return _forward_step
 
 

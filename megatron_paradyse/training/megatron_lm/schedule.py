@@ -1,0 +1,93 @@
+"""Pipeline stages through Megatron-LM's ``pretrain()``: the schedule's p2p shapes from the
+plugin's micro-batches.
+
+With ``--pipeline-model-parallel-size`` above 1 Megatron-LM runs megatron-core's 1F1B
+schedule with a fixed p2p shape (``--seq-length``); the plugin's micro-batches are cut to
+their own lengths, so each transfer has its micro-batch's shape. Megatron-LM's
+``get_forward_backward_func`` (in ``megatron.training.training``) is wrapped
+(:func:`wrap_get_forward_backward_func`): where the plugin's forward step reads the data, each
+schedule call first reads, plans and checks its micro-batches on every stage
+(``iterator.prefetch_step``; the first stage reads, ``batches.pipeline_batch`` broadcasts),
+sets ``variable_seq_lengths`` on the model's config (Megatron-LM has no flag for it) and
+queues the micro-batches' ``[s/p, b, h]`` shapes (``training/pipeline.py``: megatron's shape
+exchange is answered from the queue), runs the schedule, and clears the queue. Reading inside
+the schedule instead would leave a later stage waiting in its first receive while the first
+stage waits in the plan check. Without pipeline stages, or stock, the schedule runs as is.
+"""
+from __future__ import annotations
+
+import logging
+
+from .. import pipeline
+
+log = logging.getLogger(__name__)
+_SAID = [False]
+
+
+def wrap_get_forward_backward_func(orig):
+    """``get_forward_backward_func`` whose schedule, where :func:`planned_pipeline` holds, reads
+    the micro-batches ahead and supplies the p2p shapes."""
+    def get_forward_backward_func(*args, **kwargs):
+        return _wrap_schedule(orig(*args, **kwargs))
+
+    get_forward_backward_func._paradyse = True
+    return get_forward_backward_func
+
+
+def planned_pipeline(forward_step_func) -> bool:
+    """Pipeline stages and the plugin's forward step reading the data (``--paradyse``, or no
+    stock forward step): the schedule's p2p shapes vary per micro-batch."""
+    from megatron.training import get_args
+
+    args = get_args()
+    reads = getattr(forward_step_func, "reads_planned", None)
+    return int(args.pipeline_model_parallel_size or 1) > 1 and reads is not None and reads(args)
+
+
+def _wrap_schedule(schedule):
+    def forward_backward(*args, **kwargs):
+        if not planned_pipeline(kwargs.get("forward_step_func")):
+            return schedule(*args, **kwargs)
+        if args:
+            raise RuntimeError("ParaDySe with pipeline stages: Megatron-LM's schedule call must pass "
+                               "its arguments by keyword (forward_step_func=, data_iterator=, ...)")
+        _plan_step(kwargs)
+        try:
+            return schedule(**kwargs)
+        finally:
+            pipeline.clear()
+
+    forward_backward._paradyse = True
+    return forward_backward
+
+
+def _plan_step(kwargs) -> None:
+    """Read the call's micro-batches on this stage and queue their p2p shapes."""
+    from megatron.core.utils import get_model_config
+    from megatron.training import get_args
+
+    from .iterator import prefetch_step
+
+    model, data = kwargs["model"], kwargs["data_iterator"]
+    model = model[0] if isinstance(model, list) else model
+    data = data[0] if isinstance(data, list) else data
+    for holder in (get_model_config(model), getattr(kwargs.get("p2p_communicator"), "config", None)):
+        if holder is not None:
+            holder.variable_seq_lengths = True  # after its checks (0.16 refuses it with dense allgather MoE)
+    micro = prefetch_step(data, model, kwargs["num_microbatches"])
+    args = get_args()
+    pipeline.expect([p2p_shape(mb, args) for mb in micro])
+    if not _SAID[0]:
+        _SAID[0] = True
+        log.info(" [paradyse] %d pipeline stages (1F1B): each transfer has its micro-batch's shape, "
+                 "from the micro-batches read ahead on every stage", args.pipeline_model_parallel_size)
+
+
+def p2p_shape(mb, args) -> list:
+    """The activation a stage sends for micro-batch ``mb``: ``[s/p, b, h]`` of its length, a
+    pack padded to a multiple of p (``dispatch._gpt_forward``)."""
+    tp = args.tensor_model_parallel_size
+    s = mb.seq_length
+    if mb.cu_seqlens is not None:
+        s += (-s) % tp
+    return pipeline.activation_shape(s, mb.tokens.shape[0], args.hidden_size, tp, args.sequence_parallel)
