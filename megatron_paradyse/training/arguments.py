@@ -422,6 +422,9 @@ def _check_parallel(args, world_size: int, tp: int) -> None:
              "(megatron's even split of the layers over the stages)")
     if args.num_layers_per_virtual_pipeline_stage is not None or args.virtual_pipeline_model_parallel_size is not None:
         _err(VIRTUAL_PIPELINE)
+    if pp > 1 and args.paradyse_refine == "on":
+        _err("--paradyse-refine on is not available with pipeline stages: the step planner plans "
+             "without online refinement (leave --paradyse-refine at auto or off)")
     if args.context_parallel_size != 1:
         _err("--context-parallel-size must be 1: ParaDySe's ulysses/ring strategies replace "
              "context parallelism inside the TP group")

@@ -21,13 +21,18 @@ class PlannedIterator:
 
     On the first ``next()`` of a step (or on :meth:`prefetch`) it reads the step's
     ``num_microbatches`` micro-batches, sets ``mb.plan = plan_fn(mb, step, index)`` on each
-    (``None`` = stock code), and calls :func:`verify_plans`. ``plan_fn`` must be a
+    (``None`` = stock code), or with pipeline stages ``step_plan_fn`` plans (and may reorder)
+    them together, and calls :func:`verify_plans`. ``plan_fn`` must be a
     deterministic function of the data; ``plan_fn=None`` leaves every plan ``None``.
     """
 
     def __init__(self, source, plan_fn, num_microbatches, group_index: int = 0, num_groups: int = 1,
-                 start_step: int = 0, check: bool = True, group=None, counts=None):
+                 start_step: int = 0, check: bool = True, group=None, counts=None, step_plan_fn=None):
         self.source = source
+        # pipeline stages: the step's micro-batches planned together, ``step_plan_fn(mbs, step)
+        # -> (run order, plans, step plan)`` (planner/pipeline.py), instead of plan_fn one by one
+        self.step_plan_fn = step_plan_fn
+        self.last_step_plan = None
         self.counts = counts  # step -> (this group's micro-batches, the most any group runs)
         self.plan_fn = plan_fn
         self._nmb = num_microbatches
@@ -68,6 +73,8 @@ class PlannedIterator:
                         validate_names(plan)
                     mb.plan = plan
                 items.append(mb)
+            if self.step_plan_fn is not None:
+                items = self._plan_step(items)
         except StopIteration:
             error = f"the data iterator ran out after {len(items)} of {n} micro-batches"
         except UserError as e:  # a budget nothing fits: the one line, after the ranks agree
@@ -93,6 +100,14 @@ class PlannedIterator:
         self._buffer.extend(items)
         self.step += 1
         return items
+
+    def _plan_step(self, items: list) -> list:
+        """The step's micro-batches in the step planner's run order, each with its plan."""
+        order, plans, self.last_step_plan = self.step_plan_fn(items, self.step)
+        for i in order:
+            items[i].plan = tuple(plans[i])
+            validate_names(items[i].plan)
+        return [items[i] for i in order]
 
     def __next__(self):
         if not self._buffer:

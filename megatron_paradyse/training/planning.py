@@ -12,6 +12,7 @@ from ..device import is_cpu
 from ..errors import UserError
 from ..parallel.plans import make_entry, strategy_of
 from ..planner import build_planner, make_plan_fn
+from ..planner.pipeline import PipelinePlanner, make_step_plan_fn
 from ..units import GiB
 from .arguments import default_memory_budget_gib
 
@@ -72,21 +73,65 @@ def planner_from_args(args, can_refine: bool = True, cost_model=None):
                         "uniform) but the cost model cannot price recomputed layers: the planner plans them as "
                         "not recomputed (its peaks are upper bounds, its times too low)")
         mode, chunk = "off", 1
-    planner = build_planner(args.paradyse_planner, cm, budget * GiB, gamma=args.paradyse_gamma,
-                            margin_bytes=margin, strategies=args.paradyse_planner_strategies,
-                            refinement=True if refine else None, device_kind=current_device().type,
-                            recompute=mode, recompute_chunk=chunk)
-    if first:
-        force_first_recomputed(planner, first)
-    log.info(f"> planner: {planner.describe()}; cost model {type(cm).__name__}"
+    options = dict(gamma=args.paradyse_gamma, margin_bytes=margin, strategies=args.paradyse_planner_strategies,
+                   refinement=True if refine else None, device_kind=current_device().type,
+                   recompute=mode, recompute_chunk=chunk)
+    multiple = args.paradyse_pad_multiple or args.tensor_model_parallel_size
+    stages = getattr(args, "pipeline_model_parallel_size", 1)
+    if stages > 1:
+        planner = PipelinePlanner(args.paradyse_planner, cm, budget * GiB, stages,
+                                  **dict(options, refinement=None))
+        for stage in planner.stages if first else ():
+            force_first_recomputed(stage, first)  # megatron's block recompute: per stage
+        plan_fn = make_step_plan_fn(planner, args.paradyse_on_no_fit, multiple=multiple)
+    else:
+        planner = build_planner(args.paradyse_planner, cm, budget * GiB, **options)
+        if first:
+            force_first_recomputed(planner, first)
+        plan_fn = make_plan_fn(planner, args.paradyse_on_no_fit, multiple=multiple)  # plans packs too
+    log.info(f"> planner: {describe_planner(planner)}; cost model {type(cm).__name__}"
              + (f" ({args.paradyse_cost_model})" if args.paradyse_cost_model else "")
-             + f"; on no fit: {args.paradyse_on_no_fit}; refinement {'on' if refine else 'off'}")
+             + f"; on no fit: {args.paradyse_on_no_fit}; refinement {'on' if refine and stages == 1 else 'off'}")
     for note in (allocator_mismatch(cm), extrapolation_note(cm, args.seq_length)):
         if note:
             log_single_rank(log, logging.WARNING, f"> warning: {note}")
-    multiple = args.paradyse_pad_multiple or args.tensor_model_parallel_size
-    plan_fn = make_plan_fn(planner, args.paradyse_on_no_fit, multiple=multiple)  # plans packs too
     return planner, plan_fn
+
+
+def describe_planner(planner) -> str:
+    """The planner's one-line description; a pipeline's names its stages."""
+    stages = getattr(planner, "stages", None)
+    if stages is None:
+        return planner.describe()
+    return (f"{stages[0].describe()}, one per pipeline stage ({planner.num_stages} stages, a step's "
+            f"micro-batches planned together over the 1F1B schedule)")
+
+
+class MicroBatchView:
+    """A pipeline planner as the data side asks a planner (the sampler's cost, the packing
+    scheduler's cost and fit, the longest trainable length): a micro-batch fits when it fits
+    each stage alone, and costs its slowest stage's seconds (the pipeline's rate at steady state)."""
+
+    def __init__(self, pipeline_planner):
+        self.pipeline = pipeline_planner
+        self.stages = pipeline_planner.stages
+        self.kind = pipeline_planner.kind
+        self.budget, self.margin = pipeline_planner.budget, pipeline_planner.margin
+        self.refinement = None  # not with pipeline stages (yet): a step's stages would need one each
+
+    def choose(self, seq_len, micro_batch: int):
+        choices = [st.choose(seq_len, micro_batch) for st in self.stages]
+        worst = max(choices, key=lambda c: c.seconds)
+        return worst._replace(fits=all(c.fits for c in choices))
+
+    def longest_fit(self, micro_batch: int, multiple: int = 1, upper: int | None = None) -> int:
+        return min(st.longest_fit(micro_batch, multiple=multiple, upper=upper) for st in self.stages)
+
+    def no_fit_message(self, s, b: int) -> str:
+        for r, st in enumerate(self.stages):
+            if not st.choose(s, b).fits:
+                return f"pipeline stage {r} of {len(self.stages)}: {st.no_fit_message(s, b)}"
+        return f"every stage fits {s} tokens alone"
 
 
 def recompute_plan(args) -> tuple:

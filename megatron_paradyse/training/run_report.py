@@ -39,19 +39,22 @@ class RunReport:
         self.steps: list = []
 
     def record(self, stats, peak_bytes: float | None, static: float, micro, predicted=None,
-               tracked: bool | None = None) -> str:
+               tracked: bool | None = None, stage_peaks=None, stage_predicted=None) -> str:
         """Store one step; returns the text appended to the iteration line. ``predicted``: the
         planner's ``(seconds, peak bytes)`` of the step, made when it planned the step's
         micro-batches (None: no planner). ``peak_bytes`` None: not measured this step
         (``--paradyse-memory-every``); ``tracked``: whether the step ran under the memory
-        tracker, where some steps did not (None: every step did)."""
+        tracker, where some steps did not (None: every step did). With pipeline stages:
+        ``stage_peaks`` each stage's measured peak (max over its ranks, static included) and
+        ``stage_predicted`` the step planner's, per stage."""
         pred_s, pred_m = predicted if predicted is not None else (None, None)
         peak = None if peak_bytes is None else peak_bytes + static
         self.steps.append(dict(
             iteration=stats.iteration, seconds=stats.seconds, tokens=stats.tokens,
             lengths=[int(x) for mb in micro for x in mb.lengths], padded=list(stats.seq_lengths),
             plans=[None if p is None else list(p) for p in stats.plans], loss=stats.loss,
-            peak_bytes=peak, predicted_seconds=pred_s, predicted_peak_bytes=pred_m, tracked=tracked))
+            peak_bytes=peak, predicted_seconds=pred_s, predicted_peak_bytes=pred_m, tracked=tracked,
+            stage_peak_bytes=stage_peaks, stage_predicted_peak_bytes=stage_predicted))
         out = []
         if pred_s is not None:
             out.append(f"time pred/meas: {pred_s:.2f}/{stats.seconds:.2f} s" + (" (tracker)" if tracked else ""))
@@ -59,6 +62,11 @@ class RunReport:
             out.append(f"peak {'pred/meas' if pred_m is not None else 'meas'}: "
                        + (f"{pred_m / MiB:.1f}/" if pred_m is not None else "") + f"{peak / MiB:.1f} MiB"
                        + (f" (budget {self.budget / MiB:.1f})" if self.budget else ""))
+        if stage_peaks is not None:
+            pred = stage_predicted or [None] * len(stage_peaks)
+            out.append("stage peaks " + ("pred/meas" if stage_predicted else "meas") + ": " + ", ".join(
+                (f"{p / MiB:.1f}/" if p is not None else "") + f"{m / MiB:.1f}" for p, m in zip(pred, stage_peaks))
+                + " MiB")
         return " | ".join(out)
 
     # ------------------------------------------------------------------ end of run
@@ -82,7 +90,7 @@ class RunReport:
                  f"  peak memory {peak / MiB:.1f} MiB per rank"
                  + (f" (measured on {len(peaks)} of {len(st)} steps)" if len(peaks) < len(st) else "")
                  + (f" against a budget of {self.budget / MiB:.1f} MiB: {len(over)} step(s) over" if self.budget else "")]
-        lines += self._errors()
+        lines += self._errors() + self._stage_lines()
         if self.calibration:
             pts = [x[3] for v in self.calibration["strategies"].values() for x in v]
             lines.append(f"  cost model calibrated to this host: times x{min(pts):.2f} .. x{max(pts):.2f} "
@@ -105,6 +113,24 @@ class RunReport:
         how = f" (the {len(untracked)} steps without the memory tracker)" if untracked else ""
         return [f"  prediction error (mean |pred - meas| / meas): time {100 * sum(pe) / len(pe):.0f}%{how}, "
                 + (f"peak {100 * sum(me) / len(me):.0f}%" if me else "peak not measured")]
+
+    def _stage_lines(self) -> list:
+        """With pipeline stages: per stage, the worst measured peak, the steps over the budget and
+        the prediction error of the peak."""
+        st = [s for s in self.steps if s.get("stage_peak_bytes")]
+        if not st:
+            return []
+        out = []
+        for r in range(len(st[0]["stage_peak_bytes"])):
+            meas = [s["stage_peak_bytes"][r] for s in st]
+            over = sum(1 for m in meas if self.budget and m > self.budget)
+            errs = [abs(s["stage_predicted_peak_bytes"][r] - s["stage_peak_bytes"][r]) / s["stage_peak_bytes"][r]
+                    for s in st if s.get("stage_predicted_peak_bytes")]
+            out.append(f"  stage {r}: peak {max(meas) / MiB:.1f} MiB"
+                       + (f", {over} step(s) over the budget" if self.budget else "")
+                       + (f", peak prediction error {100 * sum(errs) / len(errs):.1f}% mean, "
+                          f"{100 * max(errs):.1f}% worst" if errs else ""))
+        return out
 
     def write(self, out_dir: str) -> list:
         os.makedirs(out_dir, exist_ok=True)
@@ -170,6 +196,16 @@ class RunReport:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         return path
+
+
+def max_per_stage(x: float, stage: int, stages: int) -> list:
+    """Each pipeline stage's maximum of ``x`` over its ranks (one all-reduce over the world)."""
+    t = torch.full((stages,), float("-inf"), dtype=torch.float64)
+    t[stage] = float(x)
+    if dist.is_initialized():
+        t = t.to(collective_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [float(v) for v in t.cpu()]
 
 
 def max_over_ranks(x: float) -> float:

@@ -50,8 +50,8 @@ from .arguments import parse_args, transformer_config_from_args
 from .faults import FailFast
 from .forward_step import forward_step
 from .iterator import PlannedIterator
-from .planning import calibrated_cost_model, longest_trainable, planner_from_args
-from .run_report import RunReport, max_over_ranks, pool_bytes
+from .planning import MicroBatchView, calibrated_cost_model, longest_trainable, planner_from_args
+from .run_report import RunReport, max_over_ranks, max_per_stage, pool_bytes
 
 log = logging.getLogger(__name__)
 
@@ -200,9 +200,13 @@ class Trainer:
         """``--paradyse`` without ``--paradyse-plan`` (and no ``plan_fn``): the planner
         (planning.py) and its plan_fn; else none."""
         args = self.args
-        self.planner, self._planner_fn = None, None
+        self.planner, self._planner_fn, self._step_plan_fn = None, None, None
         if args.paradyse and self.plan_fn is None and args.paradyse_plan is None:
-            self.planner, self._planner_fn = planner_from_args(args, cost_model=self.cost_model)
+            planner, fn = planner_from_args(args, cost_model=self.cost_model)
+            if self.pp_size > 1:  # a step's micro-batches planned together over the stages
+                self.planner, self._step_plan_fn = MicroBatchView(planner), fn
+            else:
+                self.planner, self._planner_fn = planner, fn
 
     def _build_data(self):
         """The dataset (documents longer than any plan fits follow --paradyse-long-docs), the
@@ -212,7 +216,7 @@ class Trainer:
         self.dataset = pdata.build_dataset(args, max_length=max_fit)
         self.sampler = self.packer = None
         plan_fn = self.plan_fn or self._planner_fn
-        if plan_fn is None and args.paradyse:
+        if plan_fn is None and args.paradyse and self._step_plan_fn is None:
             plan_fn = rule_plan_fn(parse_plan(args.paradyse_plan, args.num_layers))
         if args.paradyse_pack != "none":
             self._build_packed_data(plan_fn if args.paradyse else None)
@@ -228,7 +232,8 @@ class Trainer:
             sampler=self.sampler)
         self.data_iterator = PlannedIterator(
             loader, plan_fn if args.paradyse else None, args.num_microbatches,
-            group_index=self.dp_rank, num_groups=self.dp_size, start_step=self.iteration)
+            group_index=self.dp_rank, num_groups=self.dp_size, start_step=self.iteration,
+            step_plan_fn=self._step_plan_fn)
 
     def _build_packed_data(self, plan_fn):
         """``--paradyse-pack``: the packing scheduler (with a planner: packs that fit its budget,
@@ -246,7 +251,7 @@ class Trainer:
                                     start_step=self.iteration)
         self.data_iterator = PlannedIterator(
             loader, plan_fn, args.num_microbatches, group_index=self.dp_rank, num_groups=self.dp_size,
-            start_step=self.iteration, counts=loader.counts)
+            start_step=self.iteration, counts=loader.counts, step_plan_fn=self._step_plan_fn)
 
     # ------------------------------------------------------------------ one step, measured
     def measured_step(self, report=None):
@@ -261,7 +266,7 @@ class Trainer:
         ``report`` (a :class:`~.run_report.RunReport`): the step recorded, peaks the max over
         ranks, and the report's text in the log line.
         """
-        if self._planner_fn is None and report is None:
+        if self._planner_fn is None and self._step_plan_fn is None and report is None:
             return self.train_step(), ""
         every = self.args.paradyse_memory_every
         tracked = self.iteration % every == 0  # the same on every rank
@@ -272,14 +277,20 @@ class Trainer:
             measured, reserved = m.peak_bytes + held + static, m.peak_reserved  # this rank's
         else:
             stats, measured, reserved = self.train_step(), None, None
-        predicted, text = None, ""
+        predicted, text, stages = None, "", None
+        if self.pp_size > 1 and measured is not None:
+            stages = max_per_stage(measured, self.pp_rank, self.pp_size)  # every rank, the same step
         if self._planner_fn is not None:
             # with every > 1 the time is learnt from the untracked steps only
             predicted, text = self._refine(stats, measured, reserved, time_ok=every == 1 or not tracked)
+        elif self._step_plan_fn is not None:
+            predicted, text = self._pipeline_prediction(stages)
         if report is not None:
             peak = None if measured is None else max_over_ranks(measured) - static
+            sp = self.data_iterator.last_step_plan
             text = report.record(stats, peak, max_over_ranks(static), self.data_iterator.current, predicted,
-                                 tracked=tracked if every > 1 else None)
+                                 tracked=tracked if every > 1 else None, stage_peaks=stages,
+                                 stage_predicted=None if sp is None else list(sp.stage_peaks))
         ref = None if self.planner is None else self.planner.refinement
         if ref is not None:
             text += f" | refinement v{ref.version}"
@@ -310,6 +321,19 @@ class Trainer:
                 f"{dist.get_rank() if dist.is_initialized() else 0}): {meas} "
                 f"(budget {planner.budget / MiB:.1f} MiB)")
         return (pred_s, pred_m), text
+
+    def _pipeline_prediction(self, stages):
+        """The step plan's ``(seconds, this stage's peak)`` and the log text: each stage's
+        predicted peak beside its measured one (``stages``, max over the stage's ranks)."""
+        sp = self.data_iterator.last_step_plan
+        self.last_measure = dict(pred_seconds=sp.seconds, pred_stage_peaks=list(sp.stage_peaks),
+                                 stage_peaks=stages, limits=list(sp.stage_limits),
+                                 budget=self.planner.budget)
+        meas = ["-"] * len(sp.stage_peaks) if stages is None else [f"{x / MiB:.1f}" for x in stages]
+        per = ", ".join(f"{p / MiB:.1f}/{m}" for p, m in zip(sp.stage_peaks, meas))
+        text = (f"pred: {sp.seconds:.3f} s (bubbles {100 * (1 - sum(sp.stage_seconds) / (len(sp.stage_seconds) * sp.makespan)):.0f}%) | "
+                f"stage peaks pred/meas: {per} MiB (budget {self.planner.budget / MiB:.1f} MiB)")
+        return (sp.seconds, sp.stage_peaks[self.pp_rank]), text
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> StepStats:
