@@ -527,12 +527,20 @@ def test_bad_flags_fail_before_any_collective():
         (_argv(4, ["--paradyse", "--paradyse-plan", "tp_sp", "--paradyse-planner", "optimal"]), 4,
          "give one or the other"),
         (_argv(4, ["--paradyse-gamma", "0.1"]), 4, "needs --paradyse"),
+        (_argv(2, ["--pipeline-model-parallel-size", "3"]), 6, "must be divisible by --pipeline-model-parallel-size"),
+        (_argv(2, ["--pipeline-model-parallel-size", "2"]), 6, "not divisible by --tensor-model-parallel-size 2 x"),
+        (_argv(2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]), 4,
+         "the interleaved .virtual.pipeline. schedule is not supported"),
+        (_argv(2, ["--pipeline-model-parallel-size", "2", "--paradyse", "--paradyse-refine", "on"]), 4,
+         "not available with pipeline stages"),
     ]
     for argv, world, needle in cases:
         with pytest.raises(ArgumentError, match=needle.replace("-", r"\-")):
             parse_args(argv, world_size=world)
     args = parse_args(_argv(4, ["--paradyse"]), world_size=8)
     assert args.data_parallel_size == 2 and args.num_microbatches == 1 and args.paradyse_pad_multiple == 4
+    args = parse_args(_argv(2, ["--paradyse", "--pipeline-model-parallel-size", "2"]), world_size=8)
+    assert args.data_parallel_size == 2
 
 
 def test_pad_to_multiple_and_data():

@@ -22,8 +22,14 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 def forward_step(data_iterator, model, paradyse: bool = True):
     """megatron ``forward_step_func``: install this micro-batch's plan, then the stock forward.
 
-    With ParaDySe the communication pool is released first (``parallel.buffers.release_pool``):
-    the previous micro-batch's backward is done, and this one then holds only its own buffers.
+    With ParaDySe the communication pool is released first (``parallel.buffers.release_pool``),
+    so it holds the buffers of the micro-batch that runs, not of the longest one seen. That is
+    safe with micro-batches in flight too (pipeline stages under 1F1B, where earlier
+    micro-batches' backwards are still to come): a pooled buffer is only ever the target of the
+    collective that fills it, and nothing a later backward reads (a saved activation, a gathered
+    weight) is left in the pool; a backward allocates what it receives into again. A recompute
+    replays its own forward's plan (``parallel/recompute.py``), and a pack's document boundaries
+    travel with its own ``PackedSeqParams``: no other state is kept between micro-batches.
     """
     mb = next(data_iterator)
     if paradyse:
