@@ -50,7 +50,8 @@ log = logging.getLogger(__name__)
 FORWARD_SHARE = 1.0 / 3.0     # a layer's (and the non-layer part's) forward: 1 of 3 passes
 RC_FORWARD_SHARE = 1.0 / 4.0  # a recomputed layer's: 1 of 4 (its backward runs the forward again)
 MAX_TIGHTENINGS = 100000      # a guard: each tightening lowers one (stage, micro-batch) peak
-LADDER = 8                    # reductions a micro-batch's plan is tried at: the excess, 1/2, ... 1/128 of it
+STEP = 1.0 / 8
+LADDER = 4                    # reductions a micro-batch's plan is tried at: the excess, 1/2, ... 1/128 of it
 
 
 # ------------------------------------------------------------------------------------------
@@ -269,6 +270,18 @@ def _length(shape) -> str:
     return f"{int(s)}" + (f"x{b}" if b != 1 else "")
 
 
+def _pool_bytes(pools) -> float:
+    """``union_bytes`` of the pools of the micro-batches in flight (each buffer name once)."""
+    if len(pools) == 1:
+        return sum(pools[0].values())
+    out = dict(pools[0])
+    for d in pools[1:]:
+        for k, v in d.items():
+            if v > out.get(k, 0.0):
+                out[k] = v
+    return sum(out.values())
+
+
 def candidate_orders(sizes) -> list:
     """Run orders to try, the given one first: longest and shortest alternated, shortest and
     longest alternated, longest first (ties by index; duplicates dropped)."""
@@ -322,12 +335,21 @@ class PipelinePlanner:
         self.num_layers = int(cost_model.num_layers)
         self._static = [m.static_bytes() for m in self.models]
         self._floor: dict = {}  # (stage, s, b) -> the leanest uniform plan's peak
+        self._memo: dict = {}
         first = self.stages[0]
         self.budget, self.margin, self.limit, self.multiple = first.budget, first.margin, first.limit, first.multiple
 
     # -------------------------------------------------------------- one micro-batch on a stage
     def _part(self, r: int, shape, choice: PlanChoice) -> _Part:
-        """``choice`` for the micro-batch ``shape`` on stage ``r`` as a :class:`_Part`."""
+        """``choice`` for the micro-batch ``shape`` on stage ``r`` as a :class:`_Part`
+        (memoized for the step, with :meth:`_under`'s answers)."""
+        key = ("part", id(self.stages[r]), shape, choice)
+        got = self._memo.get(key)
+        if got is None:
+            got = self._memo[key] = self._new_part(r, shape, choice)
+        return got
+
+    def _new_part(self, r: int, shape, choice: PlanChoice) -> _Part:
         pl, (s, b) = self.stages[r], shape
         costs = pl.costs(s, b)
         index = {n: i for i, n in enumerate(costs.names)}
@@ -345,6 +367,27 @@ class PipelinePlanner:
         return _Part(choice, pool, held, choice.peak_bytes - costs.base - union_bytes([pool]),
                      fwd, choice.seconds - fwd)
 
+    def _under(self, r: int, shape, limit: float) -> PlanChoice:
+        """Stage ``r``'s ``choose_under(s, b, limit)`` through this step's memo: the answer under
+        a limit also answers every limit from its own peak up to that one (exact for the optimal
+        planner: the fastest plan under the larger limit fits the smaller), and nothing fits
+        under a limit at or below one where nothing did. The memo lives for one
+        :meth:`plan_step`, so a step's plans never depend on the steps planned before."""
+        pl = self.stages[r]
+        limit = min(float(limit), pl.limit)
+        known, none_at = self._memo.setdefault((id(pl),) + tuple(shape), ([], [-math.inf]))
+        for lo, hi, c in known:
+            if lo <= limit <= hi:
+                return c
+        if limit <= none_at[0]:
+            return pl.choose_under(shape[0], shape[1], none_at[0])
+        c = pl.choose_under(shape[0], shape[1], limit)
+        if c.fits:
+            known.append((c.peak_bytes, limit, c))
+        else:
+            none_at[0] = limit
+        return c
+
     def _op_bytes(self, r: int, parts_r, order, op, swap=None) -> float:
         """Stage ``r``'s bytes while ``op`` = (kind, position, in-flight positions) runs;
         ``swap`` = (micro-batch, part) evaluates one micro-batch under another plan."""
@@ -358,7 +401,7 @@ class PipelinePlanner:
                 act = p.act
             else:
                 held += p.held
-        return self._static[r] + (union_bytes(pools) if len(pools) > 1 else sum(pools[0].values())) + act + held
+        return self._static[r] + _pool_bytes(pools) + act + held
 
     # -------------------------------------------------------------- one run order
     def _windows(self, order) -> list:
@@ -390,14 +433,14 @@ class PipelinePlanner:
         floor = self._floor.get((r,) + shape)
         if floor is None:
             floor = self._floor[(r,) + shape] = pl.leanest(*shape)[2]
-        before = self._op_bytes(r, parts[r], order, op)
+        before = pl.limit + excess  # op's bytes now
         tried = set()
         for k in range(LADDER):
-            limit = max(peak - excess / 2 ** k, floor)
+            limit = max(peak - peak * STEP * 2 ** k, floor)
             if limit >= peak or limit in tried:
                 continue
             tried.add(limit)
-            c = pl.choose_under(shape[0], shape[1], limit)
+            c = self._under(r, shape, limit)
             if not c.fits:
                 continue
             part = self._part(r, shape, c)
@@ -431,16 +474,44 @@ class PipelinePlanner:
             stage_bytes[r] = [self._op_bytes(r, parts[r], order, o) for o in windows[r]]
         raise RuntimeError("pipeline tightening did not converge")  # each step lowers a peak: cannot happen
 
-    def _plan_order(self, shapes, order) -> StepPlan:
-        """The step in run ``order``: fastest plans alone, tightened until the stages fit."""
-        P, windows = self.num_stages, self._windows(order)
-        parts = [[self._part(r, sh, self.stages[r].choose(*sh)) for sh in shapes] for r in range(P)]
-        alone = [(r, j) for r in range(P) for j in range(len(shapes)) if not parts[r][j].choice.fits]
-        failed = None if alone else self._tighten(shapes, parts, order, windows)
-        peaks = tuple(max(self._op_bytes(r, parts[r], order, op) for op in windows[r]) for r in range(P))
+    def _relax(self, shapes, parts, order, windows) -> None:
+        """One pass over the tightened (stage, micro-batch) pairs, in stage and run order: the
+        fastest plan under the pair's peak plus the room its ops have left, kept where every
+        op of the stage still fits and it is faster (greedy tightening can overshoot)."""
+        for r, ops in enumerate(windows):
+            limit = self.stages[r].limit
+            for k, j in enumerate(order):
+                cur = parts[r][j]
+                if cur.choice.layers == self.stages[r].choose(*shapes[j]).layers:
+                    continue
+                mine = [op for op in ops if k in op[2]]
+                room = min(limit - self._op_bytes(r, parts[r], order, op) for op in mine)
+                c = self._under(r, shapes[j], cur.choice.peak_bytes + room)
+                if not c.fits or c.seconds >= cur.choice.seconds:
+                    continue
+                part = self._part(r, shapes[j], c)
+                if all(self._op_bytes(r, parts[r], order, op, swap=(j, part)) <= limit for op in mine):
+                    parts[r][j] = part
+
+    def _timed(self, parts, order) -> tuple:
+        """(schedule, step seconds) of ``parts`` run in ``order``: the 1F1B simulation, then each
+        stage's update after its last backward."""
+        P = self.num_stages
         sched = simulate_1f1b([[parts[r][j].fwd for j in order] for r in range(P)],
                               [[parts[r][j].bwd for j in order] for r in range(P)])
-        seconds = max(sched.ends[r] + self.stages[r].update_seconds() for r in range(P))
+        return sched, max(sched.ends[r] + self.stages[r].update_seconds() for r in range(P))
+
+    def _plan_order(self, shapes, order, fastest, relax: bool = False) -> StepPlan:
+        """The step in run ``order`` from each stage's ``fastest`` parts (its plans alone),
+        tightened until the stages fit, then (``relax``) relaxed."""
+        P, windows = self.num_stages, self._windows(order)
+        parts = [list(row) for row in fastest]
+        alone = [(r, j) for r in range(P) for j in range(len(shapes)) if not parts[r][j].choice.fits]
+        failed = None if alone else self._tighten(shapes, parts, order, windows)
+        if relax and not alone and failed is None:
+            self._relax(shapes, parts, order, windows)
+        peaks = tuple(max(self._op_bytes(r, parts[r], order, op) for op in windows[r]) for r in range(P))
+        sched, seconds = self._timed(parts, order)
         plans = tuple(tuple(e for r in range(P) for e in parts[r][j].choice.layers) for j in range(len(shapes)))
         message, offenders = "", ()
         if alone:
@@ -483,17 +554,26 @@ class PipelinePlanner:
         planner's), :func:`candidate_orders`; the fastest that fits (ties: the earlier), else
         the given order's answer with ``fits=False``."""
         shapes = self._shapes(shapes)
+        self._memo = {}  # this step's answers under limits (_under) and parts (_part)
         reorder = self.reorder if reorder is None else reorder
         orders = candidate_orders([seq_tokens(s) * b for s, b in shapes]) if reorder else [tuple(range(len(shapes)))]
+        fastest = [[self._part(r, sh, pl.choose(*sh)) for sh in shapes] for r, pl in enumerate(self.stages)]
         first = best = None
         for order in orders:
-            sp = self._plan_order(shapes, order)
+            # tightening only slows plans down: an order whose fastest plans are not faster than
+            # the best fitting step so far cannot win (exact for the optimal planner)
+            if best is not None and self._timed(fastest, order)[1] >= best.seconds:
+                continue
+            sp = self._plan_order(shapes, order, fastest)
             first = first or sp
             if sp.fits and (best is None or sp.seconds < best.seconds):
                 best = sp
-        if best is None and len(orders) > 1:
+        if best is None and len(orders) > 1:  # every order was planned (none pruned without a best)
             return first._replace(message=first.message + f" (and in {len(orders) - 1} other run orders)")
-        return best or first
+        if best is None:
+            return first
+        # the winner's tightening again (its searches memoized), then relaxed
+        return self._plan_order(shapes, best.order, fastest, relax=True)
 
     def explain_step(self, shapes, reorder: bool | None = None) -> str:
         """A table per stage (layers, each micro-batch's plan, predicted peak against the limit,

@@ -1,0 +1,357 @@
+"""Pipeline stages (``planner/pipeline.py``): the stage cost model, the 1F1B simulator against
+hand-computed schedules, and the pipelined step planner on the analytic and shipped cost
+models (no spawned world, a few seconds)."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import pytest
+import torch
+
+from megatron_paradyse.costmodel import AnalyticCostModel, build_cost_model, demo_shape
+from megatron_paradyse.costmodel.base import CostModel, LayerCost, plan_counts, union_bytes
+from megatron_paradyse.parallel.plans import strategy_of
+from megatron_paradyse.planner import (NoFitError, PipelinePlanner, build_planner, make_step_plan_fn,
+                                       simulate_1f1b, stage_cost_model)
+from megatron_paradyse.planner.pipeline import one_f_one_b
+
+MiB = 2 ** 20
+
+
+def megatron_order(r, P, M):
+    """The (kind, micro-batch) order of megatron-core's ``forward_backward_pipelining_without_
+    interleaving`` on stage r, written as its three loops."""
+    warmup = min(P - r - 1, M)
+    ops, f, b = [], 0, 0
+    for _ in range(warmup):
+        ops.append(("F", f))
+        f += 1
+    for _ in range(M - warmup):
+        ops += [("F", f), ("B", b)]
+        f, b = f + 1, b + 1
+    for _ in range(warmup):
+        ops.append(("B", b))
+        b += 1
+    return ops
+
+
+# ---------------------------------------------------------------- the schedule
+
+
+def test_one_f_one_b_is_megatrons_order():
+    for P in range(1, 6):
+        for M in range(1, 9):
+            for r in range(P):
+                assert one_f_one_b(r, P, M) == megatron_order(r, P, M), (P, M, r)
+
+
+@pytest.mark.parametrize("P,M", [(2, 1), (2, 3), (4, 8), (3, 2)])
+def test_equal_micro_batches_take_the_textbook_time(P, M):
+    """Equal forward f and backward b = 2f everywhere: (M + P - 1) (f + b); stage r holds
+    min(P - r, M) micro-batches at once."""
+    f, b = 1.0, 2.0
+    sch = simulate_1f1b([[f] * M for _ in range(P)], [[b] * M for _ in range(P)])
+    assert math.isclose(sch.makespan, (M + P - 1) * (f + b))
+    for r in range(P):
+        assert max(len(op.in_flight) for op in sch.ops[r]) == min(P - r, M)
+        assert math.isclose(sch.busy[r], M * (f + b))
+        assert [(op.kind, op.mb) for op in sch.ops[r]] == megatron_order(r, P, M)
+
+
+def test_uneven_schedule_by_hand():
+    """P = 2, M = 2, micro-batch 1 twice as long: stage 0 runs F0 [0,1] F1 [1,3] B0 [4,6]
+    B1 [10,14]; stage 1 F0 [1,2] B0 [2,4] F1 [4,6] B1 [6,10]."""
+    sch = simulate_1f1b([[1, 2], [1, 2]], [[2, 4], [2, 4]])
+    assert [(o.kind, o.mb, o.start, o.end) for o in sch.ops[0]] == [
+        ("F", 0, 0, 1), ("F", 1, 1, 3), ("B", 0, 4, 6), ("B", 1, 10, 14)]
+    assert [(o.kind, o.mb, o.start, o.end) for o in sch.ops[1]] == [
+        ("F", 0, 1, 2), ("B", 0, 2, 4), ("F", 1, 4, 6), ("B", 1, 6, 10)]
+    assert sch.makespan == 14 and sch.busy == (9, 9) and sch.ends == (14, 10)
+    assert [o.in_flight for o in sch.ops[0]] == [(0,), (0, 1), (0, 1), (1,)]
+
+
+# ---------------------------------------------------------------- the stage view
+
+
+class NoShape(CostModel):
+    """A cost model without ``shape`` (no parameter counts): stages split static bytes evenly."""
+
+    strategies = ("a",)
+    num_layers = 4
+
+    def layer(self, strategy, s, b):
+        return LayerCost(1.0, 2.0 * s, 1.0 * s)
+
+    def static_bytes(self):
+        return 100.0
+
+    def nonlayer(self, s, b):
+        return LayerCost(0.5, 3.0 * s, 1.0 * s)
+
+
+@pytest.mark.parametrize("cm", [AnalyticCostModel(demo_shape(2)), build_cost_model(demo_shape(4)),
+                                AnalyticCostModel(dataclasses.replace(demo_shape(2), num_layers=8, dtype="bf16"))],
+                         ids=["analytic", "shipped", "analytic-bf16-L8"])
+def test_stages_share_out_the_model(cm):
+    """The stages' static bytes and update seconds sum to the model's; stage 0 holds the
+    embedding, the last the output layer (the two ends hold more than a middle stage); the
+    non-layer part is the last stage's; a non-last stage keeps its input and its output."""
+    L = cm.num_layers
+    for P in (1, 2, 4):
+        st = [stage_cost_model(cm, r, P) for r in range(P)]
+        assert math.isclose(sum(m.static_bytes() for m in st), cm.static_bytes(), rel_tol=1e-12)
+        assert math.isclose(sum(m.update_seconds() for m in st), cm.update_seconds(), rel_tol=1e-12)
+        assert all(m.num_layers == L // P for m in st)
+        assert [list(m.layers()) for m in st] == [list(range(r * L // P, (r + 1) * L // P)) for r in range(P)]
+        if P > 2:
+            assert st[0].static_bytes() > st[1].static_bytes() < st[-1].static_bytes()
+        assert st[-1].nonlayer(1024, 1) == cm.nonlayer(1024, 1)
+        assert st[-1].pool("nonlayer", 1024, 1) == cm.pool("nonlayer", 1024, 1)
+        assert st[-1].resident_bytes(1024, 1) == cm.resident_bytes(1024, 1)
+        for m in st[:-1]:
+            assert m.nonlayer(1024, 1) == (0.0, 0.0, 0.0) and m.pool("nonlayer", 1024, 1) == {}
+            assert m.resident_bytes(1024, 1) == 2 * cm.resident_bytes(1024, 1)
+        assert st[0].layer("tp_sp:rc", 1024, 1) == cm.layer("tp_sp:rc", 1024, 1)
+    one = stage_cost_model(cm, 0, 1)  # one stage is the model
+    assert one.step(("tp_sp",) * L, 1024, 1) == cm.step(("tp_sp",) * L, 1024, 1)
+
+
+def test_stage_without_shape_splits_evenly():
+    st = [stage_cost_model(NoShape(), r, 2) for r in range(2)]
+    assert [m.static_bytes() for m in st] == [50.0, 50.0]
+    with pytest.raises(ValueError, match="do not split evenly"):
+        stage_cost_model(NoShape(), 0, 3)
+
+
+# ---------------------------------------------------------------- choose under a limit
+
+
+def test_choose_under_a_limit():
+    cm = AnalyticCostModel(demo_shape(2))
+    for kind in ("optimal", "heuristic"):
+        pl = build_planner(kind, cm, 64 * MiB, margin_bytes=0)
+        c = pl.choose(4096, 1)
+        assert pl.choose_under(4096, 1, pl.limit) is c and pl.choose_under(4096, 1, 2 * pl.limit) is c
+        lim = 0.8 * c.peak_bytes
+        u = pl.choose_under(4096, 1, lim)
+        assert u.fits and u.peak_bytes <= lim and u.seconds >= c.seconds
+        hits = pl.hits
+        assert pl.choose_under(4096, 1, lim) is u and pl.hits == hits + 1  # cached by the limit
+        assert pl.choose(4096, 1) is c  # the (s, b) entry untouched
+        assert not pl.choose_under(4096, 1, 1.0).fits
+
+
+# ---------------------------------------------------------------- the step planner
+
+
+def check_peaks(pp, shapes, sp):
+    """Each stage's peak recomputed from the stage cost models alone (``CostModel.step``, the
+    pools, the layers' saved bytes) over megatron's op order: equal to the planner's. Returns
+    them."""
+    P, M = pp.num_stages, len(shapes)
+    out = []
+    for r in range(P):
+        m = pp.models[r]
+        static = m.static_bytes()
+
+        def pool(j):
+            s, b = shapes[j]
+            return [m.pool(strategy_of(e), s, b) for e in set(sp.stage_plans[r][j].layers)] + [m.pool("nonlayer", s, b)]
+
+        def held(j):
+            s, b = shapes[j]
+            return (m.resident_bytes(s, b) + m.nonlayer(s, b).saved_bytes
+                    + sum(m.layer(e, s, b).saved_bytes for e in sp.stage_plans[r][j].layers))
+
+        def act(j):
+            s, b = shapes[j]
+            layers = sp.stage_plans[r][j].layers  # the heuristic plans with the order-free bound
+            plan = layers if pp.stages[r].order == "ordered" else plan_counts(layers)
+            return m.step(plan, s, b).peak_bytes - static - union_bytes(pool(j))
+
+        live, peak = set(), 0.0
+        for kind, k in megatron_order(r, P, M):
+            j = sp.order[k]
+            live.add(j)
+            peak = max(peak, static + union_bytes([d for i in live for d in pool(i)]) + act(j)
+                       + sum(held(i) for i in live if i != j))
+            if kind == "B":
+                live.discard(j)
+        out.append(peak)
+    for a, b in zip(out, sp.stage_peaks):
+        assert math.isclose(a, b, rel_tol=1e-9), (out, sp.stage_peaks)
+    return out
+
+
+def analytic_l8():
+    return AnalyticCostModel(dataclasses.replace(demo_shape(2), num_layers=8))
+
+
+def test_one_stage_is_the_planner():
+    """P = 1: every micro-batch gets the plain planner's plan, the peak is the largest of theirs."""
+    cm = AnalyticCostModel(demo_shape(2))
+    pl = build_planner("optimal", cm, 64 * MiB)
+    pp = PipelinePlanner("optimal", cm, 64 * MiB, 1, reorder=False)
+    shapes = [(4096, 1), (1024, 2), (2048, 1)]
+    sp = pp.plan_step(shapes)
+    assert sp.fits and sp.plans == tuple(pl.choose(s, b).layers for s, b in shapes)
+    assert math.isclose(sp.stage_peaks[0], max(pl.choose(s, b).peak_bytes for s, b in shapes))
+    assert math.isclose(sp.seconds, sum(pl.choose(s, b).seconds for s, b in shapes) + pl.update_seconds())
+    check_peaks(pp, shapes, sp)
+
+
+@pytest.mark.parametrize("kind", ["optimal", "heuristic"])
+def test_in_flight_micro_batches_are_tightened(kind):
+    """Each micro-batch alone fits its stage with its fastest plan, the two in flight on stage 0
+    do not: the planner switches some to leaner plans, and the peaks it predicts (recomputed
+    here from the cost model) are within the limits."""
+    cm = analytic_l8()
+    P, shapes = 2, [(4096, 1)] * 4
+    s0 = build_planner(kind, stage_cost_model(cm, 0, P), 1e12, margin_bytes=0)
+    fast = s0.choose(4096, 1)
+    budget = 1.3 * fast.peak_bytes
+    pp = PipelinePlanner(kind, cm, budget, P, margin_bytes=0, reorder=False)
+    assert all(pl.choose(4096, 1).fits for pl in pp.stages)  # each alone fits
+    untightened = PipelinePlanner(kind, cm, 1e12, P, margin_bytes=0, reorder=False).plan_step(shapes)
+    assert untightened.stage_peaks[0] > budget  # the fastest plans in flight together do not
+    sp = pp.plan_step(shapes)
+    assert sp.fits and sp.message == ""
+    peaks = check_peaks(pp, shapes, sp)
+    assert all(p <= lim for p, lim in zip(peaks, sp.stage_limits))
+    assert any(c.layers != fast.layers for c in sp.stage_plans[0])  # tightened
+    assert sp.seconds > untightened.seconds
+    assert all(len(p) == cm.num_layers for p in sp.plans)
+    assert sp.plans[0] == sp.stage_plans[0][0].layers + sp.stage_plans[1][0].layers
+
+
+def test_tightening_on_four_stages_with_packs_and_recompute():
+    """Four stages, mixed lengths, a pack: every fitting answer is within its limits by the
+    cost model's own numbers, and a tighter budget gives a slower (never faster) step."""
+    cm = analytic_l8()
+    from megatron_paradyse.parallel.packing import PackShape
+    shapes = [(4096, 1), (1024, 1), (PackShape((900, 2000, 148)), 1), (512, 2), (3072, 1), (2048, 1)]
+    last = 0.0
+    for budget in (1e12, 120 * MiB, 90 * MiB, 75 * MiB):
+        pp = PipelinePlanner("optimal", cm, budget, 4)
+        sp = pp.plan_step(shapes)
+        assert sp.fits, sp.message
+        peaks = check_peaks(pp, shapes, sp)
+        assert all(p <= lim * (1 + 1e-12) for p, lim in zip(peaks, sp.stage_limits))
+        assert sorted(sp.order) == list(range(len(shapes)))
+        assert sp.seconds >= last * (1 - 1e-12)
+        last = sp.seconds
+    assert any(":rc" in e for p in sp.plans for e in p)  # recompute among the leaner plans
+
+
+def test_nothing_fits_names_stage_and_micro_batches():
+    cm = analytic_l8()
+    shapes = [(8192, 1), (8192, 1), (1024, 1)]
+    floor = build_planner("optimal", stage_cost_model(cm, 0, 2), 1e12).leanest(8192, 1)[2]  # each alone fits
+    pp = PipelinePlanner("optimal", cm, 1.05 * floor, 2, margin_bytes=0, reorder=False)
+    sp = pp.plan_step(shapes)
+    assert not sp.fits and sp.offenders == (0, 1)
+    assert sp.message.startswith("stage 0 of 2: micro-batches 0, 1 (lengths 8192, 8192) in flight need ")
+    assert "> limit" in sp.message and "budget" in sp.message and "margin" in sp.message
+    # three long ones: no run order keeps two apart (with the short one, one does)
+    assert PipelinePlanner("optimal", cm, 1.05 * floor, 2, margin_bytes=0).plan_step(shapes).fits
+    longs = PipelinePlanner("optimal", cm, 1.05 * floor, 2, margin_bytes=0).plan_step([(8192, 1)] * 3)
+    assert not longs.fits and "(and in 1 other run orders)" in longs.message
+    # one micro-batch that fits no stage alone
+    tiny = PipelinePlanner("optimal", cm, 4 * MiB, 2).plan_step(shapes)
+    assert not tiny.fits and tiny.message.startswith("stage 0 of 2: micro-batch 0 (length 8192) alone: nothing fits")
+    text = pp.explain_step(shapes)
+    assert "does not fit: stage 0 of 2" in text and "OVER" in text
+
+
+def test_reorder_spreads_long_micro_batches():
+    """long, long, short, short on two stages: stage 0 holds two at once; alternating long and
+    short lowers its peak, and where the given order does not fit, reordering does."""
+    cm = build_cost_model(demo_shape(4))  # the shipped fitted model
+    shapes = [(8192, 1), (8192, 1), (1024, 1), (1024, 1)]
+    free = PipelinePlanner("optimal", cm, 1e12, 2)
+    given = free.plan_step(shapes, reorder=False)
+    spread = free.plan_step([shapes[j] for j in (0, 2, 1, 3)], reorder=False)
+    assert spread.stage_peaks[0] < 0.8 * given.stage_peaks[0]
+    budget = 0.025 * 2 ** 30
+    tight = PipelinePlanner("optimal", cm, budget, 2)
+    assert not tight.plan_step(shapes, reorder=False).fits
+    sp = tight.plan_step(shapes)
+    assert sp.fits and abs(sp.order.index(0) - sp.order.index(1)) > 1  # the long ones apart
+    assert all(p <= lim for p, lim in zip(check_peaks(tight, shapes, sp), sp.stage_limits))
+    assert f"run order {', '.join(map(str, sp.order))};" in tight.explain_step(shapes)
+
+
+def test_deterministic():
+    cm = analytic_l8()
+    shapes = [(4096, 1), (512, 1), (3072, 1), (2048, 1), (4096, 1), (256, 1)]
+    a = PipelinePlanner("optimal", cm, 90 * MiB, 4)
+    first = a.plan_step(shapes)
+    a.plan_step([(1024, 1)] * 3)  # another step in between: no state carried
+    assert a.plan_step(shapes) == first
+    assert PipelinePlanner("optimal", cm, 90 * MiB, 4).plan_step(shapes) == first
+    assert a.explain_step(shapes) == PipelinePlanner("optimal", cm, 90 * MiB, 4).explain_step(shapes)
+
+
+def test_explain_step_shows_every_stage():
+    cm = analytic_l8()
+    pp = PipelinePlanner("optimal", cm, 90 * MiB, 4)
+    text = pp.explain_step([(4096, 1), (512, 1), (2048, 1)])
+    for r in range(4):
+        assert f"== stage {r}: layers {2 * r}-{2 * r + 1}" in text
+    assert "+ embedding" in text and "+ output layer, loss" in text
+    assert "bubble fraction" in text and text.rstrip().endswith("fits")
+
+
+# ---------------------------------------------------------------- the trainer's hook
+
+
+class _MB:
+    def __init__(self, s):
+        self.tokens = torch.zeros(1, s, dtype=torch.long)
+        self.labels = torch.zeros(1, s, dtype=torch.long)
+        self.loss_mask = torch.ones(1, s)
+        self.position_ids = torch.arange(s)[None]
+        self.lengths = (s,)
+
+
+def test_step_plan_fn_policies(caplog):
+    cm = analytic_l8()
+    budget = 1.05 * build_planner("optimal", stage_cost_model(cm, 0, 2), 1e12, margin_bytes=0).leanest(8192, 1)[2]
+    pp = PipelinePlanner("optimal", cm, budget, 2, margin_bytes=0)
+    fn = make_step_plan_fn(pp, "error")
+    ok = [_MB(1024), _MB(512)]
+    order, plans, sp = fn(ok, 0)
+    assert sp.fits and fn.last is sp and order == sp.order and len(plans) == 2
+    with pytest.raises(NoFitError, match=r"step 3: stage 0 of 2: micro-batches 0, 1 .*--paradyse-on-no-fit error"):
+        fn([_MB(8192), _MB(8192)], 3)
+    caplog.set_level(logging.WARNING, logger="megatron_paradyse")
+    mbs = [_MB(8192), _MB(8192)]
+    order, plans, sp = make_step_plan_fn(pp, "truncate", multiple=4)(mbs, 5)
+    assert sp.fits and mbs[0].tokens.shape[1] < 8192 and mbs[0].tokens.shape[1] % 4 == 0
+    assert mbs[1].tokens.shape[1] == 8192
+    assert any("truncated to" in r.getMessage() for r in caplog.records)
+    mbs = [_MB(8192), _MB(8192)]
+    order, plans, sp = make_step_plan_fn(pp, "skip", multiple=4)(mbs, 6)
+    assert sp.fits and mbs[0].tokens.shape[1] == 4 and float(mbs[0].loss_mask.sum()) == 0
+    with pytest.raises(ValueError, match="on_no_fit"):
+        make_step_plan_fn(pp, "oom")
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def test_cli_step(capsys):
+    from megatron_paradyse.planner.cli import main
+
+    assert main(["--analytic", "--p", "2", "--pp", "2", "--step-lengths", "4096,1024,2048,512",
+                 "--memory-budget", "0.05", "--planner", "optimal"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline: 2 stages x 2 layers, 4 micro-batches" in out and "== stage 1: layers 2-3" in out
+    for args, why in ((["--p", "2", "--pp", "3", "--step-lengths", "4096"], "--pp 3: 4 layers do not split evenly"),
+                      (["--pp", "2", "--seq-lens", "1k"], "--pp needs"),
+                      (["--p", "2", "--step-lengths", "4095"], "multiples of p = 2: 4095")):
+        with pytest.raises(SystemExit) as e:
+            main(["--analytic", "--memory-budget", "0.05"] + args)
+        assert e.value.code == 2 and why in capsys.readouterr().err
