@@ -3,6 +3,7 @@
     python -m megatron_paradyse.bench --p 4 --steps 24 --memory-budget-mib 64 --out runs/bench
     python -m megatron_paradyse.bench --max-seq-len-search ...
     python -m megatron_paradyse.bench --simulate            # analytic H100 x 8, 7B-like model
+    python -m megatron_paradyse.bench --pp 2 --p 2 --steps 6 --memory-budget-mib 30   # pipeline stages
 
 See docs/benchmark.md for what is measured and how to read it.
 """
@@ -42,8 +43,13 @@ def build_parser():
     ap = ArgumentParser(prog="python -m megatron_paradyse.bench", allow_abbrev=False,
                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--p", type=int, default=4, help="gloo ranks = switching group size (TP)")
+    ap.add_argument("--pp", type=int, default=1,
+                    help="pipeline stages (world = pp x p ranks; megatron's 1F1B schedule)")
+    ap.add_argument("--pp-microbatches", type=int, default=4,
+                    help="with --pp > 1: documents per step, one micro-batch each, in flight together")
     ap.add_argument("--steps", type=int, default=24,
-                    help="documents (one step each; the +pack systems pack them into fewer steps)")
+                    help="documents (one step each; the +pack systems pack them into fewer steps); "
+                         "with --pp > 1 steps of --pp-microbatches documents")
     ap.add_argument("--pack-tokens", type=int, default=None,
                     help="token cap of the +pack systems' packs (default --seq-length)")
     ap.add_argument("--seq-length", type=int, default=4096, help="longest training sequence of the data")
@@ -76,7 +82,17 @@ def build_parser():
     return ap
 
 
+def pipeline_argv(pp: int, microbatches: int) -> list:
+    """The flags of ``pp`` pipeline stages (none for 1), a step of ``microbatches`` micro-batches."""
+    if pp <= 1:
+        return []
+    return ["--pipeline-model-parallel-size", str(pp), "--global-batch-size", str(microbatches)]
+
+
 def resolve_budget(a, args_argv, p):
+    """``(budget bytes, why)``: ``--memory-budget-mib``, else the cost model's ``tp_sp`` peak
+    at ``--budget-at-length`` (with stages: the highest stage peak of ``--pp-microbatches``
+    such micro-batches in flight, evaluated as the static systems' predictions are)."""
     if a.memory_budget_mib is not None:
         return a.memory_budget_mib * MiB, "given"
     args = parse_args(args_argv, world_size=p)
@@ -84,6 +100,13 @@ def resolve_budget(a, args_argv, p):
     if cm is None:
         raise UserError(f"give --memory-budget-mib ({note})")
     at = a.budget_at_length or a.seq_length // 2
+    if a.pp > 1:
+        from .systems import EVAL_BUDGET, PipelinePlanner
+
+        ev = PipelinePlanner("optimal", cm, EVAL_BUDGET, a.pp, margin_bytes=0.0, reorder=False,
+                             strategies=("tp_sp",), recompute="off")
+        peak = max(ev.plan_step([(at, 1)] * a.pp_microbatches).stage_peaks)
+        return float(peak), f"the cost model's tp_sp stage peak, {a.pp_microbatches} micro-batches of s={at}"
     peak = cm.step(("tp_sp",) * args.num_layers, at, 1).peak_bytes
     return float(peak), f"the cost model's tp_sp peak at s={at}"
 
@@ -96,8 +119,11 @@ def main(argv=None) -> int:
     if a.simulate:
         return sim_main(a)
     prefix = a.data_path or pdata.stdlib_corpus()
-    argv_ = demo_argv(a.p, a.seq_length, a.seed)
-    budget, why = resolve_budget(a, argv_, a.p)
+    if a.pp < 1:
+        raise UserError(f"--pp must be >= 1, got {a.pp}")
+    world = a.pp * a.p
+    argv_ = demo_argv(a.p, a.seq_length, a.seed, pipeline_argv(a.pp, a.pp_microbatches))
+    budget, why = resolve_budget(a, argv_, world)
     systems = [s.strip() for s in a.systems.split(",") if s.strip()]
     try:
         cfg = BenchConfig(argv=argv_, data_prefix=prefix, long_docs=a.long_docs, steps=a.steps, min_len=a.min_len,
@@ -105,22 +131,49 @@ def main(argv=None) -> int:
                           margin_bytes=None if a.margin_mib is None else a.margin_mib * MiB,
                           search=a.max_seq_len_search, search_cap=a.search_cap, search_probes=a.search_probes,
                           search_resolution=a.search_resolution, verbose=not a.quiet, memory_pass=a.memory_pass,
-                          pack_tokens=a.pack_tokens)
+                          pack_tokens=a.pack_tokens, pp=a.pp, pp_microbatches=a.pp_microbatches)
     except ValueError as e:
         raise UserError(str(e)) from None
-    print(f"> benchmark: {len(systems)} systems x {a.steps} steps on {a.p} gloo ranks, demo shape, "
+    layout = f"{a.p} gloo ranks" if a.pp == 1 else f"{world} gloo ranks (PP={a.pp} x p={a.p})"
+    unit = "steps" if a.pp == 1 else f"steps of {a.pp_microbatches} micro-batches"
+    print(f"> benchmark: {len(systems)} systems x {a.steps} {unit} on {layout}, demo shape, "
           f"data {shown(prefix)}, budget {budget / MiB:.1f} MiB per rank ({why})", flush=True)
     t0 = time.perf_counter()
-    out = run_ranks(bench_world, a.p, cfg, timeout=a.timeout)[0]
+    out = run_ranks(bench_world, world, cfg, timeout=a.timeout)[0]
     wall = time.perf_counter() - t0
+    result = _result(a, argv, prefix, budget, why, systems, out, wall)
+    path = report.write_json(result, os.path.join(a.out, "bench.json"))
+    pngs = report.plot(result, a.out)
+    if a.pp == 1:
+        print(report.table(result["summary"], budget))
+    else:
+        print(report.pipeline_table(result["summary"], result["stage_summary"], budget))
+    for k, v in result["headline"].items():
+        print(f"  {k}: {v if not isinstance(v, float) else round(v, 3)}")
+    for n in out["notes"]:
+        print(f"  note: {n}")
+    print(f"> wrote {path} {' '.join(pngs)} ({wall:.0f} s)")
+    return 0
+
+
+def _result(a, argv, prefix, budget, why, systems, out, wall) -> dict:
+    """bench.json's content: the records with the oracle, the summaries, the headline."""
     records = out["records"]
-    orc = report.oracle(records, budget, [s for s in systems if not s.startswith("stock") and not s.endswith("+pack")])
-    if orc:
-        records["oracle"] = [dict(r, predicted_seconds=None, predicted_peak_bytes=None) for r in orc]
+    candidates = [s for s in systems if not s.startswith("stock") and not s.endswith("+pack")]
+    if a.pp == 1:
+        orc = report.oracle(records, budget, candidates)
+        if orc:
+            records["oracle"] = [dict(r, predicted_seconds=None, predicted_peak_bytes=None) for r in orc]
+    else:
+        orc = report.pipeline_oracle(records, budget, candidates)
+        if orc:
+            records["oracle"] = orc
     summary = report.summarize(records, budget)
+    shape = "demo shape (L4 h128 a8 ffn512), " + (f"p={a.p}" if a.pp == 1 else f"PP={a.pp} x p={a.p}")
+    unit = "steps" if a.pp == 1 else f"steps of {a.pp_microbatches} micro-batches"
     result = dict(
-        title=f"demo shape (L4 h128 a8 ffn512), p={a.p} CPU gloo ranks, {a.steps} steps, stdlib corpus"
-        if a.data_path is None else f"p={a.p}, {a.steps} steps, {shown(prefix)}",
+        title=f"{shape} CPU gloo ranks, {a.steps} {unit}, stdlib corpus"
+        if a.data_path is None else f"{shape}, {a.steps} {unit}, {shown(prefix)}",
         command="python -m megatron_paradyse.bench " + shown_argv(argv if argv is not None else sys.argv[1:]),
         wall_seconds=wall, measured_seconds=out["seconds"], budget_bytes=budget, budget_source=why,
         memory_pass=a.memory_pass, p=a.p, steps=a.steps, seq_length=a.seq_length, data=recorded(prefix), long_docs=a.long_docs,
@@ -131,16 +184,17 @@ def main(argv=None) -> int:
                               "parameters, gradient buffers and optimizer state"],
         static_bytes=out["static_bytes"], summary=summary, records=records,
         search=out.get("search"))
-    result["headline"] = report.headline(summary, out.get("search"))
-    path = report.write_json(result, os.path.join(a.out, "bench.json"))
-    pngs = report.plot(result, a.out)
-    print(report.table(summary, budget))
-    for k, v in result["headline"].items():
-        print(f"  {k}: {v if not isinstance(v, float) else round(v, 3)}")
-    for n in out["notes"]:
-        print(f"  note: {n}")
-    print(f"> wrote {path} {' '.join(pngs)} ({wall:.0f} s)")
-    return 0
+    if a.pp == 1:
+        result["headline"] = report.headline(summary, out.get("search"))
+        return result
+    stages = report.stage_summary(records, budget, a.pp)
+    result.update(pp=a.pp, pp_microbatches=a.pp_microbatches, world=a.pp * a.p, stage_summary=stages,
+                  stage_static_bytes=out["stage_static_bytes"], headline=report.pipeline_headline(summary, stages))
+    result["notes"] += ["pipeline stages: a step's peak is each stage's peak, max over its ranks, with the "
+                        "communication pool held at the step's start; a step is over the budget when any stage is",
+                        "predicted stage peaks: the planners' StepPlan.stage_peaks; a static system's fixed plan "
+                        "evaluated by a PipelinePlanner with that plan as its only candidate; none for stock"]
+    return result
 
 
 if __name__ == "__main__":

@@ -26,7 +26,10 @@ class BenchConfig:
     shipped or analytic); ``margin_bytes``: the planners' margin (None: their default);
     ``search``: also find each system's longest fitting length (``search_*``: its cap, number
     of measured probes and resolution); ``memory_pass``: ``"separate"`` or ``"same"``
-    (``world._measure``)."""
+    (``world._measure``). ``pp``: pipeline stages (world = ``pp`` x p; ``argv`` carries
+    ``--pipeline-model-parallel-size``); with ``pp`` > 1 a step is ``pp_microbatches``
+    documents, one micro-batch each, run together under megatron's 1F1B schedule, ``steps``
+    counts such steps, and neither ``search`` nor packed systems are available."""
 
     argv: tuple
     data_prefix: str
@@ -45,6 +48,8 @@ class BenchConfig:
     verbose: bool = True
     memory_pass: str = "separate"
     pack_tokens: int | None = None  # the packed systems' token cap (None: the model's seq_length)
+    pp: int = 1
+    pp_microbatches: int = 4
 
     def __post_init__(self):
         object.__setattr__(self, "argv", tuple(self.argv))
@@ -52,3 +57,21 @@ class BenchConfig:
         bad = [s for s in self.systems if s not in ALL_SYSTEMS]
         if bad:
             raise ValueError(f"unknown systems {bad}; choose from {ALL_SYSTEMS}")
+        if self.pp > 1:
+            self._check_pipeline()
+
+    @property
+    def documents(self) -> int:
+        """Documents the run trains: one per step, or ``pp_microbatches`` per step with stages."""
+        return self.steps * (self.pp_microbatches if self.pp > 1 else 1)
+
+    def _check_pipeline(self) -> None:
+        """What pipeline stages cannot run (ValueError naming the flag)."""
+        if self.pp_microbatches < 1:
+            raise ValueError(f"--pp-microbatches must be >= 1, got {self.pp_microbatches}")
+        packed = [s for s in self.systems if s.endswith("+pack")]
+        if packed:
+            raise ValueError(f"packed systems are not available with --pp > 1: {packed}")
+        if self.search:
+            raise ValueError("--max-seq-len-search is not available with --pp > 1 (a step is several "
+                             "micro-batches in flight)")

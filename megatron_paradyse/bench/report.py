@@ -1,8 +1,11 @@
-"""Summaries, the per-batch oracle, JSON and plots of a benchmark run."""
+"""Summaries, the per-batch oracle, JSON and plots of a benchmark run; with pipeline stages
+the per-stage summary (steps over budget and peak prediction errors per stage), the oracle
+with its steps' stage peaks, the headline ratios and the table."""
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 
 from ..units import MiB
@@ -108,6 +111,85 @@ def packed_headline(summary: dict) -> dict:
     return h
 
 
+# ------------------------------------------------------------------------------ pipeline stages
+
+
+def pipeline_oracle(records: dict, budget: float, candidates) -> list:
+    """:func:`oracle` over pipelined steps (a step fits when every stage's peak does: its
+    ``peak_bytes`` is the max over stages), each step with its source's stage peaks and order."""
+    out = oracle(records, budget, candidates)
+    for o in out:
+        src = records[o["source"]][o["step"]] if o["source"] else {}
+        first = next(records[n][o["step"]] for n in candidates if n in records)
+        o.update(documents=first["documents"], lengths=first["lengths"], order=src.get("order"),
+                 stage_peak_bytes=src.get("stage_peak_bytes"), predicted_seconds=None,
+                 predicted_peak_bytes=None, predicted_stage_peak_bytes=None)
+    return out
+
+
+def peak_errors(pairs) -> dict | None:
+    """``{median, worst, worst_signed, n}`` of ``|pred - meas| / meas`` over ``(pred, meas)``
+    pairs (None without pairs); ``worst_signed`` keeps the worst one's sign (+: over-predicted)."""
+    errs = [(p - m) / m for p, m in pairs if p is not None and m]
+    if not errs:
+        return None
+    worst = max(errs, key=abs)
+    return dict(median=statistics.median(abs(e) for e in errs), worst=abs(worst), worst_signed=worst, n=len(errs))
+
+
+def stage_summary(records: dict, budget: float, stages: int) -> dict:
+    """Per system: steps over the budget per stage, each stage's highest measured peak (MiB),
+    the per-stage peak prediction errors (:func:`peak_errors`, per stage and over all stages)
+    and the longest document of a step whose every stage fit."""
+    out = {}
+    for name, recs in records.items():
+        done = [r for r in recs if r["seconds"] is not None and r.get("stage_peak_bytes")]
+        per = [[(r.get("predicted_stage_peak_bytes") or [None] * stages)[i], r["stage_peak_bytes"][i]]
+               for r in done for i in range(stages)]
+        out[name] = dict(
+            steps_over_budget_per_stage=[sum(r["stage_peak_bytes"][i] > budget for r in done) for i in range(stages)],
+            max_stage_peak_mib=[max((r["stage_peak_bytes"][i] for r in done), default=0) / MiB for i in range(stages)],
+            stage_peak_error=[peak_errors(per[i::stages]) for i in range(stages)],
+            peak_error=peak_errors(per),
+            longest_document_within_budget=max((max(r["lengths"]) for r in done if r["peak_bytes"] <= budget),
+                                               default=0))
+    return out
+
+
+def pipeline_headline(summary: dict, stages: dict) -> dict:
+    """:func:`headline`'s ratios (each planner's tokens/s against the fastest static strategy,
+    plain or ``+rc``, whose steps all fit on every stage; against the oracle), plus each
+    planner's steps over the budget per stage and its worst and median stage peak error."""
+    h = {k: v for k, v in headline(summary, None).items() if "+pack" not in k and "packed" not in k}
+    for pl in ("paradyse_heuristic", "paradyse_optimal"):
+        if pl not in stages:
+            continue
+        h[f"{pl}_steps_over_budget_per_stage"] = stages[pl]["steps_over_budget_per_stage"]
+        err = stages[pl]["peak_error"]
+        if err:
+            h[f"{pl}_stage_peak_error_median"], h[f"{pl}_stage_peak_error_worst"] = err["median"], err["worst_signed"]
+    return h
+
+
+def pipeline_table(summary: dict, stages: dict, budget: float) -> str:
+    """The pipelined run's table: time, tokens/s, steps over budget (any stage, then per stage),
+    each stage's highest peak, the stage peak prediction error (median / worst, %)."""
+    n = len(next(iter(stages.values()))["steps_over_budget_per_stage"]) if stages else 0
+    over = "/".join(f"s{i}" for i in range(n))
+    lines = [f"{'system':20s} {'total s':>8s} {'tok/s':>7s} {'over':>5s} {'over ' + over:>10s} "
+             f"{'max peak MiB ' + over:>20s} {'pred err % med/worst':>21s}   (budget {budget / MiB:.1f} MiB)"]
+    for name, s in summary.items():
+        st = stages.get(name, {})
+        tot = f"{s['total_seconds']:.1f}" if s["total_seconds"] else "n/a"
+        tps = f"{s['tokens_per_second']:.0f}" if s["tokens_per_second"] else "n/a"
+        per = "/".join(str(x) for x in st.get("steps_over_budget_per_stage", []))
+        peaks = "/".join(f"{x:.1f}" for x in st.get("max_stage_peak_mib", []))
+        e = st.get("peak_error")
+        err = f"{100 * e['median']:.1f}/{100 * e['worst_signed']:+.1f}" if e else "-"
+        lines.append(f"{name:20s} {tot:>8s} {tps:>7s} {s['steps_over_budget']:5d} {per:>10s} {peaks:>20s} {err:>21s}")
+    return "\n".join(lines)
+
+
 def write_json(result: dict, path: str) -> str:
     with open(path, "w") as fh:
         json.dump(result, fh, indent=1, default=float)
@@ -150,7 +232,7 @@ def plot(result: dict, out_dir: str) -> list:
             ax.scatter([p[0] for p in over], [p[1] for p in over], marker="x", s=40, color=line.get_color())
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("sequence length (tokens)")
+    ax.set_xlabel("tokens per step (its micro-batches)" if result.get("pp", 1) > 1 else "sequence length (tokens)")
     ax.set_ylabel("time per step (s)")
     ax.set_title(f"{result['title']}\nx = step over the {budget / MiB:.0f} MiB budget", fontsize=9)
     ax.legend(fontsize=7, ncol=2)

@@ -10,6 +10,10 @@
 * ``paradyse_heuristic``, ``paradyse_optimal``: the planners
   (``megatron_paradyse.planner.build_planner``) under the memory budget;
 * the per-batch oracle is computed afterwards from the measured steps (``report.py``);
+* with pipeline stages (``--pp`` > 1) a step is several micro-batches in flight together:
+  :meth:`SystemSpec.step_plan` gives the step's run order, plans and per-stage predictions (a
+  planner's ``PipelinePlanner.plan_step``; a static system's fixed plan evaluated by a
+  ``PipelinePlanner`` whose only candidate is that plan; none for stock);
 * ``<system>+pack``: the same documents packed into micro-batches of several documents (THD,
   attention inside each document) up to a token cap: a static strategy with megatron's usual
   token-cap packing (greedy first-fit in stream order, no memory model: what a Megatron user
@@ -29,11 +33,13 @@ from ..parallel.packing import PackShape
 from ..parallel.plans import make_entry
 from ..parallel.strategies import supports
 from ..planner import build_planner
+from ..planner.pipeline import PipelinePlanner
 from ..training.arguments import transformer_config_from_args
 
 UNIFORM = ("tp_sp", "ulysses", "ring", "colossal", "metp")
 STOCK_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 PLANNERS = ("heuristic", "optimal")
+EVAL_BUDGET = float(2 ** 60)  # a static plan's evaluator: a budget nothing reaches, so no plan is tightened
 
 
 @dataclasses.dataclass
@@ -49,6 +55,7 @@ class SystemSpec:
     errors: list = dataclasses.field(default_factory=list)
     packed: bool = False
     config: dict = dataclasses.field(default_factory=dict)  # TransformerConfig fields of its model
+    pipeline: object = None   # with stages: a planner's PipelinePlanner, or a static plan's evaluator
 
     @property
     def pack_mode(self) -> str:
@@ -108,6 +115,28 @@ class SystemSpec:
                 hi = mid - 1
         return lo * res or None
 
+    def step_plan(self, shapes) -> dict:
+        """A pipelined step of micro-batches ``shapes`` = ``[(s, b)]``: ``order`` (run order),
+        ``plans`` (one full-model plan per micro-batch, by index; None: stock), and the
+        predictions ``stage_peaks`` (bytes per stage), ``seconds`` and ``fits`` (None where
+        there is no prediction: stock, or a static plan its evaluator cannot price)."""
+        n = len(shapes)
+        out = dict(order=tuple(range(n)), plans=(None,) * n, stage_peaks=None, seconds=None, fits=None)
+        if self.kind == "stock":
+            return out
+        if self.kind == "uniform":
+            out["plans"] = ((self.strategy,) * self.num_layers,) * n
+        if self.pipeline is None:
+            return out
+        sp = self.pipeline.plan_step([(int(s), int(b)) for s, b in shapes])
+        if self.kind == "uniform":
+            if any(tuple(p) != out["plans"][0] for p in sp.plans):  # not its fixed plan: no prediction
+                return out
+            return dict(out, stage_peaks=list(sp.stage_peaks), seconds=float(sp.seconds))
+        self.last_fits = bool(sp.fits)
+        return dict(order=tuple(sp.order), plans=tuple(tuple(p) for p in sp.plans),
+                    stage_peaks=list(sp.stage_peaks), seconds=float(sp.seconds), fits=bool(sp.fits))
+
     def describe(self) -> dict:
         return {"name": self.name, "kind": self.kind, "strategy": self.strategy, "packed": self.packed,
                 "config": dict(self.config)}
@@ -150,7 +179,29 @@ def build_systems(cfg, args):
         _add_system(specs, notes, name, cfg, args, config, p, cost_model, budget)
         if full != name and len(specs) > before:
             specs[-1] = dataclasses.replace(specs[-1], name=full, packed=True, errors=[])
+        if cfg.pp > 1 and len(specs) > before:
+            specs[-1].pipeline = _pipeline_of(specs[-1], cfg, cost_model, budget, notes)
     return specs, notes
+
+
+def _pipeline_of(spec, cfg, cost_model, budget, notes):
+    """With stages: a planner's ``PipelinePlanner`` under the budget; for a static system, a
+    ``PipelinePlanner`` with its strategy as the only candidate (recompute ``only`` for an
+    ``:rc`` entry, else ``off``), no margin, an unreachable budget and no reordering, whose
+    ``plan_step`` is the fixed plan's per-stage peaks and step time; None for stock or when the
+    cost model cannot price it (said in ``notes``)."""
+    if spec.kind == "stock" or cost_model is None:
+        return None
+    if spec.kind == "planner":
+        kw = {} if cfg.margin_bytes is None else {"margin_bytes": cfg.margin_bytes}
+        return PipelinePlanner(spec.name[len("paradyse_"):], cost_model, budget, cfg.pp, **kw)
+    strategy, rc = spec.strategy.split(":")[0], spec.strategy.endswith(":rc")
+    try:
+        return PipelinePlanner("optimal", cost_model, EVAL_BUDGET, cfg.pp, margin_bytes=0.0, reorder=False,
+                               strategies=(strategy,), recompute="only" if rc else "off")
+    except Exception as e:  # noqa: BLE001 - a static system runs without a prediction, said so
+        notes.append(f"{spec.name}: no per-stage prediction ({type(e).__name__}: {e})")
+        return None
 
 
 def _add_system(specs, notes, name, cfg, args, config, p, cost_model, budget):

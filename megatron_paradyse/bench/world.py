@@ -26,10 +26,14 @@ from .. import cpu_compat
 from .. import data as pdata
 from ..costmodel.ranks import init_parallel
 from ..memory import PeakMemory, static_bytes
+from ..parallel.buffers import release_pool
 from ..parallel.dispatch import install
+from ..parallel.plan_check import collective_device
 from ..parallel.plans import describe
+from ..training import pipeline
 from ..training.arguments import parse_args, transformer_config_from_args
 from ..training.forward_step import forward_step
+from ..training.run_report import max_per_stage, pool_bytes
 from ..training.trainer import build_model, build_optimizer
 from ..units import MiB
 from .systems import build_systems
@@ -56,42 +60,72 @@ class System:
         self.static = 0
 
     def step(self, mb, forward_only: bool = False, optimizer_step: bool = True):
-        """One training step on micro-batch ``mb`` (its plan already set); returns the loss."""
+        """One training step on micro-batch ``mb`` (its plan already set), or on a list of them
+        (pipeline stages: run in this order under 1F1B); returns the loss (summed over stages)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        mbs = mb if isinstance(mb, list) else [mb]
+        staged = self.config.pipeline_model_parallel_size > 1
+        if staged:
+            _expect_shapes(mbs, self.config)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         reports = get_forward_backward_func()(
-            forward_step_func=partial(forward_step, paradyse=True), data_iterator=iter([mb]),
-            model=[self.model], num_microbatches=1, seq_length=mb.seq_length,
-            micro_batch_size=mb.tokens.shape[0], forward_only=forward_only)
+            forward_step_func=partial(forward_step, paradyse=True), data_iterator=iter(mbs),
+            model=[self.model], num_microbatches=len(mbs), seq_length=max(m.seq_length for m in mbs),
+            micro_batch_size=mbs[0].tokens.shape[0], forward_only=forward_only)
+        if staged:
+            pipeline.clear()
+            release_pool()  # as the trainer: nothing of the pool outlives the step
         if not forward_only and optimizer_step:
             self.optimizer.step()
-        r = reports[0]["lm loss"] if reports else None
-        return None if r is None else float(r[0] / max(float(r[1]), 1.0))
+        if not staged:
+            r = reports[0]["lm loss"] if reports else None
+            return None if r is None else float(r[0] / max(float(r[1]), 1.0))
+        total = torch.zeros(2, dtype=torch.float64)
+        for r in reports:  # the last stage's; summed over the stages below
+            total += r["lm loss"].detach().double().cpu()
+        total = pipeline.sum_over_stages(total, collective_device())
+        return float(total[0] / max(float(total[1]), 1.0))
 
 
-def _measure(system, mb, memory_pass: str = "separate"):
-    """``(seconds, peak bytes, loss)`` of one training step on ``mb``.
+def _expect_shapes(mbs, config) -> None:
+    """ParaDySe's p2p shapes for a step whose micro-batches all have plans; stock (plan None)
+    runs megatron's own shape exchange."""
+    if any(m.plan is None for m in mbs):
+        pipeline.clear()
+        return
+    tp = config.tensor_model_parallel_size
+    pipeline.expect([pipeline.activation_shape(m.seq_length, m.tokens.shape[0], config.hidden_size, tp,
+                                               config.sequence_parallel) for m in mbs])
+
+
+def _measure(system, mb, memory_pass: str = "separate", count_pool: bool = False):
+    """``(seconds, peak bytes, loss)`` of one training step on ``mb`` (a micro-batch, or a
+    pipelined step's list of them).
 
     ``memory_pass="separate"`` (default): the step is timed without the CPU memory tracker
     (whose per-op bookkeeping would slow op-heavy strategies more than others), and the peak
     is measured on a second, tracked forward+backward of the same micro-batch without the
     optimizer step (the optimizer's transient is small next to activations; its state is in the
     static bytes). ``"same"``: one tracked step gives both (half the cost, biased times).
+    ``count_pool``: also count the communication pool held when the tracker starts (as the
+    trainer does; stock keeps megatron's gather buffer between steps).
     """
     dist.barrier()
     if memory_pass == "same":
+        held = pool_bytes() if count_pool else 0
         t0 = time.perf_counter()
         with PeakMemory() as m:
             loss = system.step(mb)
-        return time.perf_counter() - t0, m.peak_bytes + system.static, loss
+        return time.perf_counter() - t0, m.peak_bytes + system.static + held, loss
     t0 = time.perf_counter()
     loss = system.step(mb)
     seconds = time.perf_counter() - t0
+    held = pool_bytes() if count_pool else 0
     with PeakMemory() as m:
         system.step(mb, optimizer_step=False)
-    return seconds, m.peak_bytes + system.static, loss
+    return seconds, m.peak_bytes + system.static + held, loss
 
 
 def _max_over_ranks(values):
@@ -100,8 +134,22 @@ def _max_over_ranks(values):
     return t.tolist()
 
 
+def _documents(dataset, cfg) -> list:
+    """The run's documents: the dataset's seeded order from ``cfg.first_sample``, lengths in
+    [min_len, seq_length], ``cfg.documents`` of them."""
+    docs, g = [], cfg.first_sample
+    while len(docs) < cfg.documents:
+        if dataset.length(g) >= cfg.min_len:
+            docs.append(g)
+        g += 1
+    return docs
+
+
 def bench_world(rank, world, cfg):
-    """Run in every rank: returns (on rank 0) the per-system, per-step records."""
+    """Run in every rank: returns (on rank 0) the per-system, per-step records (pipeline
+    stages: :func:`pipeline_world`)."""
+    if cfg.pp > 1:
+        return pipeline_world(rank, world, cfg)
     torch.set_num_threads(1)
     cpu_compat.apply()
     args = parse_args(cfg.argv, world_size=world)
@@ -110,12 +158,7 @@ def bench_world(rank, world, cfg):
     dataset = pdata.DocumentDataset(cfg.data_prefix, args.seq_length, seed=args.seed,
                                     long_docs=cfg.long_docs, vocab_size=args.vocab_size)
     mult = args.tensor_model_parallel_size
-    # the documents: the dataset's seeded order, lengths in [min_len, seq_length]
-    docs, g = [], cfg.first_sample
-    while len(docs) < cfg.steps:
-        if dataset.length(g) >= cfg.min_len:
-            docs.append(g)
-        g += 1
+    docs = _documents(dataset, cfg)
     batches = [pdata.pad_to_multiple([dataset[g]], mult) for g in docs]
     specs, notes = build_systems(cfg, args)
     systems = []
@@ -230,3 +273,77 @@ def _search(spec, sysm, cfg, args, dataset, mult, rank):
             s = (lo + hi) // 2 // res * res
     return {"longest_fitting": lo, "shortest_over": hi, "capped": hi is None and lo >= cap,
             "probes": probes}
+
+
+# ------------------------------------------------------------------------------ pipeline stages
+
+
+def pipeline_world(rank, world, cfg):
+    """:func:`bench_world` with ``cfg.pp`` pipeline stages (world = pp x p, megatron's rank
+    order: TP fastest): step k is documents ``k*M .. k*M+M-1`` (M = ``cfg.pp_microbatches``),
+    one micro-batch each, run under 1F1B in the system's run order; every system trains the
+    same steps, interleaved with rotating order. Returns (rank 0) the records, each with the
+    step's per-stage measured peaks (max over the stage's ranks) and predicted peaks."""
+    from megatron.core import parallel_state
+
+    torch.set_num_threads(1)
+    cpu_compat.apply()
+    args = parse_args(cfg.argv, world_size=world)
+    init_parallel(args.tensor_model_parallel_size, seed=args.seed, pipeline_model_parallel_size=cfg.pp)
+    install()
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    dataset = pdata.DocumentDataset(cfg.data_prefix, args.seq_length, seed=args.seed,
+                                    long_docs=cfg.long_docs, vocab_size=args.vocab_size)
+    mult, M = args.tensor_model_parallel_size, cfg.pp_microbatches
+    mbs = [pdata.pad_to_multiple([dataset[g]], mult) for g in _documents(dataset, cfg)]
+    steps = [mbs[k * M:(k + 1) * M] for k in range(cfg.steps)]
+    specs, notes = build_systems(cfg, args)
+    systems = [(spec, System(spec.name, args, spec.plan_for, spec.config)) for spec in specs]
+    warm = [pdata.pad_to_multiple([dataset[0][:65]], mult) for _ in range(M)]
+    static = {}
+    for spec, sysm in systems:  # warm-up: optimizer state, communication pools
+        sysm.step(_planned(spec, warm)[0])
+        sysm.static = static_bytes(sysm.model, sysm.optimizer)
+        static[spec.name] = max_per_stage(sysm.static, stage, cfg.pp)
+    records = {spec.name: [] for spec, _ in systems}
+    t_start = time.perf_counter()
+    for k, step in enumerate(steps):
+        order = systems[k % len(systems):] + systems[:k % len(systems)]
+        for spec, sysm in order:
+            records[spec.name].append(_staged_record(spec, sysm, step, k, cfg, stage))
+        if rank == 0 and cfg.verbose:
+            line = "  ".join(f"{spec.name}={records[spec.name][-1]['seconds']:.2f}s" for spec, _ in systems)
+            log.info(f"  step {k + 1:3d} | {line}")
+    for spec, _ in systems:
+        notes.extend(dict.fromkeys(spec.errors))
+    out = {"records": records, "static_bytes": {n: max(v) for n, v in static.items()},
+           "stage_static_bytes": static, "notes": notes, "seconds": time.perf_counter() - t_start,
+           "systems": [spec.describe() for spec, _ in systems]}
+    return out if rank == 0 else None
+
+
+def _planned(spec, mbs) -> tuple:
+    """``(micro-batches in run order with their plans set, step plan)`` of ``spec`` on ``mbs``."""
+    sp = spec.step_plan([(m.seq_length, m.tokens.shape[0]) for m in mbs])
+    for j, m in enumerate(mbs):
+        m.plan = sp["plans"][j]
+    return [mbs[j] for j in sp["order"]], sp
+
+
+def _staged_record(spec, sysm, mbs, k, cfg, stage) -> dict:
+    """One measured pipelined step of ``spec`` on the step's micro-batches ``mbs``."""
+    t0 = time.perf_counter()
+    run, sp = _planned(spec, mbs)
+    plan_seconds = time.perf_counter() - t0
+    sec, peak, loss = _measure(sysm, run, cfg.memory_pass, count_pool=True)
+    sec = _max_over_ranks([sec])[0]
+    stages = max_per_stage(peak, stage, cfg.pp)
+    pred = sp["stage_peaks"]
+    plans = [m.plan for m in run]
+    return dict(step=k, length=int(sum(sum(m.lengths) for m in mbs)), padded=sum(m.seq_length for m in mbs),
+                documents=len(mbs), lengths=[int(sum(m.lengths)) for m in mbs], order=list(sp["order"]),
+                seconds=sec, peak_bytes=max(stages), stage_peak_bytes=stages, loss=loss,
+                plan=None if plans[0] is None else "; ".join(describe(p) for p in plans),
+                plan_layers=None if plans[0] is None else [list(p) for p in plans],
+                predicted_seconds=sp["seconds"], predicted_peak_bytes=None if pred is None else max(pred),
+                predicted_stage_peak_bytes=pred, planner_fits=sp["fits"], plan_seconds=plan_seconds)
