@@ -52,7 +52,7 @@ class Model70B(Model7B):
     ffn: int = 28672
     vocab: int = 32000
     p: int = 8                          # the TP group = the switching group
-    bytes_per_param_state: int = 18     # bf16 param + fp32 main grad, master, Adam m and v (DP = 1)
+    bytes_per_param_state: float = 18   # bf16 param + fp32 main grad, master, Adam m and v (DP = 1)
 
 
 @dataclasses.dataclass
@@ -66,6 +66,7 @@ class Setup:
     min_len: int = 1024
     max_len: int = 1 << 20
     margin_fraction: float = 0.0
+    dp: int = 1          # data-parallel replicas: megatron's distributed optimizer shards 12 of the 18 bytes over them
 
 
 class PipelineRoofline(H100Roofline):
@@ -275,6 +276,8 @@ def simulate_pipeline(setup: Setup | None = None, model: Model70B | None = None,
     setup, model, hw = setup or Setup(), model or Model70B(), hw or Hardware()
     if model.num_layers % setup.stages:
         raise UserError(f"{model.num_layers} layers do not split over {setup.stages} stages")
+    if setup.dp > 1:  # bf16 param and fp32 main grad on every replica, master and Adam sharded
+        model = dataclasses.replace(model, bytes_per_param_state=6 + 12 / setup.dp)
     cm = PipelineRoofline(hw, model)
     budget = hw.memory_bytes - hw.reserved_bytes
     margin = setup.margin_fraction * budget
@@ -327,6 +330,13 @@ def table(r: dict) -> str:
     return "\n".join(out)
 
 
+def _dp(dp: int) -> str:
+    """The optimizer assumption as the report states it."""
+    if dp == 1:
+        return "one replica, DP = 1: megatron's distributed optimizer would shard nothing"
+    return f"DP = {dp} replicas, megatron's distributed optimizer: 6 + 12 / {dp}"
+
+
 def assumptions(r: dict) -> list:
     """The lines stating what the numbers assume."""
     hw, m, st, d = r["hardware"], r["model"], r["setup"], r["distribution"]
@@ -337,8 +347,8 @@ def assumptions(r: dict) -> list:
         f"GB/s per direction (x{hw['comm_efficiency']}) inside a TP group, no overlap of communication and compute; "
         f"pipeline sends take no time",
         f"  model: {m['name']}: {m['num_layers']} layers, h {m['hidden']}, {m['heads']} heads, {m['query_groups']} "
-        f"K/V groups, SwiGLU ffn {m['ffn']}, vocab {m['vocab']}, bf16, {m['bytes_per_param_state']} bytes of state "
-        f"per parameter (DP = 1: a distributed optimizer would shard nothing), micro-batch 1",
+        f"K/V groups, SwiGLU ffn {m['ffn']}, vocab {m['vocab']}, bf16, {m['bytes_per_param_state']:g} bytes of state "
+        f"per parameter ({_dp(st['dp'])}), micro-batch 1",
         f"  stages: {m['num_layers'] // P} layers each; static per stage (GB): "
         + ", ".join(f"{x / GB:.1f}" for x in r["stage_static_bytes"])
         + " (embedding on the first, output layer on the last); the last stage also holds the logits and loss; "
@@ -349,7 +359,7 @@ def assumptions(r: dict) -> list:
         f"median {d['median']:.0f}, p90 {d['p90']:.0f}, max {d['max']}; longest trainable: the first micro-batch "
         f"of a step whose {st['microbatches'] - 1} others are {d['filler']} tokens",
         f"  one rule for every system: every op of the 1F1B schedule on every stage within "
-        f"{r['budget_bytes'] / GB:g} GB (80 GB - 4 GB reserved) - margin {r['margin_bytes'] / GB:g} GB",
+        f"{r['budget_bytes'] / GB:g} GB ({hw['memory_bytes'] / GB:g} GB - {hw['reserved_bytes'] / GB:g} GB reserved) - margin {r['margin_bytes'] / GB:g} GB",
     ]
 
 
@@ -385,6 +395,8 @@ def build_parser():
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--margin-fraction", type=float, default=d.margin_fraction,
                     help="one margin for every system, a fraction of the budget")
+    ap.add_argument("--dp", type=int, default=d.dp,
+                    help="data-parallel replicas (the distributed optimizer's shards; the simulation is one replica's)")
     ap.add_argument("--json", default=None, help="also write the result (per step, per system) here")
     return ap
 
@@ -392,11 +404,11 @@ def build_parser():
 @command("python -m megatron_paradyse.bench.simulate_pipeline")
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
-    if min(a.steps, a.microbatches, a.stages) < 1 or not 0 <= a.margin_fraction < 1:
-        raise UserError("--steps, --microbatches and --stages must be >= 1, --margin-fraction in [0, 1)")
+    if min(a.steps, a.microbatches, a.stages, a.dp) < 1 or not 0 <= a.margin_fraction < 1:
+        raise UserError("--steps, --microbatches, --stages and --dp must be >= 1, --margin-fraction in [0, 1)")
     t0 = time.perf_counter()
     r = simulate_pipeline(Setup(stages=a.stages, microbatches=a.microbatches, steps=a.steps, seed=a.seed,
-                                margin_fraction=a.margin_fraction))
+                                margin_fraction=a.margin_fraction, dp=a.dp))
     print(summary(r))
     print(f"({time.perf_counter() - t0:.1f} s)")
     if a.json:
