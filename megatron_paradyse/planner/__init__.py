@@ -6,8 +6,10 @@
     choice.layers, choice.seconds, choice.peak_bytes, choice.fits, choice.reason
     planner.plan(PackShape((72, 900, 31)), 1)   # a pack: planned on its documents (b = 1)
 
-Depends only on :mod:`megatron_paradyse.costmodel.base` (the ``CostModel`` interface),
+Depends only on :mod:`megatron_paradyse.costmodel.base` (the ``CostModel`` interface; and
+``costmodel.analytic.param_counts`` for a pipeline stage's share of the parameters),
 :mod:`megatron_paradyse.units` and :mod:`megatron_paradyse.parallel.plans`. See ``README.md`` here and ``docs/planner.md``.
+Pipeline stages (a step's micro-batches planned together): :class:`PipelinePlanner` (``pipeline.py``).
 """
 from __future__ import annotations
 

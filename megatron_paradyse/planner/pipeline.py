@@ -16,10 +16,13 @@ This module has three parts:
   in flight while each forward and backward runs);
 * :class:`PipelinePlanner`: one stage planner per stage (``build_planner`` on the stage
   models); :meth:`PipelinePlanner.plan_step` starts every micro-batch at each stage's fastest
-  plan that fits it alone, then, while some stage peaks over its limit, switches the
-  in-flight micro-batch whose leaner plan saves the most bytes per added second
-  (``Planner.choose_under``); it tries a few run orders of the step and keeps the fastest
-  that fits.
+  plan that fits it alone, then, while some stage peaks over its limit, takes the op furthest
+  over and switches, among the micro-batches in flight there, the one whose leaner plan saves
+  the most bytes there per added second (the stage planner's fastest plan under a lower
+  limit, ``Planner.choose_under``: 1/8 of the micro-batch's peak lower, else 1/4, 1/2, the
+  leanest); it stops with ``fits=False`` when no switch lowers that op. It tries a few run
+  orders of the step (:func:`candidate_orders`), keeps the fastest that fits, and gives its
+  tightened pairs back the fastest plan that still fits where one does (one greedy pass).
 
 The memory of one op on a stage (a micro-batch's forward or backward) is
 
@@ -50,8 +53,8 @@ log = logging.getLogger(__name__)
 FORWARD_SHARE = 1.0 / 3.0     # a layer's (and the non-layer part's) forward: 1 of 3 passes
 RC_FORWARD_SHARE = 1.0 / 4.0  # a recomputed layer's: 1 of 4 (its backward runs the forward again)
 MAX_TIGHTENINGS = 100000      # a guard: each tightening lowers one (stage, micro-batch) peak
-STEP = 1.0 / 8
-LADDER = 4                    # reductions a micro-batch's plan is tried at: the excess, 1/2, ... 1/128 of it
+STEP = 1.0 / 8                # a leaner plan is sought 1/8 of the micro-batch's peak lower, then
+LADDER = 4                    # 1/4, 1/2, all of it (down to the leanest uniform plan's peak)
 
 
 # ------------------------------------------------------------------------------------------
@@ -334,8 +337,7 @@ class PipelinePlanner:
         self.kind, self.cm, self.reorder = kind, cost_model, bool(reorder)
         self.num_layers = int(cost_model.num_layers)
         self._static = [m.static_bytes() for m in self.models]
-        self._floor: dict = {}  # (stage, s, b) -> the leanest uniform plan's peak
-        self._memo: dict = {}
+        self._memo: dict = {}  # one step's answers under limits, parts, leanest peaks (plan_step)
         first = self.stages[0]
         self.budget, self.margin, self.limit, self.multiple = first.budget, first.margin, first.limit, first.multiple
 
@@ -425,14 +427,15 @@ class PipelinePlanner:
 
     def _leaner(self, r: int, j: int, shape, parts, order, op, excess: float):
         """(part, bytes saved at ``op``, seconds added) of micro-batch ``j``'s leaner plan on
-        stage ``r`` that lowers ``op``'s bytes, or None. The stage planner's fastest plan under
-        its current peak minus the excess (at most down to the leanest uniform plan's peak), then
-        minus half, a quarter, ... of it: the first that lowers ``op``."""
+        stage ``r`` that lowers ``op`` (``excess`` bytes over the limit), or None: the stage
+        planner's fastest plan under its current peak less :data:`STEP` of it, then 2, 4, 8
+        times that (never below the leanest uniform plan's peak): the first that lowers ``op``."""
         pl, cur = self.stages[r], parts[r][j]
         peak = cur.choice.peak_bytes
-        floor = self._floor.get((r,) + shape)
+        key = ("floor", id(pl), shape)
+        floor = self._memo.get(key)
         if floor is None:
-            floor = self._floor[(r,) + shape] = pl.leanest(*shape)[2]
+            floor = self._memo[key] = pl.leanest(*shape)[2]
         before = pl.limit + excess  # op's bytes now
         tried = set()
         for k in range(LADDER):
@@ -474,10 +477,12 @@ class PipelinePlanner:
             stage_bytes[r] = [self._op_bytes(r, parts[r], order, o) for o in windows[r]]
         raise RuntimeError("pipeline tightening did not converge")  # each step lowers a peak: cannot happen
 
-    def _relax(self, shapes, parts, order, windows) -> None:
+    def _relax(self, shapes, parts, order, windows) -> bool:
         """One pass over the tightened (stage, micro-batch) pairs, in stage and run order: the
         fastest plan under the pair's peak plus the room its ops have left, kept where every
-        op of the stage still fits and it is faster (greedy tightening can overshoot)."""
+        op of the stage still fits and it is faster (greedy tightening can overshoot).
+        Whether a plan changed."""
+        changed = False
         for r, ops in enumerate(windows):
             limit = self.stages[r].limit
             for k, j in enumerate(order):
@@ -491,7 +496,8 @@ class PipelinePlanner:
                     continue
                 part = self._part(r, shapes[j], c)
                 if all(self._op_bytes(r, parts[r], order, op, swap=(j, part)) <= limit for op in mine):
-                    parts[r][j] = part
+                    parts[r][j], changed = part, True
+        return changed
 
     def _timed(self, parts, order) -> tuple:
         """(schedule, step seconds) of ``parts`` run in ``order``: the 1F1B simulation, then each
@@ -501,15 +507,19 @@ class PipelinePlanner:
                               [[parts[r][j].bwd for j in order] for r in range(P)])
         return sched, max(sched.ends[r] + self.stages[r].update_seconds() for r in range(P))
 
-    def _plan_order(self, shapes, order, fastest, relax: bool = False) -> StepPlan:
-        """The step in run ``order`` from each stage's ``fastest`` parts (its plans alone),
-        tightened until the stages fit, then (``relax``) relaxed."""
-        P, windows = self.num_stages, self._windows(order)
+    def _plan_order(self, shapes, order, fastest) -> tuple:
+        """(step plan, parts) of run ``order`` from each stage's ``fastest`` parts (its plans
+        alone), tightened until the stages fit."""
         parts = [list(row) for row in fastest]
-        alone = [(r, j) for r in range(P) for j in range(len(shapes)) if not parts[r][j].choice.fits]
-        failed = None if alone else self._tighten(shapes, parts, order, windows)
-        if relax and not alone and failed is None:
-            self._relax(shapes, parts, order, windows)
+        alone = [(r, j) for r in range(self.num_stages) for j in range(len(shapes)) if not parts[r][j].choice.fits]
+        failed = None if alone else self._tighten(shapes, parts, order, self._windows(order))
+        return self._step_plan(shapes, order, parts, alone, failed), parts
+
+    def _step_plan(self, shapes, order, parts, alone=(), failed=None) -> StepPlan:
+        """The :class:`StepPlan` of ``parts`` run in ``order``; ``alone``: the (stage,
+        micro-batch) pairs that fit no plan alone; ``failed``: the (stage, op) tightening could
+        not bring under the limit."""
+        P, windows = self.num_stages, self._windows(order)
         peaks = tuple(max(self._op_bytes(r, parts[r], order, op) for op in windows[r]) for r in range(P))
         sched, seconds = self._timed(parts, order)
         plans = tuple(tuple(e for r in range(P) for e in parts[r][j].choice.layers) for j in range(len(shapes)))
@@ -554,7 +564,7 @@ class PipelinePlanner:
         planner's), :func:`candidate_orders`; the fastest that fits (ties: the earlier), else
         the given order's answer with ``fits=False``."""
         shapes = self._shapes(shapes)
-        self._memo = {}  # this step's answers under limits (_under) and parts (_part)
+        self._memo = {}  # this step's answers under limits (_under), parts (_part), leanest peaks
         reorder = self.reorder if reorder is None else reorder
         orders = candidate_orders([seq_tokens(s) * b for s, b in shapes]) if reorder else [tuple(range(len(shapes)))]
         fastest = [[self._part(r, sh, pl.choose(*sh)) for sh in shapes] for r, pl in enumerate(self.stages)]
@@ -562,18 +572,20 @@ class PipelinePlanner:
         for order in orders:
             # tightening only slows plans down: an order whose fastest plans are not faster than
             # the best fitting step so far cannot win (exact for the optimal planner)
-            if best is not None and self._timed(fastest, order)[1] >= best.seconds:
+            if best is not None and self._timed(fastest, order)[1] >= best[0].seconds:
                 continue
-            sp = self._plan_order(shapes, order, fastest)
+            sp, parts = self._plan_order(shapes, order, fastest)
             first = first or sp
-            if sp.fits and (best is None or sp.seconds < best.seconds):
-                best = sp
+            if sp.fits and (best is None or sp.seconds < best[0].seconds):
+                best = (sp, parts)
         if best is None and len(orders) > 1:  # every order was planned (none pruned without a best)
             return first._replace(message=first.message + f" (and in {len(orders) - 1} other run orders)")
         if best is None:
             return first
-        # the winner's tightening again (its searches memoized), then relaxed
-        return self._plan_order(shapes, best.order, fastest, relax=True)
+        sp, parts = best
+        if self._relax(shapes, parts, sp.order, self._windows(sp.order)):
+            sp = self._step_plan(shapes, sp.order, parts)
+        return sp
 
     def explain_step(self, shapes, reorder: bool | None = None) -> str:
         """A table per stage (layers, each micro-batch's plan, predicted peak against the limit,
