@@ -283,6 +283,36 @@ def test_reorder_spreads_long_micro_batches():
     assert f"run order {', '.join(map(str, sp.order))};" in tight.explain_step(shapes)
 
 
+def test_random_steps_fit_by_the_cost_model():
+    """40 random steps (fixed seed): analytic and shipped models, 1 to 4 stages, up to 6
+    micro-batches with packs and b = 2, both planners, budgets from nothing fitting to
+    everything: the predicted peaks equal the recomputed ones, a fitting step is within every
+    limit, a failing one names a stage and its micro-batches, and a fresh planner agrees."""
+    import random
+
+    from megatron_paradyse.parallel.packing import PackShape
+    rng = random.Random(7)
+    models = [AnalyticCostModel(dataclasses.replace(demo_shape(2), num_layers=12)), build_cost_model(demo_shape(4))]
+    fits = 0
+    for case in range(40):
+        cm = rng.choice(models)
+        P = rng.choice([d for d in (1, 2, 3, 4) if cm.num_layers % d == 0])
+        shapes = [(PackShape(tuple(rng.randint(8, 2000) for _ in range(rng.randint(1, 4)))), 1) if rng.random() < 0.2
+                  else (cm.shape.p * rng.randint(16, 2048), rng.choice([1, 1, 2])) for _ in range(rng.randint(1, 6))]
+        kind = rng.choice(["optimal", "heuristic"])
+        budget = rng.uniform(5, 200) * MiB
+        pp = PipelinePlanner(kind, cm, budget, P)
+        sp = pp.plan_step(shapes)
+        check_peaks(pp, shapes, sp)
+        if sp.fits:
+            fits += 1
+            assert all(pk <= lim * (1 + 1e-12) for pk, lim in zip(sp.stage_peaks, sp.stage_limits)), case
+        else:
+            assert sp.message.startswith("stage ") and sp.offenders, case
+        assert PipelinePlanner(kind, cm, budget, P).plan_step(shapes) == sp, case
+    assert 10 < fits < 40, fits
+
+
 def test_deterministic():
     cm = analytic_l8()
     shapes = [(4096, 1), (512, 1), (3072, 1), (2048, 1), (4096, 1), (256, 1)]

@@ -250,7 +250,7 @@ class StepPlan(NamedTuple):
     seconds: float        # the step: when the last stage's update ends (makespan + update)
     fits: bool
     message: str          # when nothing fits: the stage, the micro-batches in flight, the numbers
-    offenders: tuple = () # when nothing fits: the micro-batches in flight at the failing point
+    offenders: tuple = ()  # when nothing fits: the micro-batches in flight at the failing point
     schedule: Schedule | None = None
 
 
