@@ -593,7 +593,7 @@ class PipelinePlanner:
         shapes = self._shapes(shapes)
         sp = self.plan_step(shapes, reorder)
         P, per = self.num_stages, self.num_layers // self.num_stages
-        out = [f"pipeline: {P} stages x {per} layers, {len(shapes)} micro-batches, run order "
+        out = [f"pipeline: {P} stage{'s' * (P != 1)} x {per} layers, {len(shapes)} micro-batches, run order "
                f"{', '.join(map(str, sp.order))}; {self.stages[0].describe()}"]
         for r in range(P):
             extra = " + embedding" * (r == 0) + " + output layer, loss" * (r == P - 1)
