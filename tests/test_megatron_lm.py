@@ -470,14 +470,19 @@ def pipeline_flags() -> list:
         "--mock-data", "--paradyse-document-data"]
 
 
+@functools.lru_cache(maxsize=None)
+def pipeline_run(*extra: str) -> Run:
+    """One 4-rank pipeline run per configuration (the stock one is shared)."""
+    return launch(pipeline_flags() + list(extra), nproc=4)
+
+
 def test_pipeline_stages_equal_stock():
     """PP = 2 x TP = 2 on 4 ranks: --paradyse (the plan mixes strategies per layer, so the two
     stages run different ones, and changes per micro-batch) gives stock Megatron-LM's training,
     validation and test losses. Stock sends every activation at --seq-length; ParaDySe's
     transfers have each micro-batch's own length, their shapes from the micro-batches every
     stage read ahead (no shape exchange; megatron_lm/schedule.py)."""
-    stock = launch(pipeline_flags(), nproc=4).check()
-    got = launch(pipeline_flags() + ["--paradyse", "--paradyse-plan", PLAN], nproc=4).check()
+    stock, got = pipeline_run().check(), pipeline_run("--paradyse", "--paradyse-plan", PLAN).check()
     assert re.search(r"pipeline_model_parallel_size \.+ 2\n", stock.out)
     assert "[paradyse]" not in stock.out
     assert "2 pipeline stages (1F1B)" in got.out, got.out[-3000:]
@@ -517,3 +522,19 @@ def test_interleaved_pipeline_is_one_line_through_megatron_lm():
                                      "--paradyse-plan", PLAN], nproc=4)
     one_line(out, "--num-layers-per-virtual-pipeline-stage selects the interleaved")
     assert "initializing torch distributed" not in out.out
+
+
+@full
+def test_pipeline_stages_with_the_planner():
+    """PP = 2 x TP = 2 without --paradyse-plan: the pipeline planner plans each step's
+    micro-batches together over the 1F1B schedule (maybe reordered; a budget of 1.7 MiB per
+    rank makes it recompute some layers of the longer ones, per stage) and the losses still
+    equal stock Megatron-LM's."""
+    stock = pipeline_run().check()
+    got = pipeline_run("--paradyse", "--paradyse-memory-budget", str(1.7 / 1024)).check()
+    _assert_close(got.losses, stock.losses, range(1, PP_ITERS + 1), "PP=2 x TP=2: planner vs stock")
+    _assert_close(got.valid, stock.valid, sorted(stock.valid), "PP=2 x TP=2, planner: validation/test loss")
+    assert "one per pipeline stage (2 stages" in got.out, got.out[-3000:]
+    plans = {p for _, line in got.plans.values() for p in line.split(",")}
+    assert "tp_sp*4" in plans and len(plans) >= 2, plans
+    assert re.search(r"\[paradyse\] iteration .*\| pred: [0-9.]+ s, stage peaks [0-9.]+/[0-9.]+ MiB", got.out)

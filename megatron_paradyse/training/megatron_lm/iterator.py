@@ -10,7 +10,7 @@ import torch
 from ...units import MiB
 from ...parallel.plans import describe_plans, parse_plan, rule_plan_fn
 from ..iterator import PlannedIterator
-from ..planning import planner_from_args
+from ..planning import MicroBatchView, planner_from_args
 from .batches import tp_batches
 
 _MEGATRON_ITERATORS: dict = {}
@@ -49,12 +49,14 @@ def planned_iterator(data_iterator, model):
         # evaluation: plan and check each micro-batch on its own, or with pipeline stages the
         # schedule call's micro-batches together, read ahead (prefetch_step)
         nmb = lambda: _EVAL_MICROBATCHES[0]  # noqa: E731
-    it = _LoggedPlannedIterator(tp_batches(holder, args, multiple), _plan_fn(args), nmb,
+    plan_fn, step_plan_fn = _plan_fns(args)
+    it = _LoggedPlannedIterator(tp_batches(holder, args, multiple), plan_fn, nmb,
                                 group_index=parallel_state.get_data_parallel_rank(),
                                 num_groups=parallel_state.get_data_parallel_world_size(),
-                                start_step=int(getattr(args, "iteration", 0) or 0))
+                                start_step=int(getattr(args, "iteration", 0) or 0),
+                                step_plan_fn=step_plan_fn)
     it.log_steps = model.training and torch.distributed.get_rank() == 0
-    it.ahead_only = int(getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1
+    it.ahead_only = _pipelined(args)
     _MEGATRON_ITERATORS[key] = (holder, it)
     return it
 
@@ -73,33 +75,45 @@ def prefetch_step(data_iterator, model, num_microbatches: int) -> list:
     return items
 
 
-def _plan_fn(args):
-    """Each micro-batch's plan: ``--paradyse-plan``'s, the planner's, or None (stock layers)."""
+def _plan_fns(args) -> tuple:
+    """``(plan_fn, step_plan_fn)``: each micro-batch's plan from ``--paradyse-plan``, or the
+    planner's, or none (stock layers); with pipeline stages the planner plans a step's
+    micro-batches together (``step_plan_fn``, as in pretrain_gpt_paradyse.py)."""
     if args.paradyse and args.paradyse_plan is not None:
-        return rule_plan_fn(parse_plan(args.paradyse_plan, args.num_layers))
-    if args.paradyse:
-        return _megatron_planner(args)
-    return None
+        return rule_plan_fn(parse_plan(args.paradyse_plan, args.num_layers)), None
+    if not args.paradyse:
+        return None, None
+    fn = _megatron_planner(args)
+    return (None, fn) if _pipelined(args) else (fn, None)
+
+
+def _pipelined(args) -> bool:
+    return int(getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1
 
 
 def _megatron_planner(args):
-    """The planner's ``plan_fn`` (built once: training and evaluation share it and its cache)."""
+    """The planner's ``plan_fn`` (pipeline stages: its ``step_plan_fn``), built once: training
+    and evaluation share it and its cache."""
     if "planner" not in _MEGATRON_PLANNER:
-        _MEGATRON_PLANNER["planner"] = planner_from_args(args, can_refine=False)
+        planner, fn = planner_from_args(args, can_refine=False)
+        if _pipelined(args):  # the data side asks it per micro-batch (the longest trainable length)
+            planner = MicroBatchView(planner)
+        _MEGATRON_PLANNER["planner"] = (planner, fn)
     return _MEGATRON_PLANNER["planner"][1]
 
 
 def megatron_planner(args):
-    """The planner itself (built once, with its ``plan_fn``)."""
+    """The planner itself (built once, with its ``plan_fn``; pipeline stages: its
+    :class:`MicroBatchView`)."""
     _megatron_planner(args)
     return _MEGATRON_PLANNER["planner"][0]
 
 
 class _LoggedPlannedIterator(PlannedIterator):
     """Logs each training step's micro-batch lengths and plans on global rank 0, one line per
-    step, next to Megatron-LM's own iteration lines (rank 0's micro-batches); with the planner,
-    also the step's predicted time (sum over micro-batches, plus the update once) and peak
-    (largest)."""
+    step, next to Megatron-LM's own iteration lines (rank 0's micro-batches, in run order); with
+    the planner, also the step's predicted time (sum over micro-batches, plus the update once)
+    and peak (largest; pipeline stages: the step plan's time and each stage's peak)."""
 
     log_steps = False
     ahead_only = False  # pipeline stages: a step's micro-batches are read before its schedule runs
@@ -117,15 +131,21 @@ class _LoggedPlannedIterator(PlannedIterator):
         items = super().prefetch()
         if fresh and self.log_steps:
             lens = ",".join(str(mb.seq_length) for mb in items)
-            line = (f" [paradyse] iteration {self.step:8d} | seq len: {lens} | plan: "
-                    f"{describe_plans([mb.plan for mb in items])}")
-            choices = getattr(self.plan_fn, "choices", None)
-            if choices:
-                got = [choices.get(i) for i in range(len(items))]
-                got = [c for c in got if c is not None]
-                if got:
-                    update = self.plan_fn.planner.update_seconds()  # once per step
-                    line += (f" | pred: {sum(c.seconds for c in got) + update:.3f} s, peak "
-                             f"{max(c.peak_bytes for c in got) / MiB:.1f} MiB")
-            log.info(line)
+            log.info(f" [paradyse] iteration {self.step:8d} | seq len: {lens} | plan: "
+                     f"{describe_plans([mb.plan for mb in items])}{self._prediction(items)}")
         return items
+
+    def _prediction(self, items) -> str:
+        """The planner's prediction for the step just read: its time and peak (pipeline stages:
+        each stage's peak), or nothing with a fixed plan."""
+        sp = self.last_step_plan if self.step_plan_fn is not None else None
+        if sp is not None:
+            peaks = "/".join(f"{p / MiB:.1f}" for p in sp.stage_peaks)
+            return f" | pred: {sp.seconds:.3f} s, stage peaks {peaks} MiB"
+        choices = getattr(self.plan_fn, "choices", None)
+        got = [c for c in (choices.get(i) for i in range(len(items))) if c is not None] if choices else []
+        if not got:
+            return ""
+        update = self.plan_fn.planner.update_seconds()  # once per step
+        return (f" | pred: {sum(c.seconds for c in got) + update:.3f} s, peak "
+                f"{max(c.peak_bytes for c in got) / MiB:.1f} MiB")
