@@ -6,6 +6,9 @@
 #   scripts/bench.sh                       # writes runs/bench/{bench.json,bench.log,*.png,simulation.json}
 #   OUT=docs/benchmark scripts/bench.sh    # what docs/benchmark.md commits
 #   STEPS=8 BUDGET_MIB=48 scripts/bench.sh --systems tp_sp,metp   # extra flags go to the bench
+# With pipeline stages (PP > 1; world = PP x P ranks, default P=2): STEPS steps of MICRO
+# documents in flight under 1F1B (default 8 x 4), no length search, no simulation:
+#   PP=2 OUT=docs/benchmark_pipeline scripts/bench.sh      # docs/benchmark.md, "Pipeline stages"
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="$(bash "$ROOT/scripts/setup_env.sh" | tail -n 1)"
@@ -14,6 +17,13 @@ export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONWARNINGS="${PYTHONWARNINGS:-ign
 cd "$ROOT"
 mkdir -p "$OUT"
 start=$(date +%s)
+if [ "${PP:-1}" -gt 1 ]; then
+  "$PY" -m megatron_paradyse.bench --pp "$PP" --p "${P:-2}" --steps "${STEPS:-8}" \
+    --pp-microbatches "${MICRO:-4}" --seq-length 4096 --memory-budget-mib "${BUDGET_MIB:-28.5}" \
+    --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
+  echo "> scripts/bench.sh took $(( $(date +%s) - start )) s" | tee -a "$OUT/bench.log"
+  exit 0
+fi
 "$PY" -m megatron_paradyse.bench --p "${P:-4}" --steps "${STEPS:-12}" --seq-length 4096 \
   --memory-budget-mib "${BUDGET_MIB:-28}" --max-seq-len-search --search-probes 4 --search-cap 16384 \
   --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"

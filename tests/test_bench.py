@@ -207,3 +207,83 @@ def test_simulation(tmp_path):
     r10 = simulate(str(tmp_path / "m"), margin_fraction=0.10, n=150)
     _assert_one_rule(r10, cm, 0.9 * r10["budget_bytes"])
     assert r10["systems"]["metp"]["longest_trainable"] < sysm["metp"]["longest_trainable"]
+
+
+def _staged(step, seconds, stages, pred=None, lengths=(100, 50)):
+    """A pipelined step's record (two micro-batches) as ``world._staged_record`` writes it."""
+    return dict(step=step, length=sum(lengths), padded=sum(lengths), documents=len(lengths), lengths=list(lengths),
+                order=list(range(len(lengths))), seconds=seconds, peak_bytes=max(stages),
+                stage_peak_bytes=list(stages), loss=1.0, plan="p", predicted_seconds=None,
+                predicted_peak_bytes=None if pred is None else max(pred), predicted_stage_peak_bytes=pred)
+
+
+def test_pipeline_report_on_synthetic_records():
+    """Per-stage steps over budget, the stage peak errors, the oracle judged on every stage, the
+    planner's ratio to the fastest static system whose steps all fit, the table."""
+    budget = 10 * MiB
+    recs = {
+        "tp_sp": [_staged(0, 1.0, [5 * MiB, 4 * MiB], [5.5 * MiB, 4 * MiB]),
+                  _staged(1, 2.0, [12 * MiB, 8 * MiB], [12 * MiB, 8.4 * MiB], (900, 10))],   # stage 0 over
+        "metp+rc": [_staged(0, 2.0, [3 * MiB, 3 * MiB]), _staged(1, 4.0, [6 * MiB, 9 * MiB], None, (900, 10))],
+        "paradyse_optimal": [_staged(0, 1.1, [5 * MiB, 4 * MiB], [5 * MiB, 4.2 * MiB]),
+                             _staged(1, 2.9, [9 * MiB, 11 * MiB], [9 * MiB, 9.9 * MiB], (900, 10))],  # stage 1 over
+    }
+    orc = report.pipeline_oracle(recs, budget, ["tp_sp", "metp+rc", "paradyse_optimal"])
+    assert [o["source"] for o in orc] == ["tp_sp", "metp+rc"]  # step 1: only metp+rc fits on both stages
+    assert orc[1]["stage_peak_bytes"] == [6 * MiB, 9 * MiB] and orc[1]["lengths"] == [900, 10]
+    recs["oracle"] = orc
+    summary = report.summarize(recs, budget)
+    stages = report.stage_summary(recs, budget, 2)
+    assert stages["tp_sp"]["steps_over_budget_per_stage"] == [1, 0]
+    assert stages["paradyse_optimal"]["steps_over_budget_per_stage"] == [0, 1]
+    assert stages["tp_sp"]["longest_document_within_budget"] == 100
+    assert stages["metp+rc"]["longest_document_within_budget"] == 900
+    e = stages["tp_sp"]["stage_peak_error"]
+    assert e[0]["median"] == pytest.approx(0.05) and e[0]["worst_signed"] == pytest.approx(0.1)
+    assert e[1]["worst_signed"] == pytest.approx(0.05) and stages["metp+rc"]["peak_error"] is None
+    assert stages["paradyse_optimal"]["peak_error"]["worst_signed"] == pytest.approx(-0.1)
+    h = report.pipeline_headline(summary, stages)
+    assert h["fastest_all_fitting_static"] == "metp+rc"
+    assert h["paradyse_optimal_speedup_vs_metp+rc"] == pytest.approx(6.0 / 4.0)
+    assert h["paradyse_optimal_vs_oracle"] == pytest.approx(4.0 / 5.0)
+    assert h["paradyse_optimal_steps_over_budget_per_stage"] == [0, 1] and not h["paradyse_optimal_all_steps_fit"]
+    table = report.pipeline_table(summary, stages, budget).splitlines()
+    assert "over s0/s1" in table[0] and any(x.startswith("tp_sp ") and " 1/0 " in x for x in table)
+
+
+def test_pipeline_world_small(tmp_path):
+    """PP = 2 x p = 2 (4 gloo ranks), a 2-layer model: stock, a static plan and the optimal
+    step planner train the same 2 steps of 2 micro-batches to the same losses; per-stage peaks
+    measured; static and planner systems have per-stage predictions, stock none."""
+    from megatron_paradyse import data
+    from megatron_paradyse.bench.__main__ import demo_argv, pipeline_argv
+    from megatron_paradyse.bench.config import BenchConfig
+    from megatron_paradyse.bench.world import bench_world
+    from megatron_paradyse.testing.spawn import run_world
+
+    rng = np.random.default_rng(2)
+    prefix = str(tmp_path / "docs")
+    data.write_indexed_dataset(prefix, [rng.integers(0, 256, n) for n in (40, 200, 90, 250, 30)], 258)
+    argv = demo_argv(2, 256, 1234, pipeline_argv(2, 2))
+    for k, v in (("--num-layers", "2"), ("--hidden-size", "64"), ("--num-attention-heads", "4"),
+                 ("--ffn-hidden-size", "128")):
+        argv[argv.index(k) + 1] = v
+    systems = ["stock", "tp_sp", "metp+rc", "paradyse_optimal"]
+    cfg = BenchConfig(argv=argv, data_prefix=prefix, steps=2, budget_bytes=64 * MiB, systems=systems,
+                      verbose=False, pp=2, pp_microbatches=2)
+    out = run_world(bench_world, 4, cfg, timeout=240)[0]
+    rec = out["records"]
+    steps = {tuple(tuple(r["lengths"]) for r in rec[n]) for n in systems}
+    assert len(steps) == 1 and sorted(x for s in steps.pop() for x in s) == [29, 39, 199, 249]
+    for n in systems:
+        assert all(len(r["stage_peak_bytes"]) == 2 and r["peak_bytes"] == max(r["stage_peak_bytes"])
+                   and min(r["stage_peak_bytes"]) > max(out["stage_static_bytes"][n]) / 2 for r in rec[n])
+    # same weights, same documents: the same losses whatever the plans and the run order
+    for n in systems[1:]:
+        assert all(abs(x["loss"] - y["loss"]) <= 1e-5 * abs(y["loss"]) for x, y in zip(rec[n], rec["stock"])), n
+    assert all(r["plan"] is None and r["predicted_stage_peak_bytes"] is None for r in rec["stock"])
+    assert all(r["plan"] == "tp_sp*2; tp_sp*2" and len(r["predicted_stage_peak_bytes"]) == 2 for r in rec["tp_sp"])
+    assert all(r["plan_layers"] == [["metp:rc"] * 2] * 2 for r in rec["metp+rc"])
+    assert all(r["planner_fits"] and len(r["predicted_stage_peak_bytes"]) == 2 for r in rec["paradyse_optimal"])
+    stages = report.stage_summary(rec, cfg.budget_bytes, 2)
+    assert stages["tp_sp"]["peak_error"]["n"] == 4 and stages["stock"]["peak_error"] is None

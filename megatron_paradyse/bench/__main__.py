@@ -23,7 +23,7 @@ from ..paths import recorded, shown, shown_argv, writable_dir
 from ..training.arguments import parse_args
 from ..units import MiB
 from . import report
-from .config import ALL_SYSTEMS, BenchConfig
+from .config import ALL_SYSTEMS, PIPELINE_SYSTEMS, BenchConfig
 from .simulate import main as sim_main
 from .systems import load_cost_model
 from .world import bench_world
@@ -64,7 +64,9 @@ def build_parser():
                     help="default budget = predicted tp_sp peak at this length (default seq-length / 2)")
     ap.add_argument("--margin-mib", type=float, default=None, help="the planners' safety margin (MiB)")
     ap.add_argument("--cost-model", default=None, help="a fitted cost model file (default: shipped/analytic)")
-    ap.add_argument("--systems", default=",".join(ALL_SYSTEMS), help="comma list of " + ", ".join(ALL_SYSTEMS))
+    ap.add_argument("--systems", default=None,
+                    help="comma list of " + ", ".join(ALL_SYSTEMS) + " (default: all; with --pp > 1: "
+                         + ",".join(PIPELINE_SYSTEMS) + ")")
     ap.add_argument("--max-seq-len-search", action="store_true",
                     help="also find each system's longest sequence within the budget (measured)")
     ap.add_argument("--search-cap", type=int, default=16384)
@@ -124,7 +126,8 @@ def main(argv=None) -> int:
     world = a.pp * a.p
     argv_ = demo_argv(a.p, a.seq_length, a.seed, pipeline_argv(a.pp, a.pp_microbatches))
     budget, why = resolve_budget(a, argv_, world)
-    systems = [s.strip() for s in a.systems.split(",") if s.strip()]
+    listed = a.systems or ",".join(ALL_SYSTEMS if a.pp == 1 else PIPELINE_SYSTEMS)
+    systems = [s.strip() for s in listed.split(",") if s.strip()]
     try:
         cfg = BenchConfig(argv=argv_, data_prefix=prefix, long_docs=a.long_docs, steps=a.steps, min_len=a.min_len,
                           budget_bytes=budget, systems=systems, cost_model=a.cost_model,

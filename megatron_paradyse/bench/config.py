@@ -13,6 +13,10 @@ UNPACKED = ("stock",) + STATIC + RECOMPUTED + ("paradyse_heuristic", "paradyse_o
 # refuses packed input, so it has no packed form
 PACKED = tuple(f"{s}+pack" for s in UNPACKED if not s.startswith("stock"))
 ALL_SYSTEMS = UNPACKED + PACKED
+# with pipeline stages (--pp > 1): no packed systems; stock+rc and colossal+rc left out by default
+# (selectable with --systems): both keep s x s score tensors that recompute does not remove, so
+# they are over any budget the others are compared at, and they are the run's slowest systems
+PIPELINE_SYSTEMS = tuple(s for s in UNPACKED if s not in ("stock+rc", "colossal+rc"))
 
 
 @dataclass(frozen=True)

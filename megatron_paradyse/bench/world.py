@@ -12,6 +12,12 @@ memory tracker), peak memory (max over ranks) = the peak live bytes above the st
 second, tracked forward+backward of the same micro-batch
 (:class:`~megatron_paradyse.memory.PeakMemory`) plus the static bytes (parameters, gradient buffers, optimizer state; measured after a
 warm-up step), the plan, and the cost model's prediction for that plan.
+
+With pipeline stages (``cfg.pp`` > 1, :func:`pipeline_world`): megatron's parallel state with
+``pp`` stages of p ranks, each system builds its stage's model; a step is ``pp_microbatches``
+documents run together under 1F1B (``training/pipeline.py`` answers the p2p shape exchange for
+planned steps; stock runs megatron's own); the peak is per stage (max over its ranks, static
+bytes and the communication pool held at the step's start included), beside the predicted one.
 """
 from __future__ import annotations
 
