@@ -18,8 +18,14 @@ STEPS = 4
 SAVE_AT = 2
 WORLD = 8
 FIRST_OF_STAGE = (0, WORLD // 2)  # each stage's first rank: it returns its stage's full weights
-PP = ["--pipeline-model-parallel-size", "2", "--train-iters", str(STEPS)]
-UNPACKED = ["--micro-batch-size", "1", "--global-batch-size", "8"]
+PP = ["--pipeline-model-parallel-size", "2", "--train-iters", str(STEPS), "--micro-batch-size", "1",
+      "--global-batch-size", "4"]  # two micro-batches per replica and step
+# the analytic model of this shape: every micro-batch fits a stage alone, two long ones in flight
+# on the first stage do not with the fastest plans (the step planner recomputes some layers) ...
+BUDGET_GIB = str(1.3 / 1024)
+# ... and at this one the first step's two micro-batches in flight fit no plan at all
+TOO_SMALL_GIB = str(1.1 / 1024)
+UNPACKED = ["--micro-batch-size", "1", "--global-batch-size", "4"]
 PACK = ["--paradyse-pack-tokens", "64", "--paradyse-pack", "balanced"]  # stock: the same documents unpacked
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"]
 
@@ -81,14 +87,55 @@ def _resume(world, root):
     return {"paradyse_from_stock": _summary(a), "stock_from_paradyse": _summary(b)}
 
 
+def _planned(world, root):
+    """The step planner under a tight budget with a run report; then a budget no step fits."""
+    import json
+
+    from megatron_paradyse.parallel.plan_check import PlanMismatchError
+    from megatron_paradyse.planner import NoFitError
+
+    hist, _, _ = _train(2, world, PP + ["--paradyse-memory-budget", BUDGET_GIB, "--paradyse-run-report",
+                                        f"{root}/report"], paradyse=True)
+    with open(f"{root}/report/run_report.json") as fh:
+        report = json.load(fh)
+    try:
+        _train(2, world, PP + ["--paradyse-memory-budget", TOO_SMALL_GIB], paradyse=True)
+        error = None
+    except (NoFitError, PlanMismatchError) as e:  # a replica whose own step fits hears the other's
+        error = str(e)
+    return {"summary": _summary(hist), "report": report, "error": error}
+
+
 def _world(rank, world, root):
     out = {"plain": _pair(world, [], save=root)}
     out["resume"] = _resume(world, root)
     out["packed"] = _pair(world, UNPACKED, packed=True)
     out["recompute"] = _pair(world, RECOMPUTE, factory=_with_rc)
+    out["planned"] = _planned(world, root)
     if rank in FIRST_OF_STAGE:
         return out
     return {k: {n: v for n, v in d.items() if not n.endswith("params")} for k, d in out.items()}
+
+
+def test_the_step_planner_keeps_every_stage_within_the_budget(world):
+    got = world[0]["planned"]
+    steps = got["report"]["steps"]
+    budget = got["report"]["budget_bytes"]
+    plans = [p for step in got["summary"] for p in step["plans"]]
+    assert any(e.endswith(":rc") for p in plans for e in p) and len(set(plans)) > 1, plans
+    for s in steps:
+        assert len(s["stage_peak_bytes"]) == 2 and max(s["stage_peak_bytes"]) <= budget, s
+        assert max(s["stage_predicted_peak_bytes"]) <= budget
+    errs = [abs(p - m) / m for s in steps[1:] for p, m in zip(s["stage_predicted_peak_bytes"], s["stage_peak_bytes"])]
+    print(f"\nstage peaks: worst {max(max(s['stage_peak_bytes']) for s in steps) / budget:.0%} of the budget, "
+          f"prediction error {100 * max(errs):.1f}% worst (first step left out)")
+
+
+def test_a_step_no_plan_fits_stops_on_every_rank_naming_the_stage(world):
+    for r in world:
+        e = r["planned"]["error"]
+        assert e is not None and "step 0" in e and "stage 0 of 2" in e and "in flight" in e, e
+        assert "MiB" in e and "limit" in e and "budget" in e
 
 
 @pytest.fixture(scope="module")
