@@ -21,6 +21,16 @@ script.py`` would). The hooks (:func:`install_hooks`, idempotent):
   :func:`paradyse_forward_step` (stock when ``--paradyse`` is absent); its datasets provider
   is replaced by :func:`paradyse_datasets_provider` only with ``--paradyse-document-data``
   (one document per sample, variable lengths; for stock and ParaDySe runs alike).
+* ``megatron.training.training.get_forward_backward_func``: with pipeline stages
+  (``--pipeline-model-parallel-size``, 1F1B; the interleaved schedule is refused) and the
+  plugin's forward step, each schedule call reads its micro-batches ahead on every stage and
+  answers megatron's p2p shape exchange with their shapes (``schedule.py``).
+
+The modules: ``entry.py`` (the entry points), ``hooks.py`` (the hooks), ``args.py`` (the
+flags and their checks), ``providers.py`` (the forward step, datasets and model providers),
+``iterator.py`` (the planned iterators), ``batches.py`` (reading a micro-batch: the TP
+broadcast, with pipeline stages the first stage's over each pipeline group), ``schedule.py``
+(pipeline stages: reading ahead, the p2p shapes).
 
 Without ``--paradyse`` (and without ``--paradyse-document-data``) the script runs exactly as
 Megatron-LM ships it. With ``--distributed-backend gloo`` (Megatron-LM's default is nccl;
