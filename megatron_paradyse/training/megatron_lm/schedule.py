@@ -45,6 +45,8 @@ def planned_pipeline(forward_step_func) -> bool:
 
 
 def _wrap_schedule(schedule):
+    """The schedule, unchanged unless :func:`planned_pipeline`: then read ahead, queue the
+    shapes, run it, clear the queue."""
     def forward_backward(*args, **kwargs):
         if not planned_pipeline(kwargs.get("forward_step_func")):
             return schedule(*args, **kwargs)
