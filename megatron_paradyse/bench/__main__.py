@@ -172,11 +172,11 @@ def _result(a, argv, prefix, budget, why, systems, out, wall) -> dict:
         if orc:
             records["oracle"] = orc
     summary = report.summarize(records, budget)
-    shape = "demo shape (L4 h128 a8 ffn512), " + (f"p={a.p}" if a.pp == 1 else f"PP={a.pp} x p={a.p}")
+    layout = f"p={a.p}" if a.pp == 1 else f"PP={a.pp} x p={a.p}"
     unit = "steps" if a.pp == 1 else f"steps of {a.pp_microbatches} micro-batches"
     result = dict(
-        title=f"{shape} CPU gloo ranks, {a.steps} {unit}, stdlib corpus"
-        if a.data_path is None else f"{shape}, {a.steps} {unit}, {shown(prefix)}",
+        title=f"demo shape (L4 h128 a8 ffn512), {layout} CPU gloo ranks, {a.steps} {unit}, stdlib corpus"
+        if a.data_path is None else f"{layout}, {a.steps} {unit}, {shown(prefix)}",
         command="python -m megatron_paradyse.bench " + shown_argv(argv if argv is not None else sys.argv[1:]),
         wall_seconds=wall, measured_seconds=out["seconds"], budget_bytes=budget, budget_source=why,
         memory_pass=a.memory_pass, p=a.p, steps=a.steps, seq_length=a.seq_length, data=recorded(prefix), long_docs=a.long_docs,

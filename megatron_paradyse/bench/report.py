@@ -234,7 +234,7 @@ def plot(result: dict, out_dir: str) -> list:
     ax.set_yscale("log")
     ax.set_xlabel("tokens per step (its micro-batches)" if result.get("pp", 1) > 1 else "sequence length (tokens)")
     ax.set_ylabel("time per step (s)")
-    ax.set_title(f"{result['title']}\nx = step over the {budget / MiB:.0f} MiB budget", fontsize=9)
+    ax.set_title(f"{result['title']}\nx = step over the {budget / MiB:g} MiB budget", fontsize=9)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     p = os.path.join(out_dir, "time_vs_length.png")
@@ -252,7 +252,7 @@ def plot(result: dict, out_dir: str) -> list:
         ax.text(i, vals[i], f"{vals[i]:.0f}s" + ("" if s["all_steps_fit"] else f"\n{s['steps_over_budget']} over"),
                 ha="center", va="bottom", fontsize=7)
     ax.set_ylabel("total time (s)")
-    ax.set_title(f"{result['title']}\nred: some steps over the {budget / MiB:.0f} MiB budget", fontsize=9)
+    ax.set_title(f"{result['title']}\nred: some steps over the {budget / MiB:g} MiB budget", fontsize=9)
     plt.setp(ax.get_xticklabels(), rotation=30, ha="right", fontsize=8)
     fig.tight_layout()
     p = os.path.join(out_dir, "total_time.png")
