@@ -1,4 +1,4 @@
-"""The benchmark's own logic: oracle, summaries, headline ratios, one small measured world, the simulation."""
+"""The benchmark's own logic: oracle, summaries, headline ratios, one small measured world, the simulation; with pipeline stages the per-stage report on synthetic records and a PP = 2 x p = 2 world."""
 import math
 import os
 
