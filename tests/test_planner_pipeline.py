@@ -97,7 +97,8 @@ class NoShape(CostModel):
 def test_stages_share_out_the_model(cm):
     """The stages' static bytes and update seconds sum to the model's; stage 0 holds the
     embedding, the last the output layer (the two ends hold more than a middle stage); the
-    non-layer part is the last stage's; a non-last stage keeps its input and its output."""
+    non-layer part is the last stage's; every stage keeps its input as resident bytes (a
+    non-last stage's output sent on is its last layer's, already in that layer's saved bytes)."""
     L = cm.num_layers
     for P in (1, 2, 4):
         st = [stage_cost_model(cm, r, P) for r in range(P)]
@@ -109,10 +110,9 @@ def test_stages_share_out_the_model(cm):
             assert st[0].static_bytes() > st[1].static_bytes() < st[-1].static_bytes()
         assert st[-1].nonlayer(1024, 1) == cm.nonlayer(1024, 1)
         assert st[-1].pool("nonlayer", 1024, 1) == cm.pool("nonlayer", 1024, 1)
-        assert st[-1].resident_bytes(1024, 1) == cm.resident_bytes(1024, 1)
+        assert all(m.resident_bytes(1024, 1) == cm.resident_bytes(1024, 1) for m in st)
         for m in st[:-1]:
             assert m.nonlayer(1024, 1) == (0.0, 0.0, 0.0) and m.pool("nonlayer", 1024, 1) == {}
-            assert m.resident_bytes(1024, 1) == 2 * cm.resident_bytes(1024, 1)
         assert st[0].layer("tp_sp:rc", 1024, 1) == cm.layer("tp_sp:rc", 1024, 1)
     one = stage_cost_model(cm, 0, 1)  # one stage is the model
     assert one.step(("tp_sp",) * L, 1024, 1) == cm.step(("tp_sp",) * L, 1024, 1)
@@ -268,13 +268,15 @@ def test_nothing_fits_names_stage_and_micro_batches():
 def test_reorder_spreads_long_micro_batches():
     """long, long, short, short on two stages: stage 0 holds two at once; alternating long and
     short lowers its peak, and where the given order does not fit, reordering does."""
-    cm = build_cost_model(demo_shape(4))  # the shipped fitted model
+    cm = build_cost_model(demo_shape(2))  # the shipped fitted model
     shapes = [(8192, 1), (8192, 1), (1024, 1), (1024, 1)]
     free = PipelinePlanner("optimal", cm, 1e12, 2)
     given = free.plan_step(shapes, reorder=False)
     spread = free.plan_step([shapes[j] for j in (0, 2, 1, 3)], reorder=False)
     assert spread.stage_peaks[0] < 0.8 * given.stage_peaks[0]
-    budget = 0.025 * 2 ** 30
+    # p = 2: stage 0 (two in flight) binds from about 55.5 to 59 MiB (at p = 4 the last stage's
+    # one 8192 binds first, now that the stage output is not counted twice)
+    budget = 57 * 2 ** 20
     tight = PipelinePlanner("optimal", cm, budget, 2)
     assert not tight.plan_step(shapes, reorder=False).fits
     sp = tight.plan_step(shapes)

@@ -125,10 +125,15 @@ class StageCostModel(CostModel):
 
     def resident_bytes(self, s, b: int) -> float:
         """The stage's input ``[s/p, b, h]`` (embedding output, or the received pipeline input),
-        and on a non-last stage also its output sent on (kept until its backward: megatron frees
-        its data only with ``deallocate_pipeline_outputs``, off by default)."""
-        one = float(self.model.resident_bytes(s, b))
-        return one if self.last else 2.0 * one
+        on every stage. A non-last stage's output sent on is kept until its backward (megatron
+        frees its data only with ``deallocate_pipeline_outputs``, off here), but it is the last
+        layer's output, already in that layer's saved bytes (``costmodel/measure.py``: a
+        layer's saved bytes include its output), so it is not counted again. Measured (PP = 2 x
+        p = 2, the demo shape, CPU live-bytes tracker, metp / metp:rc / tp_sp:rc / tp_sp on
+        every layer): the live bytes a micro-batch leaves on stage 0 from its forward to its
+        backward (pool aside) were the planner's held less exactly one ``[s/p, b, h]`` when
+        this counted the output too (0.694 MiB at s = 2844, 0.440 at 1804)."""
+        return float(self.model.resident_bytes(s, b))
 
 
 def stage_cost_model(cost_model, stage: int, num_stages: int) -> StageCostModel:
@@ -138,9 +143,10 @@ def stage_cost_model(cost_model, stage: int, num_stages: int) -> StageCostModel:
     (:func:`stage_fraction`: exact for the analytic and fitted models, whose static bytes are
     bytes per parameter times parameters; an even split for a cost model without ``shape``);
     ``nonlayer`` the whole non-layer part on the last stage, zero elsewhere; ``resident_bytes``
-    the pipeline tensors the stage keeps (:meth:`StageCostModel.resident_bytes`; the cost
-    model's ``resident_bytes`` each, which for a model without ``shape`` is its non-layer
-    saved bytes, an upper bound). One stage of one is the model itself."""
+    the stage's input (:meth:`StageCostModel.resident_bytes`: the cost model's
+    ``resident_bytes``, which for a model without ``shape`` is its non-layer saved bytes, an
+    upper bound; the output sent on is the last layer's, in its saved bytes). One stage of one
+    is the model itself."""
     return StageCostModel(cost_model, stage, num_stages)
 
 
