@@ -285,6 +285,100 @@ def test_reorder_spreads_long_micro_batches():
     assert f"run order {', '.join(map(str, sp.order))};" in tight.explain_step(shapes)
 
 
+class PerToken(CostModel):
+    """Layers priced per token: ``{strategy: (seconds, saved, transient)}`` per token of ``s``;
+    no static bytes, no non-layer part, no pools (a stage's memory is its layers')."""
+
+    def __init__(self, per_token: dict, num_layers: int):
+        self.per_token, self.num_layers = dict(per_token), int(num_layers)
+        self.strategies = tuple(per_token)
+
+    def layer(self, strategy, s, b):
+        t, m, x = self.per_token[strategy]
+        return LayerCost(t * s * b, m * s * b, x * s * b)
+
+    def static_bytes(self):
+        return 0.0
+
+
+def test_held_bytes_tightening():
+    """Two stages of two layers, two micro-batches of 1000 tokens: ``fast`` (1 s, saves 2,
+    transient 2 per token) or ``lean`` (3 s, saves 1, transient 3). Alone on stage 0,
+    fast*2 peaks at 6000 bytes, lean*1+fast*1 (lean first) at 5000 and lean*2 also at 5000,
+    the leanest uniform plan's: from there no plan has a lower peak, but lean*2 keeps 2000
+    bytes from forward to backward instead of 3000. Stage 0 holds both micro-batches while
+    one runs: 5000 + 3000 is over the 7000-byte limit, 5000 + 2000 is not. Only tightening
+    by held bytes finds it (without it the step does not fit); the peaks, recomputed from
+    the cost model, are within the limits."""
+    cm = PerToken({"fast": (1.0, 2.0, 2.0), "lean": (3.0, 1.0, 3.0)}, 4)
+    shapes = [(1000, 1)] * 2
+    pp = PipelinePlanner("optimal", cm, 7000.0, 2, margin_bytes=0, recompute="off")
+    st = pp.stages[0]
+    assert st.choose(1000, 1).layers == ("fast", "fast") and st.choose(1000, 1).peak_bytes == 6000
+    assert st.leanest(1000, 1)[2] == 5000
+    under = st.choose_under(1000, 1, 5000)  # the peak ladder's last rung: no lower peak exists
+    assert under.layers == ("lean", "fast") and under.peak_bytes == 5000
+    assert not st.choose_under(1000, 1, 4999).fits
+    sp = pp.plan_step(shapes)
+    assert sp.fits, sp.message
+    assert sp.stage_plans[0][0].layers == sp.stage_plans[0][1].layers == ("lean", "lean")
+    assert all(c.layers == ("fast", "fast") for c in sp.stage_plans[1])  # one in flight: the fastest
+    peaks = check_peaks(pp, shapes, sp)
+    assert peaks[0] == 7000 and all(p <= lim for p, lim in zip(peaks, sp.stage_limits))
+    # the peak ladder alone stops at lean*1+fast*1 on both: 8000 bytes > 7000
+    ladder_only = PipelinePlanner("optimal", cm, 7000.0, 2, margin_bytes=0, recompute="off")
+    ladder_only._less_held = lambda *a: None
+    stuck = ladder_only.plan_step(shapes)
+    assert not stuck.fits and stuck.offenders == (0, 1) and stuck.stage_peaks[0] == 8000
+    assert "0: lean*1+fast*1; 1: lean*1+fast*1" in stuck.message
+    assert PipelinePlanner("optimal", cm, 7000.0, 2, margin_bytes=0, recompute="off").plan_step(shapes) == sp
+
+
+def test_spread_order():
+    """``candidate_orders`` has an order with the R = ceil(M / P) longest micro-batches P
+    positions apart (at 0, P, 2P, ...; longest first where M <= P), so no two of them are in
+    flight together on any stage (stage 0 holds P consecutive positions under 1F1B), and the
+    next R longest at 1, P + 1, ... where M allows, shortest first (the longest is in flight
+    with the shortest of them)."""
+    from megatron_paradyse.planner.pipeline import candidate_orders
+    for P in (1, 2, 3, 4, 8):
+        for M in range(1, 20):
+            sizes = [(7 * j) % 11 + j for j in range(M)]  # not sorted
+            orders = candidate_orders(sizes, P)
+            assert orders[0] == tuple(range(M)) and len(set(orders)) == len(orders) <= 5
+            assert all(sorted(o) == list(range(M)) for o in orders)
+            desc = sorted(range(M), key=lambda j: (-sizes[j], j))
+            R = -(-M // P)
+            spread = [o for o in orders if [o.index(j) for j in desc[:R]] == [P * q for q in range(R)]]
+            assert spread, (P, M, orders)
+            if P > 1 and M >= (R - 1) * P + 2:  # column 1 has R cells too
+                assert any([o.index(j) for j in desc[R:2 * R]] == [P * q + 1 for q in reversed(range(R))]
+                           for o in spread)
+    assert candidate_orders([1, 2, 3]) == candidate_orders([1, 2, 3], 1)  # one stage: nothing new
+
+
+def test_only_the_spread_order_fits():
+    """Three stages (stage 0 holds three micro-batches at once), two of 1000 tokens among four of
+    100, one strategy (no plan to tighten): with both long ones in flight stage 0 needs 5200
+    bytes > 4000, with one 3400. Only the spread order (the long ones at positions 0 and 3)
+    keeps them apart: the given order, the alternated ones and longest first do not fit."""
+    from megatron_paradyse.planner.pipeline import candidate_orders
+    cm = PerToken({"a": (1.0, 1.0, 1.0)}, 6)
+    shapes = [(100, 1), (1000, 1), (100, 1), (1000, 1), (100, 1), (100, 1)]
+    pp = PipelinePlanner("optimal", cm, 4000.0, 3, margin_bytes=0, recompute="off")
+    orders = candidate_orders([s for s, _ in shapes], 3)
+    assert len(orders) == 5
+    for order in orders[:-1]:
+        sp = pp.plan_step([shapes[j] for j in order], reorder=False)
+        assert not sp.fits and sp.message.startswith("stage 0 of 3"), order
+    sp = pp.plan_step(shapes)
+    assert sp.fits and sp.order == orders[-1] == (1, 2, 5, 3, 0, 4)
+    assert sp.order.index(3) - sp.order.index(1) == 3
+    peaks = check_peaks(pp, shapes, sp)
+    assert peaks[0] == 3400 and all(p <= lim for p, lim in zip(peaks, sp.stage_limits))
+    assert not pp.plan_step(shapes, reorder=False).fits
+
+
 def test_random_steps_fit_by_the_cost_model():
     """40 random steps (fixed seed): analytic and shipped models, 1 to 4 stages, up to 6
     micro-batches with packs and b = 2, both planners, budgets from nothing fitting to

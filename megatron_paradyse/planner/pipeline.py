@@ -20,9 +20,13 @@ This module has three parts:
   over and switches, among the micro-batches in flight there, the one whose leaner plan saves
   the most bytes there per added second (the stage planner's fastest plan under a lower
   limit, ``Planner.choose_under``: 1/8 of the micro-batch's peak lower, else 1/4, 1/2, the
-  leanest); it stops with ``fits=False`` when no switch lowers that op. It tries a few run
-  orders of the step (:func:`candidate_orders`), keeps the fastest that fits, and gives its
-  tightened pairs back the fastest plan that still fits where one does (one greedy pass).
+  leanest); when none lowers it, among those held there (not the one running), the one whose
+  plan that keeps fewer bytes from its forward to its backward at no higher peak
+  (``PipelinePlanner._less_held``) saves the most there per added second; it stops with
+  ``fits=False`` when no switch lowers that op. It tries a few run orders of the step
+  (:func:`candidate_orders`, among them one with the longest micro-batches P apart), keeps
+  the fastest that fits, and gives its tightened pairs back the fastest plan that still fits
+  where one does (one greedy pass).
 
 The memory of one op on a stage (a micro-batch's forward or backward) is
 
@@ -46,13 +50,13 @@ from ..costmodel.analytic import param_counts
 from ..costmodel.base import CostModel, LayerCost, union_bytes
 from ..parallel.packing import PackShape, seq_tokens
 from ..parallel.plans import describe, split_entry
-from .core import NoFitError, PlanChoice, fmt_bytes, last_true, plan_key
+from .core import NoFitError, PlanChoice, fmt_bytes, last_true, layers_of, plan_key
 
 log = logging.getLogger(__name__)
 
 FORWARD_SHARE = 1.0 / 3.0     # a layer's (and the non-layer part's) forward: 1 of 3 passes
 RC_FORWARD_SHARE = 1.0 / 4.0  # a recomputed layer's: 1 of 4 (its backward runs the forward again)
-MAX_TIGHTENINGS = 100000      # a guard: each tightening lowers one (stage, micro-batch) peak
+MAX_TIGHTENINGS = 100000      # a guard: each switch lowers one (stage, micro-batch)'s (peak, held)
 STEP = 1.0 / 8                # a leaner plan is sought 1/8 of the micro-batch's peak lower, then
 LADDER = 4                    # 1/4, 1/2, all of it (down to the leanest uniform plan's peak)
 
@@ -291,17 +295,36 @@ def _pool_bytes(pools) -> float:
     return sum(out.values())
 
 
-def candidate_orders(sizes) -> list:
+def candidate_orders(sizes, num_stages: int = 1) -> list:
     """Run orders to try, the given one first: longest and shortest alternated, shortest and
-    longest alternated, longest first (ties by index; duplicates dropped)."""
+    longest alternated, longest first, and the longest ``num_stages`` apart (:func:`_spread`;
+    ties by index; duplicates dropped)."""
     M = len(sizes)
     desc = sorted(range(M), key=lambda j: (-sizes[j], j))
     asc = sorted(range(M), key=lambda j: (sizes[j], j))
     out = []
-    for order in (tuple(range(M)), _alternate(desc), _alternate(asc), tuple(desc)):
+    for order in (tuple(range(M)), _alternate(desc), _alternate(asc), tuple(desc), _spread(desc, num_stages)):
         if order not in out:
             out.append(order)
     return out
+
+
+def _spread(desc, num_stages: int) -> tuple:
+    """``desc`` (longest first) dealt into ``P = num_stages`` columns of ``R = ceil(M / P)``
+    (column 0 the R longest, column 1 the next R, ...) and read row by row: the R longest at
+    positions 0, P, 2P, ... (longest first), each other column shortest first. Under 1F1B
+    stage r holds at most ``P - r`` consecutive positions at once, one of each column: no two
+    of the R longest are in flight together on any stage, and the longest (position 0) is in
+    flight on stage 0 with the shortest of each other column. M <= P: longest first."""
+    M, P = len(desc), max(1, int(num_stages))
+    R = -(-M // P)
+    cols, k = [], 0
+    for c in range(P):  # column c holds R cells while the last row reaches it, else R - 1
+        n = R if c < M - (R - 1) * P else R - 1
+        col = tuple(desc[k:k + n])
+        cols.append(col if c == 0 else col[::-1])
+        k += n
+    return tuple(col[q] for q in range(R) for col in cols if q < len(col))
 
 
 def _alternate(seq) -> tuple:
@@ -438,10 +461,7 @@ class PipelinePlanner:
         times that (never below the leanest uniform plan's peak): the first that lowers ``op``."""
         pl, cur = self.stages[r], parts[r][j]
         peak = cur.choice.peak_bytes
-        key = ("floor", id(pl), shape)
-        floor = self._memo.get(key)
-        if floor is None:
-            floor = self._memo[key] = pl.leanest(*shape)[2]
+        floor = self._floor(r, shape)
         before = pl.limit + excess  # op's bytes now
         tried = set()
         for k in range(LADDER):
@@ -458,30 +478,120 @@ class PipelinePlanner:
                 return part, saved, c.seconds - cur.choice.seconds
         return None
 
+    def _less_held(self, r: int, j: int, shape, parts, order, op, excess: float):
+        """(part, bytes saved at ``op``, seconds added) of micro-batch ``j``'s plan on stage
+        ``r`` that holds fewer bytes between its forward and backward, for an ``op`` at which
+        ``j`` is held (another micro-batch runs), or None: of :meth:`_held_plans`'s plans whose
+        peak alone is at most ``j``'s current one or the leanest uniform plan's (whichever is
+        higher; within the limit), the fastest that lowers ``op``. So a switch never raises
+        the larger of the pair's peak and that floor, and lowers its held bytes: with
+        :meth:`_leaner`'s switches, which lower that larger one, no pair ever returns to a plan
+        (tightening ends)."""
+        pl, cur = self.stages[r], parts[r][j]
+        bound = min(max(cur.choice.peak_bytes, self._floor(r, shape)), pl.limit)
+        before = pl.limit + excess
+        for c in self._held_plans(r, shape, cur.choice.layers):
+            if c.peak_bytes > bound:
+                continue
+            part = self._part(r, shape, c)
+            if part.held >= cur.held:
+                continue
+            saved = before - self._op_bytes(r, parts[r], order, op, swap=(j, part))
+            if saved > 0:
+                return part, saved, c.seconds - cur.choice.seconds
+        return None
+
+    def _floor(self, r: int, shape) -> float:
+        """The peak of stage ``r``'s leanest uniform plan at ``shape`` (memoized for the step)."""
+        key = ("floor", id(self.stages[r]), shape)
+        got = self._memo.get(key)
+        if got is None:
+            got = self._memo[key] = self.stages[r].leanest(*shape)[2]
+        return got
+
+    def _held_plans(self, r: int, shape, layers) -> list:
+        """Plans of the micro-batch ``shape`` on stage ``r`` that hold fewer bytes than the plan
+        ``layers`` between forward and backward, each within the stage's limit alone, fastest
+        first (ties: the lower peak, then by name): for each candidate ``e`` (a plan entry)
+        that saves less per layer than some layer of ``layers``, ``layers`` with its 1, 2, ...
+        largest-saving layers moved to ``e`` (down to ``e``'s uniform plan if every layer saves
+        more), laid out largest transient first and priced as the stage planner prices its
+        plans (ordered peak, or the order-free bound). Points along the held bytes / seconds
+        trade-off from the current plan to each leaner uniform one, at most ``E x L / P`` of
+        them (E candidates); memoized for the step."""
+        pl = self.stages[r]
+        key = ("held", id(pl), shape, layers)
+        got = self._memo.get(key)
+        if got is not None:
+            return got
+        costs = pl.costs(*shape)
+        index = {n: i for i, n in enumerate(costs.names)}
+        evaluate = pl.evaluate_ordered if pl.order == "ordered" else pl.evaluate
+        mine = sorted((index[e] for e in layers), key=lambda i: (-costs.m[i], i))  # largest saving first
+        seen, out = set(), []
+        for e, name in enumerate(costs.names):
+            if costs.base + costs.m[e] + max(costs.x[e], costs.x0) > pl.limit:
+                continue  # no plan with a layer of e fits the stage alone
+            counts = {}
+            for i in mine:
+                counts[costs.names[i]] = counts.get(costs.names[i], 0) + 1
+            for i in mine:
+                if costs.m[i] <= costs.m[e]:
+                    break
+                counts[costs.names[i]] -= 1
+                counts[name] = counts.get(name, 0) + 1
+                plan = tuple(sorted((n, k) for n, k in counts.items() if k))
+                if plan in seen:
+                    continue
+                seen.add(plan)
+                sec, peak = evaluate(costs, dict(plan))
+                if peak <= pl.limit:
+                    out.append(PlanChoice(layers_of(dict(plan), costs), sec, peak, True,
+                                          "holds fewer bytes between forward and backward (pipeline)"))
+        out.sort(key=lambda c: (c.seconds, c.peak_bytes, c.layers))
+        self._memo[key] = out
+        return out
+
     def _tighten(self, shapes, parts, order, windows):
         """Switch micro-batches to leaner plans until every stage fits; None, or the (stage, op)
-        no leaner plan of an in-flight micro-batch can lower."""
+        no switch of an in-flight micro-batch can lower. At the op furthest over, each
+        micro-batch in flight offers its :meth:`_leaner` plan (a lower peak); the one saving
+        the most bytes there per added second switches. When none lowers the op, the
+        micro-batches held there (not the one running) offer their :meth:`_less_held` plans
+        instead, chosen the same way."""
         stage_bytes = [[self._op_bytes(r, parts[r], order, op) for op in ops] for r, ops in enumerate(windows)]
         for _ in range(MAX_TIGHTENINGS):
             worst = self._worst(stage_bytes, windows)
             if worst is None:
                 return None
             excess, r, op = worst
-            best = None
-            for k in op[2]:
-                j = order[k]
-                got = self._leaner(r, j, shapes[j], parts, order, op, excess)
-                if got is None:
-                    continue
-                part, saved, added = got
-                key = (added <= 0, saved / added if added > 0 else saved, -j)
-                if best is None or key > best[0]:
-                    best = (key, j, part)
+            best = self._best_switch(self._leaner, shapes, parts, order, r, op, excess, op[2])
+            if best is None:
+                held = [k for k in op[2] if k != op[1]]
+                best = self._best_switch(self._less_held, shapes, parts, order, r, op, excess, held)
             if best is None:
                 return r, op
-            parts[r][best[1]] = best[2]
+            parts[r][best[0]] = best[1]
             stage_bytes[r] = [self._op_bytes(r, parts[r], order, o) for o in windows[r]]
-        raise RuntimeError("pipeline tightening did not converge")  # each step lowers a peak: cannot happen
+        # each switch lowers a pair's (peak, held) (:meth:`_less_held`): cannot happen
+        raise RuntimeError("pipeline tightening did not converge")
+
+    @staticmethod
+    def _best_switch(way, shapes, parts, order, r: int, op, excess: float, positions):
+        """(micro-batch, part) of the positions' ``way`` plans (:meth:`_leaner` or
+        :meth:`_less_held`) saving the most bytes at ``op`` per added second (one not slower
+        first; ties: the lower index), or None when none lowers ``op``."""
+        best = None
+        for k in positions:
+            j = order[k]
+            got = way(r, j, shapes[j], parts, order, op, excess)
+            if got is None:
+                continue
+            part, saved, added = got
+            key = (added <= 0, saved / added if added > 0 else saved, -j)
+            if best is None or key > best[0]:
+                best = (key, j, part)
+        return None if best is None else best[1:]
 
     def _relax(self, shapes, parts, order, windows) -> bool:
         """One pass over the tightened (stage, micro-batch) pairs, in stage and run order: the
@@ -570,9 +680,10 @@ class PipelinePlanner:
         planner's), :func:`candidate_orders`; the fastest that fits (ties: the earlier), else
         the given order's answer with ``fits=False``."""
         shapes = self._shapes(shapes)
-        self._memo = {}  # this step's answers under limits (_under), parts (_part), leanest peaks
+        self._memo = {}  # this step's answers under limits (_under), parts (_part), leanest peaks, held plans
         reorder = self.reorder if reorder is None else reorder
-        orders = candidate_orders([seq_tokens(s) * b for s, b in shapes]) if reorder else [tuple(range(len(shapes)))]
+        sizes = [seq_tokens(s) * b for s, b in shapes]
+        orders = candidate_orders(sizes, self.num_stages) if reorder else [tuple(range(len(shapes)))]
         fastest = [[self._part(r, sh, pl.choose(*sh)) for sh in shapes] for r, pl in enumerate(self.stages)]
         first = best = None
         for order in orders:
