@@ -379,7 +379,7 @@ def assumptions(r: dict) -> list:
         f"  stages: {m['num_layers'] // P} layers each; static per stage (GB): "
         + ", ".join(f"{x / GB:.1f}" for x in r["stage_static_bytes"])
         + " (embedding on the first, output layer on the last); the last stage also holds the logits and loss; "
-          "a non-last stage keeps its input and its sent output per micro-batch in flight",
+          "every stage keeps its input per micro-batch in flight (its sent output is the last layer's, counted in that layer's saved bytes)",
         f"  schedule: megatron's 1F1B, M = {st['microbatches']} micro-batches per step, stage r holds up to "
         f"min(P - r, M) micro-batches' activations; update {r['update_seconds'] * 1e3:.0f} ms after the last backward",
         f"  lengths: {st['steps']} steps x {st['microbatches']} = {d['n']} documents, log-normal (seed {st['seed']}), "
