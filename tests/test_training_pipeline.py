@@ -4,7 +4,7 @@ step, micro-batch, layer and so per stage: variable lengths, packs, megatron's r
 ``:rc`` entries; checkpoints move both ways between stock and ParaDySe.
 
 One world of 8 gloo ranks (megatron's order: TP fastest, then DP, then PP; stage 0 is ranks
-0-3, stage 1 ranks 4-7), about 35 s here. Stock runs megatron's own
+0-3, stage 1 ranks 4-7), about 30 s here. Stock runs megatron's own
 p2p shape exchange (``variable_seq_lengths``); ParaDySe answers it from the agreed micro-batches
 (``training/pipeline.py``), and the test makes megatron's exchange raise in those runs.
 """
@@ -106,12 +106,38 @@ def _planned(world, root):
     return {"summary": _summary(hist), "report": report, "error": error}
 
 
+def _divergent(rank):
+    """The cycling plan, except on a rank of stage 1 (global rank 6) at step 1: another plan for
+    its stage's layers. Every rank of every stage must stop together before the step."""
+    def factory(config, p):
+        base = _cycling_plan_fn(config, p)
+
+        def plan_fn(mb, step, index):
+            plan = base(mb, step, index)
+            if rank == 6 and step == 1:
+                plan = plan[:2] + (("ulysses", "ring") if plan[2:] != ("ulysses", "ring") else ("ring", "ulysses"))
+            return plan
+        return plan_fn
+    return factory
+
+
+def _stage_divergence(rank, world):
+    from megatron_paradyse.parallel.plan_check import PlanMismatchError
+
+    try:
+        _train(2, world, PP, paradyse=True, plan_fn_factory=_divergent(rank), steps=2)
+        return None
+    except PlanMismatchError as e:
+        return str(e)
+
+
 def _world(rank, world, root):
     out = {"plain": _pair(world, [], save=root)}
     out["resume"] = _resume(world, root)
     out["packed"] = _pair(world, UNPACKED, packed=True)
     out["recompute"] = _pair(world, RECOMPUTE, factory=_with_rc)
     out["planned"] = _planned(world, root)
+    out["divergence"] = {"error": _stage_divergence(rank, world)}
     if rank in FIRST_OF_STAGE:
         return out
     return {k: {n: v for n, v in d.items() if not n.endswith("params")} for k, d in out.items()}
@@ -170,3 +196,11 @@ def test_checkpoints_move_both_ways_between_stock_and_paradyse_pipelines(world):
         assert [x["it"] for x in got] == list(range(SAVE_AT + 1, STEPS + 1))
         worst = max(_rel(x["loss"], y["loss"]) for x, y in zip(got, ref[SAVE_AT:]))
         assert worst < 1e-5, (key, worst)
+
+
+def test_a_stage_planning_otherwise_stops_every_rank_before_the_step(world):
+    """The plan check spans the pipeline: a rank of stage 1 with another plan for its layers
+    stops all 8 ranks, stage 0's included, naming the ranks and their plans."""
+    for r in world:
+        e = r["divergence"]["error"]
+        assert e is not None and "plan mismatch at iteration 1" in e and "rank 6" in e, e
