@@ -375,17 +375,23 @@ class Planner:
         """The best plan at (s, b) without hysteresis; cached per (padded length, micro-batch
         size). ``seq_len``: a length, or a pack (``PackShape``, b = 1: planned on its documents)."""
         s, b = self._key(seq_len, micro_batch)
+        return self._cached((s, b), lambda: self._search_or_say_why(s, b))
+
+    def _search_or_say_why(self, s, b: int) -> PlanChoice:
+        choice = self._search(self.costs(s, b), s, b)
+        if not choice.fits:
+            choice = choice._replace(reason=self.no_fit_message(s, b, choice))
+        return choice
+
+    def _cached(self, key, compute) -> PlanChoice:
+        """The cached answer for ``key``, else ``compute()``'s, stored (oldest entry evicted)."""
         self._check_version()
-        key = (s, b)
         hit = self._cache.get(key)
         if hit is not None:
             self.hits += 1
             return hit
         self.misses += 1
-        costs = self.costs(s, b)
-        choice = self._search(costs, s, b)
-        if not choice.fits:
-            choice = choice._replace(reason=self.no_fit_message(s, b, choice))
+        choice = compute()
         if len(self._cache) >= self._cache_size:
             self._cache.pop(next(iter(self._cache)))
         self._cache[key] = choice
@@ -401,25 +407,17 @@ class Planner:
         if limit == self.limit:
             return self.choose(seq_len, micro_batch)
         s, b = self._key(seq_len, micro_batch)
-        self._check_version()
-        key = (s, b, limit)
-        hit = self._cache.get(key)
-        if hit is not None:
-            self.hits += 1
-            return hit
-        self.misses += 1
-        costs = self.costs(s, b)
+        return self._cached((s, b, limit), lambda: self._search_under(s, b, limit))
+
+    def _search_under(self, s, b: int, limit: float) -> PlanChoice:
         own, self.limit = self.limit, limit  # the searches read self.limit
         try:
-            choice = self._search(costs, s, b)
+            choice = self._search(self.costs(s, b), s, b)
         finally:
             self.limit = own
         if not choice.fits:
             choice = choice._replace(reason=f"nothing fits under {fmt_bytes(limit)} at {describe_length(s)}, "
                                             f"micro-batch size {b}")
-        if len(self._cache) >= self._cache_size:
-            self._cache.pop(next(iter(self._cache)))
-        self._cache[key] = choice
         return choice
 
     def plan(self, seq_len: int, micro_batch: int) -> PlanChoice:
