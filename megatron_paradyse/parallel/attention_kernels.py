@@ -190,14 +190,30 @@ def _block_backward(dout, q, k, v, out, lse, causal, scale):
 def merge_lse(out, lse, blk_out, blk_lse):
     """Merge a block's partial softmax result into the running one; returns (out, lse) in fp32.
 
-    ``out`` may be None (first block). Uses logaddexp, so no exponent overflows.
+    ``out`` may be None (first block). Uses logaddexp, so no exponent overflows. A row that saw
+    no key has no softmax mass: flash-attn 2 reports its LSE as +inf, flash-attn 3/4 and torch
+    as -inf; both are read as -inf (:func:`empty_rows_as_neg_inf`), such a block adds nothing,
+    and a row empty in both keeps output 0 and LSE -inf instead of NaN.
     """
-    blk_out = blk_out.float()
+    blk_out, blk_lse = blk_out.float(), empty_rows_as_neg_inf(blk_lse.float())
     if out is None:
-        return blk_out, blk_lse.float()
+        return blk_out, blk_lse
     new_lse = torch.logaddexp(lse, blk_lse)
-    out = out * torch.exp(lse - new_lse).unsqueeze(-1) + blk_out * torch.exp(blk_lse - new_lse).unsqueeze(-1)
+    out = out * _weight(lse, new_lse) + blk_out * _weight(blk_lse, new_lse)
     return out, new_lse
+
+
+def empty_rows_as_neg_inf(lse):
+    """LSE with flash-attn 2's +inf for a row without keys turned into -inf (no mass): a real
+    row's log-sum-exp of finite scores is finite."""
+    return torch.where(torch.isposinf(lse), torch.full_like(lse, float("-inf")), lse)
+
+
+def _weight(lse, new_lse):
+    """``exp(lse - new_lse)`` as a ``[..., 1]`` factor; 0 where the merged row is still empty
+    (both -inf: their difference is NaN)."""
+    w = torch.exp(lse - new_lse)
+    return torch.where(torch.isneginf(new_lse), torch.zeros_like(w), w).unsqueeze(-1)
 
 
 def expand_kv(x, rep: int):
