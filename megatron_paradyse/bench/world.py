@@ -102,8 +102,7 @@ def _expect_shapes(mbs, config) -> None:
         pipeline.clear()
         return
     tp = config.tensor_model_parallel_size
-    pipeline.expect([pipeline.activation_shape(m.seq_length, m.tokens.shape[0], config.hidden_size, tp,
-                                               config.sequence_parallel) for m in mbs])
+    pipeline.expect([pipeline.micro_batch_shape(m, config.hidden_size, tp, config.sequence_parallel) for m in mbs])
 
 
 def _measure(system, mb, memory_pass: str = "separate", count_pool: bool = False):

@@ -30,6 +30,15 @@ def activation_shape(seq_length: int, micro_batch: int, hidden: int, tp: int, se
     return [seq_length // tp if sequence_parallel else seq_length, micro_batch, hidden]
 
 
+def micro_batch_shape(mb, hidden: int, tp: int, sequence_parallel: bool) -> list:
+    """:func:`activation_shape` of a micro-batch: its length, a pack's padded to a multiple of p
+    (the first stage pads it, ``dispatch._gpt_forward``)."""
+    s = mb.seq_length
+    if mb.cu_seqlens is not None:
+        s += (-s) % tp
+    return activation_shape(s, mb.tokens.shape[0], hidden, tp, sequence_parallel)
+
+
 def expect(shapes: list) -> None:
     """The step's activation shapes in run order: what this rank's receives will be."""
     install()

@@ -344,7 +344,8 @@ class Trainer:
         t0 = time.perf_counter()
         micro = self.data_iterator.prefetch()
         if args.paradyse and self.pp_size > 1:
-            pipeline.expect([self._activation_shape(mb) for mb in micro])
+            pipeline.expect([pipeline.micro_batch_shape(mb, args.hidden_size, args.tensor_model_parallel_size,
+                                                        self.config.sequence_parallel) for mb in micro])
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         fwd_bwd = get_forward_backward_func()
@@ -381,13 +382,6 @@ class Trainer:
             plans=tuple(mb.plan for mb in micro), skipped=not ok)
         self.history.append(stats)
         return stats
-
-    def _activation_shape(self, mb) -> list:
-        """The activation a pipeline stage sends for ``mb``: its (padded) tokens over p."""
-        args = self.args
-        tp = args.tensor_model_parallel_size
-        s = mb.seq_length + (-mb.seq_length) % tp if mb.cu_seqlens is not None else mb.seq_length
-        return pipeline.activation_shape(s, mb.tokens.shape[0], args.hidden_size, tp, self.config.sequence_parallel)
 
     # ------------------------------------------------------------------ loop
     def train(self, train_iters: int | None = None) -> list:

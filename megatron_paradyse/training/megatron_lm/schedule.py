@@ -78,18 +78,9 @@ def _plan_step(kwargs) -> None:
             holder.variable_seq_lengths = True  # after its checks (0.16 refuses it with dense allgather MoE)
     micro = prefetch_step(data, model, kwargs["num_microbatches"])
     args = get_args()
-    pipeline.expect([p2p_shape(mb, args) for mb in micro])
+    pipeline.expect([pipeline.micro_batch_shape(mb, args.hidden_size, args.tensor_model_parallel_size,
+                                                args.sequence_parallel) for mb in micro])
     if not _SAID[0]:
         _SAID[0] = True
         log.info(" [paradyse] %d pipeline stages (1F1B): each transfer has its micro-batch's shape, "
                  "from the micro-batches read ahead on every stage", args.pipeline_model_parallel_size)
-
-
-def p2p_shape(mb, args) -> list:
-    """The activation a stage sends for micro-batch ``mb``: ``[s/p, b, h]`` of its length, a
-    pack padded to a multiple of p (``dispatch._gpt_forward``)."""
-    tp = args.tensor_model_parallel_size
-    s = mb.seq_length
-    if mb.cu_seqlens is not None:
-        s += (-s) % tp
-    return pipeline.activation_shape(s, mb.tokens.shape[0], args.hidden_size, tp, args.sequence_parallel)
