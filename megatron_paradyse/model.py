@@ -185,7 +185,8 @@ def transformer_config(args, **overrides):
         apply_rope_fusion=args.apply_rope_fusion,
     )
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
-    kw.update(pipeline_model_parallel_size=pp)
+    kw.update(pipeline_model_parallel_size=pp,
+              context_parallel_size=int(getattr(args, "context_parallel_size", 1) or 1))
     kw.update(overrides)
     config = TransformerConfig(**kw)
     if pp > 1:

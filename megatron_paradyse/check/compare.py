@@ -8,9 +8,19 @@ import torch.distributed as dist
 
 def forward_backward(model, tokens, labels, loss_scale: float = 1.0):
     """One forward and backward of a (stock or planned) GPTModel: returns (mean per-token loss,
-    full logits ``[b, s, V]`` gathered over TP)."""
+    full logits ``[b, s, V]`` gathered over TP). With context parallelism every CP rank takes its
+    chunks of the whole ``tokens``/``labels`` and the loss and logits are gathered over CP."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from ..parallel import context
+
+    cp = parallel_state.get_context_parallel_world_size()
+    count = tokens.numel()
+    position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+    if cp > 1:
+        rank, group = parallel_state.get_context_parallel_rank(), parallel_state.get_context_parallel_group()
+        tokens, labels, position_ids = (context.split_for_cp(t, cp, rank) for t in (tokens, labels, position_ids))
 
     captured = {}
 
@@ -20,29 +30,36 @@ def forward_backward(model, tokens, labels, loss_scale: float = 1.0):
 
     handle = model.output_layer.register_forward_hook(hook)
     try:
-        position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
         per_token = model(tokens, position_ids, None, labels=labels)
     finally:
         handle.remove()
-    loss = per_token.float().mean()
+    loss = per_token.float().sum() / count
     (loss * loss_scale).backward()
     logits = captured["logits"].detach()
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
         logits = gather_from_tensor_model_parallel_region(logits)
-    return loss.detach(), logits.transpose(0, 1).contiguous()
+    loss = loss.detach()
+    if cp > 1:
+        dist.all_reduce(loss, group=group)
+        logits = context.gather_from_cp(logits, cp, group, dim=0)
+    return loss, logits.transpose(0, 1).contiguous()
 
 
 def allreduce_sequence_parallel_grads(model) -> None:
     """Sum the grads of replicated, sequence-parallel parameters (norms, row biases) over TP,
-    as ``finalize_model_grads`` does in training."""
+    and every grad over CP, as ``finalize_model_grads`` and DDP do in training."""
     from megatron.core import parallel_state
 
-    if parallel_state.get_tensor_model_parallel_world_size() == 1:
-        return
-    group = parallel_state.get_tensor_model_parallel_group()
-    for p in model.parameters():
-        if getattr(p, "sequence_parallel", False) and p.grad is not None:
-            dist.all_reduce(p.grad, group=group)
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        group = parallel_state.get_tensor_model_parallel_group()
+        for p in model.parameters():
+            if getattr(p, "sequence_parallel", False) and p.grad is not None:
+                dist.all_reduce(p.grad, group=group)
+    if parallel_state.get_context_parallel_world_size() > 1:  # weights are replicated over CP
+        group = parallel_state.get_context_parallel_group()
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=group)
 
 
 def gather_full(model, what: str = "param", gated_fc1: bool = False) -> dict:

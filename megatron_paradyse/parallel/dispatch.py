@@ -9,9 +9,11 @@ whichever strategy ran in forward.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
-from . import recompute, strategies
+from . import context, recompute, strategies
 from .packing import documents_from, pad_pack
 from .plan_check import PlanMismatchError, verify_plans
 from .plans import normalize_plan, split_entry
@@ -35,6 +37,10 @@ def install() -> None:
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    _ORIGINAL["dpa_init"] = DotProductAttention.__init__
+    DotProductAttention.__init__ = _dpa_init
     _ORIGINAL["attention"] = SelfAttention.forward
     _ORIGINAL["mlp"] = MLP.forward
     _ORIGINAL["gpt"] = GPTModel.forward
@@ -56,8 +62,10 @@ def uninstall() -> None:
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.mlp import MLP
 
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
+    DotProductAttention.__init__ = _ORIGINAL.pop("dpa_init")
     SelfAttention.forward = _ORIGINAL.pop("attention")
     MLP.forward = _ORIGINAL.pop("mlp")
     GPTModel.forward = _ORIGINAL.pop("gpt")
@@ -78,12 +86,29 @@ def _unhandled(kwargs, handled) -> list:
     return sorted(k for k, v in kwargs.items() if k not in handled and v is not None)
 
 
+def _dpa_init(self, config, *args, **kwargs):
+    """megatron's local ``DotProductAttention`` refuses ``context_parallel_size > 1`` when built.
+    With the plugin installed it is built from a copy of the config at CP = 1: strategies attend
+    across CP ranks themselves, and the stock attention refuses to run under CP
+    (:func:`_attention_forward`), so its local-only softmax is never used."""
+    if getattr(config, "context_parallel_size", 1) > 1:
+        config = copy.copy(config)
+        config.context_parallel_size = 1
+    _ORIGINAL["dpa_init"](self, config, *args, **kwargs)
+
+
 def _layer_forward(self, *args, **kwargs):
     return recompute.layer_forward(_ORIGINAL["layer"], self, args, kwargs)
 
 
 def _attention_forward(self, hidden_states, attention_mask=None, *args, **kwargs):
     name = recompute.lookup(self, _ATTR)
+    cp = getattr(self.config, "context_parallel_size", 1)
+    if name is None and cp > 1:
+        raise NotImplementedError(
+            f"context_parallel_size={cp}: megatron's local attention cannot attend across CP ranks "
+            "(stock megatron runs CP with Transformer Engine only); set a ParaDySe plan on every layer "
+            "(megatron_paradyse.set_plan, or --paradyse)")
     if name is None:
         return _ORIGINAL["attention"](self, hidden_states, attention_mask, *args, **kwargs)
     if args:
@@ -104,7 +129,7 @@ def _attention_forward(self, hidden_states, attention_mask=None, *args, **kwargs
     params = kwargs.get("packed_seq_params")
     docs = None
     if params is not None:
-        docs = documents_from(params, hidden_states.shape[0] * self.config.tensor_model_parallel_size)
+        docs = documents_from(params, hidden_states.shape[0] * self.config.tensor_model_parallel_size * cp)
     return strategies.get(name).attention(self, hidden_states, kwargs.get("rotary_pos_emb"), docs)
 
 
@@ -129,6 +154,10 @@ def _gpt_forward(self, input_ids, position_ids, attention_mask, *args, **kwargs)
     p = self.config.tensor_model_parallel_size
     s = input_ids.shape[1]
     params = kwargs.get("packed_seq_params")
+    cp = getattr(self.config, "context_parallel_size", 1)
+    if cp > 1:
+        _check_cp_batch(input_ids, params, s, cp, p)
+        return _ORIGINAL["gpt"](self, input_ids, position_ids, attention_mask, *args, **kwargs)
     if params is None:
         if s % p:
             raise ValueError(
@@ -149,6 +178,18 @@ def _gpt_forward(self, input_ids, position_ids, attention_mask, *args, **kwargs)
     # the last stage's [b, T] loss or logits lose the padding; an earlier pipeline stage's
     # output is the padded [T/p, 1, h] activation the next stage receives
     return out[:, :s] if pad and torch.is_tensor(out) and self.post_process else out
+
+
+def _check_cp_batch(input_ids, params, s: int, cp: int, p: int) -> None:
+    """This CP rank's ``s`` tokens (megatron's ``get_batch_on_this_cp_rank`` chunks) split into
+    two chunks over p ranks; a pack's boundaries are the whole pack's, already padded (a pack
+    cannot be padded here: its tokens are spread over the CP ranks)."""
+    context.check_local_length(s, cp, p)
+    if params is None:
+        return
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"a packed micro-batch is one row of tokens [1, T] (THD), got {tuple(input_ids.shape)}")
+    documents_from(params, s * cp)
 
 
 def _pad_row(x, pad: int, positions: bool = False):

@@ -58,37 +58,20 @@ def _spread(start: int, stop: int, p: int) -> list:
     return out
 
 
-class PackedLayout:
-    """Where each of ``p`` ranks' tokens of a pack sit inside a ring layer (module docstring)."""
+class PieceLayout:
+    """Ring owners' tokens as position-ordered :class:`Piece` s (global positions, documents).
+
+    The blocks a ring step attends (:meth:`kernel_blocks`, :meth:`score_blocks`) and how far each
+    owner's K/V travels (:meth:`last_hops`) follow from the pieces alone: query ``i`` sees key
+    ``j`` iff they share a document and ``j <= i``. Pieces of different owners never overlap, and
+    an owner's pieces are in position order (so its own tokens of a document are one causal
+    square). :class:`PackedLayout` is one; context parallelism builds others (``context.py``).
+    """
 
     packed = True
 
-    def __init__(self, p: int, docs: Documents):
-        if docs.total % p:
-            raise ValueError(f"a pack of {docs.total} tokens is not divisible by p={p}")
-        self.p, self.docs, self.chunk = p, docs, docs.total // p
-        ranges = [[] for _ in range(p)]
-        for d, (a, b) in enumerate(zip(docs.bounds, docs.bounds[1:])):
-            if a // self.chunk == (b - 1) // self.chunk:
-                ranges[a // self.chunk].append((d, a, b))
-                continue
-            pieces = _spread(a, b, p)
-            for r in range(p):
-                for c in (2 * r, 2 * p - 1 - 2 * r):
-                    if pieces[c][1] > pieces[c][0]:
-                        ranges[r].append((d, *pieces[c]))
-        self._pieces = [self._place(sorted(rs, key=lambda t: t[1])) for rs in ranges]
-
-    @staticmethod
-    def _place(ranges) -> tuple:
-        out, offset = [], 0
-        for d, a, b in ranges:
-            if out and out[-1].doc == d and out[-1].stop == a:  # adjacent pieces: one
-                out[-1] = dataclasses.replace(out[-1], stop=b)
-            else:
-                out.append(Piece(a, b, offset, d))
-            offset += b - a
-        return tuple(out)
+    def __init__(self, pieces: tuple, total: int):
+        self.p, self._pieces, self._total = len(pieces), tuple(pieces), int(total)
 
     def pieces(self, rank: int) -> tuple:
         return self._pieces[rank]
@@ -103,15 +86,11 @@ class PackedLayout:
 
     @property
     def total(self) -> int:
-        return self.docs.total
+        return self._total
 
     def row_groups(self, rank: int) -> list:
         """``(rows, stop)``: local rows whose seen keys all lie before global position ``stop``."""
         return [(g.local, g.stop) for g in self._pieces[rank]]
-
-    def rope_positions(self, rank: int, device=None):
-        """In-document positions of ``rank``'s tokens, in local order (RoPE)."""
-        return self.docs.positions(self.ranges(rank), device)
 
     @functools.lru_cache(maxsize=4096)
     def score_blocks(self, rank: int, src: int) -> tuple:
@@ -164,6 +143,42 @@ class PackedLayout:
         """For each rank, the last ring step at which some rank needs its K/V block (0: only
         itself): the block goes no further."""
         return self._last
+
+
+def place(ranges, docs: Documents | None = None) -> tuple:
+    """``(start, stop)`` position ranges, in local order, as :class:`Piece` s cut at ``docs``'
+    boundaries (one document 0 without ``docs``); adjacent pieces of one document merged."""
+    out, offset = [], 0
+    for start, stop in ranges:
+        for d, a, b in (docs.pieces(start, stop) if docs is not None else [(0, start, stop)]):
+            if out and out[-1].doc == d and out[-1].stop == a:
+                out[-1] = dataclasses.replace(out[-1], stop=b)
+            else:
+                out.append(Piece(a, b, offset, d))
+            offset += b - a
+    return tuple(out)
+
+
+class PackedLayout(PieceLayout):
+    """Where each of ``p`` ranks' tokens of a pack sit inside a ring layer (module docstring)."""
+
+    def __init__(self, p: int, docs: Documents):
+        if docs.total % p:
+            raise ValueError(f"a pack of {docs.total} tokens is not divisible by p={p}")
+        self.docs, self.chunk = docs, docs.total // p
+        ranges = [[] for _ in range(p)]
+        for a, b in zip(docs.bounds, docs.bounds[1:]):
+            if a // self.chunk == (b - 1) // self.chunk:
+                ranges[a // self.chunk].append((a, b))
+                continue
+            pieces = _spread(a, b, p)
+            for r in range(p):
+                ranges[r].extend(pieces[c] for c in (2 * r, 2 * p - 1 - 2 * r) if pieces[c][1] > pieces[c][0])
+        super().__init__(tuple(place(sorted(rs), docs) for rs in ranges), docs.total)
+
+    def rope_positions(self, rank: int, device=None):
+        """In-document positions of ``rank``'s tokens, in local order (RoPE)."""
+        return self.docs.positions(self.ranges(rank), device)
 
     def moves_plan(self, rank: int) -> tuple:
         """``(sends, recvs)``: for each peer, the local rows (contiguous chunk) ``rank`` sends

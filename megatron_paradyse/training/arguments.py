@@ -251,6 +251,8 @@ def _add_distributed_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
                    help="refused: the interleaved schedule is not supported (docs/pipeline.md)")
     g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--cp-comm-type", default="p2p", help="Megatron-LM's flag; ParaDySe runs 'p2p' (a K/V ring)")
+    g.add_argument("--hierarchical-context-parallel-sizes", type=int, nargs="+", default=None)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
                    help="default: nccl with CUDA, gloo without")
@@ -409,14 +411,14 @@ VIRTUAL_PIPELINE = (
 
 
 def _check_parallel(args, world_size: int, tp: int) -> None:
-    """TP x PP divides the world (the rest is data parallel); PP splits the layers evenly (the
-    1F1B schedule; the interleaved one is refused); no context parallelism; the
-    sequence-parallel layout ``--paradyse`` switches in."""
-    pp = args.pipeline_model_parallel_size
-    if tp < 1 or pp < 1 or world_size % (tp * pp):
+    """TP x PP x CP divides the world (the rest is data parallel); PP splits the layers evenly
+    (the 1F1B schedule; the interleaved one is refused); context parallelism with ``--paradyse``
+    only (:func:`_check_context_parallel`); the sequence-parallel layout ``--paradyse`` switches in."""
+    pp, cp = args.pipeline_model_parallel_size, args.context_parallel_size
+    if tp < 1 or pp < 1 or cp < 1 or world_size % (tp * pp * cp):
         _err(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-             f"--pipeline-model-parallel-size {pp}")
-    args.data_parallel_size = world_size // (tp * pp)
+             f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp}")
+    args.data_parallel_size = world_size // (tp * pp * cp)
     if args.num_layers % pp:
         _err(f"--num-layers {args.num_layers} must be divisible by --pipeline-model-parallel-size {pp} "
              "(megatron's even split of the layers over the stages)")
@@ -425,9 +427,8 @@ def _check_parallel(args, world_size: int, tp: int) -> None:
     if pp > 1 and args.paradyse_refine == "on":
         _err("--paradyse-refine on is not available with pipeline stages: the step planner plans "
              "without online refinement (leave --paradyse-refine at auto or off)")
-    if args.context_parallel_size != 1:
-        _err("--context-parallel-size must be 1: ParaDySe's ulysses/ring strategies replace "
-             "context parallelism inside the TP group")
+    if cp > 1:
+        _check_context_parallel(args, tp)
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # as Megatron-LM: nothing to shard
     if args.paradyse and tp > 1 and not args.sequence_parallel:
@@ -439,6 +440,28 @@ def _check_parallel(args, world_size: int, tp: int) -> None:
         _err("--transformer-impl transformer_engine: this trainer builds megatron-core's local layer spec "
              "(Transformer Engine is not installable here and its layers are not switchable); give "
              "--transformer-impl local or leave the flag out")
+
+
+def _check_context_parallel(args, tp: int) -> None:
+    """What ``--context-parallel-size C > 1`` needs: ``--paradyse`` (stock megatron runs CP only
+    with Transformer Engine's attention, which this trainer does not build), no pipeline stages
+    (not yet), megatron's ring ('p2p') exchange, one CP level, sequences in 2 x CP x TP chunks."""
+    cp = args.context_parallel_size
+    if not args.paradyse:
+        _err(f"--context-parallel-size {cp} needs --paradyse: stock megatron-core runs context "
+             "parallelism only with Transformer Engine's attention, and this trainer builds the local "
+             "layer spec (give --paradyse, or drop the flag)")
+    if args.pipeline_model_parallel_size > 1:
+        _err("--context-parallel-size > 1 with --pipeline-model-parallel-size > 1 is not supported yet "
+             "(give one of them)")
+    if getattr(args, "cp_comm_type", None) not in (None, "p2p"):
+        _err(f"--cp-comm-type {args.cp_comm_type}: ParaDySe passes K/V on a ring over the CP group "
+             "(megatron's p2p); give --cp-comm-type p2p or leave it out")
+    if getattr(args, "hierarchical_context_parallel_sizes", None):
+        _err("--hierarchical-context-parallel-sizes is not supported: one CP ring across nodes")
+    if args.seq_length % (2 * cp * tp):
+        _err(f"--seq-length {args.seq_length} must be a multiple of 2 x --context-parallel-size x TP = "
+             f"{2 * cp * tp}: each CP rank holds two equal chunks, split over TP")
 
 
 def _check_backend(args) -> None:
@@ -555,11 +578,14 @@ def _check_schedule(args) -> None:
 
 
 def _complete_padding(args, tp: int) -> None:
-    """Micro-batches padded to a multiple of TP where the layout is split (default: TP)."""
+    """Micro-batches padded to a multiple of TP where the layout is split (default: TP), and of
+    2 x CP x TP with context parallelism (two chunks per CP rank)."""
+    unit = 2 * args.context_parallel_size * tp if args.context_parallel_size > 1 else tp
     if args.paradyse_pad_multiple is None:
-        args.paradyse_pad_multiple = tp if (args.sequence_parallel or args.paradyse) else 1
-    if args.paradyse_pad_multiple < 1 or args.paradyse_pad_multiple % (tp if args.sequence_parallel else 1):
-        _err(f"--paradyse-pad-multiple {args.paradyse_pad_multiple} must be a positive multiple of TP {tp}")
+        args.paradyse_pad_multiple = unit if (args.sequence_parallel or args.paradyse) else 1
+    if args.paradyse_pad_multiple < 1 or args.paradyse_pad_multiple % (unit if args.sequence_parallel else 1):
+        what = f"2 x CP x TP = {unit}" if args.context_parallel_size > 1 else f"TP {tp}"
+        _err(f"--paradyse-pad-multiple {args.paradyse_pad_multiple} must be a positive multiple of {what}")
 
 
 def _check_positions(args) -> None:

@@ -6,6 +6,7 @@ from functools import partial
 import torch
 
 from ..parallel.buffers import release_pool
+from ..parallel.context import split_for_cp
 from ..parallel.dispatch import set_plan
 
 
@@ -19,7 +20,7 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, report
 
 
-def forward_step(data_iterator, model, paradyse: bool = True):
+def forward_step(data_iterator, model, paradyse: bool = True, cp: int = 1):
     """megatron ``forward_step_func``: install this micro-batch's plan, then the stock forward.
 
     With ParaDySe the communication pool is released first (``parallel.buffers.release_pool``),
@@ -30,6 +31,10 @@ def forward_step(data_iterator, model, paradyse: bool = True):
     weight) is left in the pool; a backward allocates what it receives into again. A recompute
     replays its own forward's plan (``parallel/recompute.py``), and a pack's document boundaries
     travel with its own ``PackedSeqParams``: no other state is kept between micro-batches.
+
+    With context parallelism (``cp`` > 1) this rank runs its CP chunks of the micro-batch
+    (megatron's ``get_batch_on_this_cp_rank`` order; a pack's boundaries stay the whole pack's)
+    and its loss is its chunks' sum: megatron's per-token loss sums tokens over DP x CP.
     """
     mb = next(data_iterator)
     if paradyse:
@@ -38,8 +43,19 @@ def forward_step(data_iterator, model, paradyse: bool = True):
     dev = next(model.parameters()).device
     mb = mb.to(dev)
     extra = {} if mb.cu_seqlens is None else {"packed_seq_params": packed_seq_params(mb.cu_seqlens, dev)}
-    output = model(mb.tokens, mb.position_ids, None, labels=mb.labels, **extra)
-    return output, partial(loss_func, mb.loss_mask)
+    tokens, positions, labels, mask = cp_chunks(cp, mb.tokens, mb.position_ids, mb.labels, mb.loss_mask)
+    output = model(tokens, positions, None, labels=labels, **extra)
+    return output, partial(loss_func, mask)
+
+
+def cp_chunks(cp: int, *tensors):
+    """This CP rank's chunks of each ``[b, s]`` tensor (all of them without CP)."""
+    if cp == 1:
+        return tensors
+    from megatron.core import parallel_state
+
+    rank = parallel_state.get_context_parallel_rank()
+    return tuple(split_for_cp(t, cp, rank) for t in tensors)
 
 
 def packed_seq_params(cu_seqlens, device):

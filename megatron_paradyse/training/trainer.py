@@ -162,7 +162,8 @@ class Trainer:
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
-                                                 pipeline_model_parallel_size=args.pipeline_model_parallel_size)
+                                                 pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                                                 context_parallel_size=args.context_parallel_size)
         random.seed(args.seed)
         np.random.seed(args.seed)
         torch.manual_seed(args.seed)
@@ -173,6 +174,8 @@ class Trainer:
         self.dp_group = parallel_state.get_data_parallel_group()
         self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+        self.cp_size = parallel_state.get_context_parallel_world_size()
+        self.cp_group = parallel_state.get_context_parallel_group() if self.cp_size > 1 else None
 
     def _build_model_and_optimizer(self):
         """The stock GPT in megatron-core's DDP, its optimizer and scheduler, the grad hooks."""
@@ -350,7 +353,7 @@ class Trainer:
         self.optimizer.zero_grad()
         fwd_bwd = get_forward_backward_func()
         reports = fwd_bwd(
-            forward_step_func=partial(forward_step, paradyse=args.paradyse),
+            forward_step_func=partial(forward_step, paradyse=args.paradyse, cp=self.cp_size),
             data_iterator=self.data_iterator, model=[self.model],
             num_microbatches=len(micro), seq_length=max(mb.seq_length for mb in micro),
             micro_batch_size=args.micro_batch_size, forward_only=False,
@@ -365,6 +368,10 @@ class Trainer:
         for r in reports:  # the last pipeline stage's: the others have none
             total[:2] += r["lm loss"].detach().double().cpu()
         total[:2] = pipeline.sum_over_stages(total[:2], collective_device())
+        if self.cp_size > 1:  # each CP rank's losses are its own chunks'
+            t = total[:2].to(collective_device())
+            dist.all_reduce(t, group=self.cp_group)
+            total[:2] = t.cpu()
         total[2] = sum(mb.tokens.numel() for mb in micro)
         if self.dp_size > 1:
             t = total.to(collective_device())
@@ -456,8 +463,13 @@ def describe_setup(args, custom_plan: bool = False, planner=None) -> str:
             else "with stock Megatron TP+SP" if args.sequence_parallel else "with stock Megatron TP")
     return (f"GPT {args.num_layers}L h{args.hidden_size} a{args.num_attention_heads} on "
             f"{args.world_size} ranks (TP={args.tensor_model_parallel_size} x PP={args.pipeline_model_parallel_size} "
-            f"x DP={args.data_parallel_size}) "
+            f"{_cp_text(args)}x DP={args.data_parallel_size}) "
             f"{mode}")
+
+
+def _cp_text(args) -> str:
+    cp = getattr(args, "context_parallel_size", 1)
+    return f"x CP={cp} " if cp > 1 else ""
 
 
 def format_log_line(window: list, args, train_iters: int) -> str:

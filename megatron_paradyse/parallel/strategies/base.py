@@ -50,8 +50,11 @@ SELECTIVE_MODULES = ("core_attn", "layernorm", "mlp")
 
 def common_support(config) -> tuple[bool, str]:
     """Conditions every strategy shares (what the plugin implements of megatron's GPT layer)."""
-    if getattr(config, "context_parallel_size", 1) != 1:
-        return False, "context_parallel_size must be 1: the strategies replace megatron's CP"
+    if getattr(config, "cp_comm_type", None) not in (None, "p2p"):
+        return False, (f"cp_comm_type {config.cp_comm_type!r} is not supported: with context parallelism "
+                       "the strategies pass K/V on a ring (megatron's 'p2p')")
+    if getattr(config, "hierarchical_context_parallel_sizes", None):
+        return False, "hierarchical_context_parallel_sizes is not supported (one CP ring across nodes)"
     if getattr(config, "num_moe_experts", None):
         return False, "MoE layers are not supported; the switching covers dense MLPs"
     if getattr(config, "multi_latent_attention", False):
@@ -213,12 +216,6 @@ def apply_rope(x, freqs, config, positions):
         local = torch.cat([freqs[a:b] for a, b in positions]) if len(positions) > 1 else \
             freqs[positions[0][0]:positions[0][1]]
     return apply_rotary_pos_emb(x, local, config=config)
-
-
-def token_positions(docs, start: int, stop: int, device=None):
-    """RoPE positions of the tokens ``[start, stop)``: ``start`` (consecutive from there) for
-    one sequence, their in-document positions for a pack."""
-    return start if docs is None else docs.positions([(start, stop)], device)
 
 
 def to_bhsd(x):

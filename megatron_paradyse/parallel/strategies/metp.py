@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import context
 from ..buffers import weight_slot
 from ..collectives import broadcast_start, reduce_to, wait
 from ..ring_comm import GradRing, ring_stream
@@ -91,13 +92,13 @@ def _group_qkv(x, wq, bq):
     return mixed + bq if bq is not None else mixed
 
 
-def _group_attention(mixed, geo, qf, kf, config, layout):
-    """Split, RoPE and causal ring attention for one head group: ``[s/p, b, (heads/p)*d]``."""
+def _group_attention(mixed, geo, qf, kf, config, span):
+    """Split, RoPE and causal ring attention (over ``span``: ``context.Span``) for one head
+    group: ``[s/p, b, (heads/p)*d]``."""
     q, k, v = split_qkv(mixed, geo.groups // geo.p, geo.q_per_group, geo.head_dim)
-    positions = layout.rope_positions(geo.rank, mixed.device)
-    q, k = apply_rope(q, qf, config, positions), apply_rope(k, kf, config, positions)
-    ctx = ring_attention(to_bhsd(q), to_bhsd(k).contiguous(), to_bhsd(v).contiguous(), geo.group,
-                         geo.scale, layout)
+    q, k = apply_rope(q, qf, config, span.positions), apply_rope(k, kf, config, span.positions)
+    ctx = ring_attention(to_bhsd(q), to_bhsd(k).contiguous(), to_bhsd(v).contiguous(), span.group,
+                         geo.scale, span.layout)
     return from_bhsd(ctx)
 
 
@@ -116,15 +117,15 @@ class METPAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w_qkv, b_qkv, w_proj, geo, qf, kf, config, layout, main_grads=(None, None)):
+    def forward(ctx, x, w_qkv, b_qkv, w_proj, geo, qf, kf, config, span, main_grads=(None, None)):
         out = torch.zeros(x.shape[:-1] + (w_proj.shape[0],), dtype=_ACC, device=x.device)
         shards = _attn_shards(w_qkv, b_qkv, w_proj)
         for _, (wq, wp, *bq) in _group_weight_stream(shards, geo.group, geo.p):
             bq = bq[0] if bq else None
-            attn = _group_attention(_group_qkv(x, wq, bq), geo, qf, kf, config, layout)
+            attn = _group_attention(_group_qkv(x, wq, bq), geo, qf, kf, config, span)
             out += attn.matmul(wp.t())
         ctx.save_for_backward(x, w_qkv, b_qkv, w_proj)
-        ctx.geo, ctx.qf, ctx.kf, ctx.config, ctx.layout = geo, qf, kf, config, layout
+        ctx.geo, ctx.qf, ctx.kf, ctx.config, ctx.span = geo, qf, kf, config, span
         ctx.main_grads = main_grads
         return out.to(x.dtype)
 
@@ -140,7 +141,7 @@ class METPAttention(torch.autograd.Function):
             bq = bq[0] if bq else None
             mixed = _group_qkv(x, wq, bq).detach().requires_grad_(True)  # recomputed
             with torch.enable_grad():
-                attn = _group_attention(mixed, geo, ctx.qf, ctx.kf, ctx.config, ctx.layout)
+                attn = _group_attention(mixed, geo, ctx.qf, ctx.kf, ctx.config, ctx.span)
             dwp = dout2.t().matmul(_flat(attn.detach())).to(_ACC)
             (dmixed,) = torch.autograd.grad(attn, mixed, dout.matmul(wp))
             del attn
@@ -240,10 +241,12 @@ class METP(Strategy):
         b = bias_of(qkv)
         b = b if (b is not None and not qkv.skip_bias_add) else None
         qf, kf = rope_freqs(rotary_pos_emb)
-        layout = ring_layout(hidden_states, geo.group, docs)
+        cp = context.cp_of(attn.config, geo.rank, geo.p)
+        layout = ring_layout(hidden_states, geo.group, docs, cp)
         x = arrange(hidden_states, layout, geo.group)
+        span = context.ring_span(layout, geo.group, geo.rank, cp, docs, hidden_states.device)
         out = METPAttention.apply(x, qkv.weight, b, attn.linear_proj.weight, geo, qf, kf,
-                                  attn.config, layout, (wgrad_fusion(qkv), wgrad_fusion(attn.linear_proj)))
+                                  attn.config, span, (wgrad_fusion(qkv), wgrad_fusion(attn.linear_proj)))
         return row_output(attn.linear_proj, restore(out, layout, geo.group))
 
     def mlp(self, mlp, hidden_states):

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..attention_kernels import attn_backward, attn_forward, causal_attention, merge_lse
+from .. import context
+from ..attention_kernels import attn_backward, attn_forward, causal_attention, document_attention, merge_lse
 from ..buffers import block_slot
 from ..ring_comm import GradRing, ring_stream
 from .ring_base import RingStrategy
@@ -121,6 +122,16 @@ def ring_attention(q, k, v, group, scale, layout):
     if torch.distributed.get_world_size(group) == 1 and not layout.packed:
         return causal_attention(q, k, v, scale)
     return RingAttention.apply(q, k, v, group, scale, layout)
+
+
+def sequence_attention(q, k, v, scale, docs=None, cp=None):
+    """Causal attention of ``tp_sp`` and ``ulysses``: ``q [b, n, s, d]`` over its whole sequence
+    (inside each document of a pack), or with context parallelism (``cp``: ``context.CP``) over
+    this CP rank's local tokens and, by a K/V ring over the CP group, every other CP rank's."""
+    if cp is None:
+        return document_attention(q, k, v, scale, docs)
+    layout = context.cp_layout(cp.size, q.shape[2], docs)
+    return RingAttention.apply(q, k, v, cp.group, scale, layout)
 
 
 class Ring(RingStrategy):

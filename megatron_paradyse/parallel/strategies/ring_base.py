@@ -2,7 +2,11 @@
 from local tokens in the balanced layout, with ZeRO-3-style weights (``zero3.py``)."""
 from __future__ import annotations
 
-from .. import pack_layout, zigzag
+import dataclasses
+
+import torch.distributed as dist
+
+from .. import context, pack_layout, zigzag
 from .base import Strategy, from_bhsd, geometry, to_bhsd, zero_support
 from .zero3 import mlp, qkv_local_tokens, row
 
@@ -11,7 +15,8 @@ class RingStrategy(Strategy):
     """A strategy that attends through a causal ring from local tokens: QKV and output
     projection with gathered weights, the ZeRO MLP, and a ring attention core that
     subclasses provide. The layer's tokens are re-laid out to the balanced (zig-zag) split
-    after the layer input and back after the output projection (``zigzag.py``)."""
+    after the layer input and back after the output projection (``zigzag.py``). With context
+parallelism the ring runs over megatron's TP x CP group (``context.py``)."""
 
     def supports(self, config, p):
         return zero_support(config, p)
@@ -23,11 +28,13 @@ class RingStrategy(Strategy):
 
     def attention(self, attn, hidden_states, rotary_pos_emb, docs=None):
         geo = geometry(attn)
-        layout = ring_layout(hidden_states, geo.group, docs)
+        cp = context.cp_of(attn.config, geo.rank, geo.p)
+        layout = ring_layout(hidden_states, geo.group, docs, cp)
         x = arrange(hidden_states, layout, geo.group)
-        positions = layout.rope_positions(geo.rank, hidden_states.device)
-        q, k, v = qkv_local_tokens(attn, x, rotary_pos_emb, geo, positions)
-        ctx = self.core(to_bhsd(q), to_bhsd(k).contiguous(), to_bhsd(v).contiguous(), geo, layout)
+        span = context.ring_span(layout, geo.group, geo.rank, cp, docs, hidden_states.device)
+        q, k, v = qkv_local_tokens(attn, x, rotary_pos_emb, geo, span.positions)
+        ctx = self.core(to_bhsd(q), to_bhsd(k).contiguous(), to_bhsd(v).contiguous(), span_geometry(geo, span),
+                        span.layout)
         y, bias = row(attn.linear_proj, from_bhsd(ctx), geo.group)
         return restore(y, layout, geo.group), bias
 
@@ -35,12 +42,23 @@ class RingStrategy(Strategy):
         return mlp(mlp_module, hidden_states)
 
 
-def ring_layout(hidden_states, group, docs=None):
-    """The layer's ring layout: the balanced zig-zag split of one sequence per row, or a pack's
-    :class:`~..pack_layout.PackedLayout`."""
+def ring_layout(hidden_states, group, docs=None, cp=None):
+    """The layer's in-node ring layout: the balanced zig-zag split of one sequence per row, or a
+    pack's :class:`~..pack_layout.PackedLayout` (with CP: of this CP rank's local tokens)."""
     if docs is None:
         return zigzag.layout_for(hidden_states, group)
-    return pack_layout.packed_layout(group.size(), docs)
+    if cp is None:
+        return pack_layout.packed_layout(group.size(), docs)
+    p = group.size()
+    return context.inner_layout(p, cp.size, cp.rank, hidden_states.shape[0] * p, docs)
+
+
+def span_geometry(geo, span):
+    """``geo`` with the ring's group (TP x CP under context parallelism)."""
+    if span.group is geo.group:
+        return geo
+    return dataclasses.replace(geo, group=span.group, rank=dist.get_rank(span.group),
+                               p=dist.get_world_size(span.group))
 
 
 def arrange(x, layout, group):

@@ -7,14 +7,15 @@ input, reduce-scatters the input gradient and computes the shard's weight gradie
 linears are megatron-core's, unchanged; only the attention kernel differs from megatron's
 local spec: torch's ``scaled_dot_product_attention`` (flash), so that attention memory is
 linear in s as with Transformer Engine. The MLP is megatron's own forward.
-Memory: the stock shard only; full-sequence activations of width h/p, one gathered
+With context parallelism, attention also covers the other CP ranks' keys by a K/V ring over
+the CP group (``ring.sequence_attention``). Memory: the stock shard only; full-sequence activations of width h/p, one gathered
 ``[s, b, h]`` input per linear.
 """
 from __future__ import annotations
 
-from ..attention_kernels import document_attention
-from .base import (Strategy, apply_rope, from_bhsd, geometry, rope_freqs, stock_forward, to_bhsd,
-                   token_positions)
+from .. import context
+from .base import Strategy, apply_rope, from_bhsd, geometry, rope_freqs, stock_forward, to_bhsd
+from .ring import sequence_attention
 
 
 class TPSP(Strategy):
@@ -25,9 +26,10 @@ class TPSP(Strategy):
         geo = geometry(attn)
         q, k, v = attn.get_query_key_value_tensors(hidden_states)
         qf, kf = rope_freqs(rotary_pos_emb)
-        pos = token_positions(docs, 0, q.shape[0], q.device)
+        cp = context.cp_of(attn.config, geo.rank, geo.p)
+        pos = context.rope_positions(cp, docs, [(0, q.shape[0])], q.device)
         q, k = apply_rope(q, qf, attn.config, pos), apply_rope(k, kf, attn.config, pos)
-        ctx = document_attention(to_bhsd(q), to_bhsd(k), to_bhsd(v), geo.scale, docs)
+        ctx = sequence_attention(to_bhsd(q), to_bhsd(k), to_bhsd(v), geo.scale, docs, cp)
         return attn.linear_proj(from_bhsd(ctx))
 
     def mlp(self, mlp, hidden_states):

@@ -8,16 +8,18 @@ Backward: the all-to-alls' adjoints are all-to-alls; each linear re-gathers its 
 reduce-scatters the weight gradient to the owner (see ``zero3.py``).
 With fewer KV heads than ranks, each KV head is replicated to the ranks whose query heads
 read it, and its gradient summed back.
-Memory: full-width activations of local tokens (``[s/p, b, 3h]``), one gathered weight
+With context parallelism, attention also covers the other CP ranks' keys by a K/V ring over
+the CP group (``ring.sequence_attention``). Memory: full-width activations of local tokens (``[s/p, b, 3h]``), one gathered weight
 at a time (the largest is fc1's), attention over ``s`` for ``heads/p`` heads.
 """
 from __future__ import annotations
 
 from megatron.core.tensor_parallel.mappings import all_to_all_hp2sp, all_to_all_sp2hp
 
-from ..attention_kernels import document_attention
+from .. import context
 from . import zero3
-from .base import Strategy, geometry, to_bhsd, token_positions, zero_support
+from .base import Strategy, geometry, to_bhsd, zero_support
+from .ring import sequence_attention
 
 
 def seq_to_head(x, group):
@@ -52,13 +54,14 @@ class Ulysses(Strategy):
     def attention(self, attn, hidden_states, rotary_pos_emb, docs=None):
         geo = geometry(attn)
         sl = hidden_states.shape[0]
-        pos = token_positions(docs, geo.rank * sl, (geo.rank + 1) * sl, hidden_states.device)
+        cp = context.cp_of(attn.config, geo.rank, geo.p)
+        pos = context.rope_positions(cp, docs, [(geo.rank * sl, (geo.rank + 1) * sl)], hidden_states.device)
         q, k, v = zero3.qkv_local_tokens(attn, hidden_states, rotary_pos_emb, geo, pos)
         if geo.groups < geo.p:
             rep = geo.p // geo.groups
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
         q, k, v = (seq_to_head(t, geo.group) for t in (q, k, v))
-        ctx = document_attention(to_bhsd(q), to_bhsd(k), to_bhsd(v), geo.scale, docs)
+        ctx = sequence_attention(to_bhsd(q), to_bhsd(k), to_bhsd(v), geo.scale, docs, cp)
         ctx = head_to_seq(ctx.permute(2, 0, 1, 3), geo.group)
         return zero3.row(attn.linear_proj, ctx, geo.group)
 

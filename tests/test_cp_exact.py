@@ -1,0 +1,180 @@
+"""Context parallelism: every strategy and random mixed plans at C = 2 x p = 2 (4 ranks) give
+stock megatron-core TP = 1's loss, logits and every gradient on the same whole sequence, one
+sequence per row and packed (fp32, relative error < 1e-5).
+
+Stock megatron-core cannot run CP with its local attention (it needs Transformer Engine), so
+the reference is stock TP = 1 without CP: whole sequences, and a pack document by document.
+Every CP pass counts each layer's collectives against what its strategy must do: the in-node
+strategy's (all-to-alls, weight gathers, re-layout, broadcasts) and the CP ring's hops
+(``tp_sp`` / ``ulysses``: a ring over the CP group; the ring family: one ring over TP x CP),
+with the hops a pack's documents do not need skipped.
+"""
+import random
+from collections import Counter
+
+import megatron_paradyse as mp
+from megatron_paradyse.testing.spawn import run_world
+
+from .exactness import REL_TOL, assert_exact, observe, rel_err
+from .test_packed_exact import _hop_steps, _pack, _params, _reference_pass
+
+C, P = 2, 2
+SPECS = [
+    dict(num_layers=3, hidden_size=64, num_attention_heads=4, bias=True),
+    dict(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2, swiglu=True, bias=False),
+]
+ROWS = [(2, 40), (1, 24)]                      # (b, s): s a multiple of 2 x C x p = 8
+PACKS = [(1, 7, 13, 35), (3, 1, 50, 2, 8), (61, 3), (1,) * 9 + (31,), (12, 12, 12, 12), (64,)]
+ALL = ("tp_sp", "ulysses", "ring", "colossal", "metp")
+
+
+def _docs(lengths):
+    from megatron_paradyse.parallel.packing import Documents
+
+    bounds = [0]
+    for d in lengths:
+        bounds.append(bounds[-1] + d)
+    return Documents(tuple(bounds))
+
+
+def cp_signature(name, module, config, local, docs, cp_rank, tp_rank) -> Counter:
+    """What ``name`` calls in one attention or MLP forward under CP on this rank."""
+    from megatron_paradyse.parallel import context
+
+    if module == "mlp":
+        zero = Counter(weight_gather=2)
+        return {"ulysses": zero, "ring": zero, "colossal": zero, "metp": Counter(p2p=P - 1)}.get(name, Counter())
+    inner = context.inner_layout(P, C, cp_rank, local, docs)
+    if docs is None:
+        swaps = 2 if inner.moves(tp_rank) else 0
+        relayout = Counter(p2p=swaps, relayout=swaps)
+    else:
+        sends, recvs = inner.moves_plan(tp_rank)
+        relayout = Counter(p2p=2 if (set(sends) | set(recvs)) - {tp_rank} else 0)
+    cp_hops = _hop_steps(context.cp_layout(C, local, docs), cp_rank)
+    joint_hops = _hop_steps(context.joint_layout(C, P, local, docs), cp_rank * P + tp_rank)
+    bias = 3 if (config.add_bias_linear or config.add_qkv_bias) else 2
+    return {
+        "tp_sp": Counter(p2p=cp_hops),
+        "ulysses": Counter(all_to_all=4, weight_gather=2, p2p=cp_hops),
+        "ring": Counter(p2p=joint_hops, weight_gather=2) + relayout,
+        "colossal": Counter(p2p=2 * joint_hops, weight_gather=2) + relayout,
+        "metp": Counter(broadcast=P * bias, p2p=P * joint_hops) + relayout,
+    }[name]
+
+
+def check_cp_ran(records, plan, config, local, docs):
+    from megatron.core import parallel_state as ps
+
+    cp_rank, tp_rank = ps.get_context_parallel_rank(), ps.get_tensor_model_parallel_rank()
+    wrong = []
+    for (layer, module), seen in sorted(records.items()):
+        want = cp_signature(plan[layer], module, config, local, docs, cp_rank, tp_rank)
+        if +seen != +want:
+            wrong.append(f"layer {layer} {module} {plan[layer]}: expected {dict(want)}, saw {dict(seen)}")
+    if wrong:
+        raise AssertionError(f"CP rank {cp_rank} TP rank {tp_rank}:\n" + "\n".join(wrong))
+
+
+def _row_pass(model, spec, plan, batch, seq, seed):
+    from megatron_paradyse.testing import models as T
+
+    tokens, labels = T.make_batch(spec, batch, seq, seed=seed)
+    with observe(model) as records:
+        loss, logits = T.forward_backward(model, tokens, labels)
+    check_cp_ran(records, plan, model.config, seq // C, None)
+    return loss, logits
+
+
+def _pack_pass(model, spec, plan, lengths, seed):
+    """The pack's CP chunks through the model (boundaries of the whole pack), per-token losses
+    and logits gathered over CP, gradients of the losses' sum."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from megatron_paradyse.parallel import context
+
+    tokens, labels, positions = _pack(lengths, spec.vocab_size, seed)
+    rank, group = ps.get_context_parallel_rank(), ps.get_context_parallel_group()
+    tokens, labels, positions = (context.split_for_cp(t, C, rank) for t in (tokens, labels, positions))
+    captured = []
+    handle = model.output_layer.register_forward_hook(lambda _m, _i, out: captured.append(out[0].detach().clone()))
+    try:
+        with observe(model) as records:
+            loss = model(tokens, positions, None, labels=labels, packed_seq_params=_params(lengths))
+        loss.float().sum().backward()
+    finally:
+        handle.remove()
+    check_cp_ran(records, plan, model.config, sum(lengths) // C, _docs(lengths))
+    logits = gather_from_tensor_model_parallel_region(captured[0])[:, 0]
+    full = context.gather_from_cp(loss.detach(), C, group, dim=1)[0]
+    dist.barrier(group=group)
+    return full, context.gather_from_cp(logits, C, group, dim=0)
+
+
+def run_cp(rank, world, cases):
+    """Each case ``(spec_kwargs, [(plan, kind, shape, seed), ...])``, kind "rows" (shape (b, s))
+    or "pack" (shape: the lengths). World 1: stock TP = 1; world C x p: the plugin at CP = C."""
+    from megatron_paradyse.testing import models as T
+
+    cp = C if world > 1 else 1
+    T.init_megatron(world // cp, context_parallel_size=cp)
+    if world > 1:
+        mp.install()
+    results = []
+    for spec_kw, passes in cases:
+        spec = T.TinyGPT(**spec_kw)
+        model = T.build_gpt(spec, world // cp, context_parallel_size=cp)
+        out = []
+        for plan, kind, shape, seed in passes:
+            model.zero_grad(set_to_none=True)
+            if world > 1:
+                plan = mp.set_plan(model, plan)
+            if kind == "rows" and world == 1:
+                loss, logits = T.forward_backward(model, *T.make_batch(spec, *shape, seed=seed))
+            elif kind == "rows":
+                loss, logits = _row_pass(model, spec, plan, *shape, seed)
+            elif world == 1:
+                loss, logits = _reference_pass(model, shape, *_pack(shape, spec.vocab_size, seed)[:2])
+            else:
+                loss, logits = _pack_pass(model, spec, plan, shape, seed)
+            T.allreduce_sequence_parallel_grads(model)
+            out.append({"loss": loss, "logits": logits, "grads": T.gather_full(model, "grad", gated_fc1=spec.swiglu)})
+        results.append(out)
+    return results if rank == 0 else None
+
+
+def _cases():
+    rng = random.Random(36)
+    cases = []
+    for i, spec_kw in enumerate(SPECS):
+        n = spec_kw["num_layers"]
+        plans = list(ALL) + [[rng.choice(ALL) for _ in range(n)] for _ in range(2)]
+        passes = [(plan, "rows", ROWS[j % len(ROWS)], 100 * i + j) for j, plan in enumerate(plans)]
+        passes += [(plan, "pack", PACKS[(j + i) % len(PACKS)], 200 * i + j) for j, plan in enumerate(plans)]
+        cases.append((spec_kw, passes))
+    return cases
+
+
+def _stock(cases):
+    return [(spec_kw, [(None, *rest) for _, *rest in passes]) for spec_kw, passes in cases]
+
+
+def test_every_strategy_and_mixed_plans_under_cp_match_stock_tp1():
+    cases = _cases()
+    ref = run_world(run_cp, 1, _stock(cases), timeout=300)[0]
+    got = run_world(run_cp, C * P, cases, timeout=600)[0]
+    worst = {}
+    for (spec_kw, passes), ref_case, got_case in zip(cases, ref, got):
+        for (plan, kind, shape, _), r, g in zip(passes, ref_case, got_case):
+            label = f"{spec_kw} {plan} {kind} {shape}"
+            if kind == "rows":
+                errs = assert_exact(g, r, label)
+            else:
+                errs = {"loss": rel_err(g["loss"], r["loss"]), "logits": rel_err(g["logits"], r["logits"]),
+                        "grad": max(rel_err(g["grads"][k], r["grads"][k]) for k in r["grads"])}
+                assert max(errs.values()) < REL_TOL, f"{label}: {errs}"
+            for key in ("loss", "logits", "grad"):
+                worst[(kind, key)] = max(worst.get((kind, key), 0.0), errs[key])
+    print("worst rel. errors at CP = 2 x p = 2:", {f"{k} {w}": f"{v:.1e}" for (k, w), v in sorted(worst.items())})
