@@ -16,6 +16,7 @@ from megatron_paradyse.testing.spawn import run_world
 from .test_training import _cycling_plan_fn, _param_rel, _rel, _summary, _train
 
 STEPS = 4
+PLANNER_BUDGET_MIB = 2.5
 CP = ["--context-parallel-size", "2"]
 PACK = ["--micro-batch-size", "1", "--global-batch-size", "8", "--paradyse-pack-tokens", "64"]
 
@@ -31,10 +32,17 @@ def _world(rank, world):
     from megatron.core import parallel_state
 
     out["cp_rank"] = parallel_state.get_context_parallel_rank()
+    lines = []
+    hist, _, _ = _train(2, world, CP + ["--paradyse-memory-budget", str(PLANNER_BUDGET_MIB / 1024)], paradyse=True,
+                        steps=STEPS, lines=lines)
+    out["planned"], out["planned_log"] = _summary(hist), lines
     hist, out["unpacked_params"], _ = _train(2, world, ["--micro-batch-size", "1", "--global-batch-size", "8"],
                                              paradyse=False, steps=STEPS)
     out["unpacked"] = _summary(hist)
-    hist, out["packed_params"], _ = _train(2, world, CP + PACK + ["--paradyse-pack", "balanced"], paradyse=True,
+    # packs under CP need a plan (the planner's CP cost model prices rows): the cycling plan_fn
+    # replaces the --paradyse-plan given to pass that check
+    hist, out["packed_params"], _ = _train(2, world, CP + PACK + ["--paradyse-pack", "balanced", "--paradyse-plan",
+                                                                  "tp_sp"], paradyse=True,
                                            plan_fn_factory=_cycling_plan_fn, steps=STEPS)
     out["packed"] = _summary(hist)
     return out
@@ -67,6 +75,23 @@ def test_cp_training_equals_stock_without_cp(cp_world):
         assert [x["loss"] for x in r["cp"]] == [x["loss"] for x in r0["cp"]]
 
 
+def test_the_planner_plans_under_cp_within_budget(cp_world):
+    """Without a plan the planner plans each micro-batch's in-node strategies at CP = 2 with the CP
+    cost model (``costmodel.cp.CPCostModel``); losses stay stock's and no measured peak exceeds
+    the budget."""
+    import re
+
+    r0 = cp_world[0]
+    assert any("cost model CPCostModel" in line for line in r0["planned_log"]), r0["planned_log"][:3]
+    plans = {p for step in r0["planned"] for p in step["plans"]}
+    assert len(plans) > 1, plans
+    worst = max(_rel(x["loss"], y["loss"]) for x, y in zip(r0["planned"], r0["stock"]))
+    peaks = [float(m) for line in r0["planned_log"] for m in re.findall(r"measured peak \(rank 0\): ([0-9.]+) MiB", line)]
+    print(f"\nplanner at CP=2: plans {sorted(plans)}; max rel loss err {worst:.2e}; measured peaks {peaks} MiB "
+          f"(budget {PLANNER_BUDGET_MIB})")
+    assert worst < 1e-5 and len(peaks) == STEPS and max(peaks) <= PLANNER_BUDGET_MIB
+
+
 def test_cp_packed_training_equals_stock_unpacked(cp_world):
     r0 = cp_world[0]
     _compare(r0["packed"], r0["unpacked"], r0["packed_params"], r0["unpacked_params"],
@@ -87,6 +112,9 @@ def test_cp_flags_are_checked_before_any_collective():
         (_argv(2, ["--context-parallel-size", "3", "--paradyse"]), 4, "not divisible by"),
         (_argv(2, CP + ["--paradyse", "--seq-length", "60"]), 4, "must be a multiple of 2 x"),
         (_argv(2, CP + ["--paradyse", "--paradyse-pad-multiple", "4"]), 4, "multiple of 2 x CP x TP = 8"),
+        (_argv(2, CP + ["--paradyse", "--paradyse-pack", "balanced"]), 4, "needs --paradyse-plan"),
+        (_argv(2, CP + ["--paradyse", "--paradyse-cp-links", "nvlink4"]), 4, "give two names"),
+        (_argv(2, CP + ["--paradyse", "--paradyse-cp-links", "nvlink4,carrier_pigeon"]), 4, "unknown interconnect"),
     ]
     for argv, world, needle in cases:
         with pytest.raises(ArgumentError, match=needle.replace("-", r"\-")):

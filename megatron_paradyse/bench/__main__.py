@@ -23,7 +23,7 @@ from ..paths import recorded, shown, shown_argv, writable_dir
 from ..training.arguments import parse_args
 from ..units import MiB
 from . import report
-from .config import ALL_SYSTEMS, PIPELINE_SYSTEMS, BenchConfig
+from .config import ALL_SYSTEMS, CP_SYSTEMS, PIPELINE_SYSTEMS, BenchConfig
 from .simulate import main as sim_main
 from .systems import load_cost_model
 from .world import bench_world
@@ -47,6 +47,9 @@ def build_parser():
                     help="pipeline stages (world = pp x p ranks; megatron's 1F1B schedule)")
     ap.add_argument("--pp-microbatches", type=int, default=4,
                     help="with --pp > 1: documents per step, one micro-batch each, in flight together")
+    ap.add_argument("--cp", type=int, default=1,
+                    help="context-parallel ranks (world = cp x p; each CP rank holds two chunks of a "
+                         "sequence, every system runs its strategy inside p ranks and a K/V ring across CP)")
     ap.add_argument("--steps", type=int, default=24,
                     help="documents (one step each; the +pack systems pack them into fewer steps); "
                          "with --pp > 1 steps of --pp-microbatches documents")
@@ -84,8 +87,11 @@ def build_parser():
     return ap
 
 
-def pipeline_argv(pp: int, microbatches: int) -> list:
-    """The flags of ``pp`` pipeline stages (none for 1), a step of ``microbatches`` micro-batches."""
+def pipeline_argv(pp: int, microbatches: int, cp: int = 1) -> list:
+    """The flags of ``pp`` pipeline stages (none for 1), a step of ``microbatches`` micro-batches;
+    of ``cp`` context-parallel ranks."""
+    if cp > 1:
+        return ["--context-parallel-size", str(cp)]
     if pp <= 1:
         return []
     return ["--pipeline-model-parallel-size", str(pp), "--global-batch-size", str(microbatches)]
@@ -121,12 +127,13 @@ def main(argv=None) -> int:
     if a.simulate:
         return sim_main(a)
     prefix = a.data_path or pdata.stdlib_corpus()
-    if a.pp < 1:
-        raise UserError(f"--pp must be >= 1, got {a.pp}")
-    world = a.pp * a.p
-    argv_ = demo_argv(a.p, a.seq_length, a.seed, pipeline_argv(a.pp, a.pp_microbatches))
+    if a.pp < 1 or a.cp < 1:
+        raise UserError(f"--pp and --cp must be >= 1, got {a.pp} and {a.cp}")
+    world = a.pp * a.cp * a.p
+    argv_ = demo_argv(a.p, a.seq_length, a.seed, pipeline_argv(a.pp, a.pp_microbatches, a.cp))
     budget, why = resolve_budget(a, argv_, world)
-    listed = a.systems or ",".join(ALL_SYSTEMS if a.pp == 1 else PIPELINE_SYSTEMS)
+    default = CP_SYSTEMS if a.cp > 1 else ALL_SYSTEMS if a.pp == 1 else PIPELINE_SYSTEMS
+    listed = a.systems or ",".join(default)
     systems = [s.strip() for s in listed.split(",") if s.strip()]
     try:
         cfg = BenchConfig(argv=argv_, data_prefix=prefix, long_docs=a.long_docs, steps=a.steps, min_len=a.min_len,
@@ -134,10 +141,11 @@ def main(argv=None) -> int:
                           margin_bytes=None if a.margin_mib is None else a.margin_mib * MiB,
                           search=a.max_seq_len_search, search_cap=a.search_cap, search_probes=a.search_probes,
                           search_resolution=a.search_resolution, verbose=not a.quiet, memory_pass=a.memory_pass,
-                          pack_tokens=a.pack_tokens, pp=a.pp, pp_microbatches=a.pp_microbatches)
+                          pack_tokens=a.pack_tokens, pp=a.pp, pp_microbatches=a.pp_microbatches, cp=a.cp)
     except ValueError as e:
         raise UserError(str(e)) from None
-    layout = f"{a.p} gloo ranks" if a.pp == 1 else f"{world} gloo ranks (PP={a.pp} x p={a.p})"
+    layout = (f"{world} gloo ranks (CP={a.cp} x p={a.p})" if a.cp > 1 else f"{a.p} gloo ranks" if a.pp == 1
+              else f"{world} gloo ranks (PP={a.pp} x p={a.p})")
     unit = "steps" if a.pp == 1 else f"steps of {a.pp_microbatches} micro-batches"
     print(f"> benchmark: {len(systems)} systems x {a.steps} {unit} on {layout}, demo shape, "
           f"data {shown(prefix)}, budget {budget / MiB:.1f} MiB per rank ({why})", flush=True)
@@ -172,14 +180,14 @@ def _result(a, argv, prefix, budget, why, systems, out, wall) -> dict:
         if orc:
             records["oracle"] = orc
     summary = report.summarize(records, budget)
-    layout = f"p={a.p}" if a.pp == 1 else f"PP={a.pp} x p={a.p}"
+    layout = f"CP={a.cp} x p={a.p}" if a.cp > 1 else f"p={a.p}" if a.pp == 1 else f"PP={a.pp} x p={a.p}"
     unit = "steps" if a.pp == 1 else f"steps of {a.pp_microbatches} micro-batches"
     result = dict(
         title=f"demo shape (L4 h128 a8 ffn512), {layout} CPU gloo ranks, {a.steps} {unit}, stdlib corpus"
         if a.data_path is None else f"{layout}, {a.steps} {unit}, {shown(prefix)}",
         command="python -m megatron_paradyse.bench " + shown_argv(argv if argv is not None else sys.argv[1:]),
         wall_seconds=wall, measured_seconds=out["seconds"], budget_bytes=budget, budget_source=why,
-        memory_pass=a.memory_pass, p=a.p, steps=a.steps, seq_length=a.seq_length, data=recorded(prefix), long_docs=a.long_docs,
+        memory_pass=a.memory_pass, p=a.p, cp=a.cp, steps=a.steps, seq_length=a.seq_length, data=recorded(prefix), long_docs=a.long_docs,
         notes=out["notes"] + ["stock = megatron-core's own TP+SP layer: on CPU its attention is the "
                               "unfused DotProductAttention (s x s scores); tp_sp is the same layer "
                               "with the plugin's memory-linear attention kernel",

@@ -17,6 +17,10 @@ ALL_SYSTEMS = UNPACKED + PACKED
 # (selectable with --systems): both keep s x s score tensors that recompute does not remove, so
 # they are over any budget the others are compared at, and they are the run's slowest systems
 PIPELINE_SYSTEMS = tuple(s for s in UNPACKED if s not in ("stock+rc", "colossal+rc"))
+# with context parallelism (--cp > 1): stock cannot run (megatron's local attention asserts CP = 1;
+# its CP needs Transformer Engine), so every static in-node strategy x CP, plain and recomputed,
+# against the planners; no packed systems (the CP cost model prices one sequence per row)
+CP_SYSTEMS = tuple(s for s in UNPACKED if not s.startswith("stock"))
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,7 @@ class BenchConfig:
     pack_tokens: int | None = None  # the packed systems' token cap (None: the model's seq_length)
     pp: int = 1
     pp_microbatches: int = 4
+    cp: int = 1
 
     def __post_init__(self):
         object.__setattr__(self, "argv", tuple(self.argv))
@@ -63,11 +68,25 @@ class BenchConfig:
             raise ValueError(f"unknown systems {bad}; choose from {ALL_SYSTEMS}")
         if self.pp > 1:
             self._check_pipeline()
+        if self.cp > 1:
+            self._check_context_parallel()
 
     @property
     def documents(self) -> int:
         """Documents the run trains: one per step, or ``pp_microbatches`` per step with stages."""
         return self.steps * (self.pp_microbatches if self.pp > 1 else 1)
+
+    def _check_context_parallel(self) -> None:
+        """What context parallelism cannot run here (ValueError naming the flag)."""
+        if self.pp > 1:
+            raise ValueError("--cp > 1 with --pp > 1 is not supported (as in training)")
+        bad = [s for s in self.systems if s not in CP_SYSTEMS]
+        if bad:
+            raise ValueError(f"with --cp > 1 these systems cannot run: {bad} (stock megatron's local attention "
+                             "refuses CP; packs are not priced by the CP cost model); choose from "
+                             + ",".join(CP_SYSTEMS))
+        if self.search:
+            raise ValueError("--max-seq-len-search is not available with --cp > 1")
 
     def _check_pipeline(self) -> None:
         """What pipeline stages cannot run (ValueError naming the flag)."""

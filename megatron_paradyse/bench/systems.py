@@ -148,7 +148,15 @@ def _length(s):
 
 
 def load_cost_model(args, path=None):
-    """``(cost_model, note)``: ``build_cost_model(ModelShape.from_args(args), path)`` if it exists."""
+    """``(cost_model, note)``: ``build_cost_model(ModelShape.from_args(args), path)`` if it exists;
+    with context parallelism wrapped in ``costmodel.cp.CPCostModel`` (``training.planning.with_context_parallel``)."""
+    from ..training.planning import with_context_parallel
+
+    cm, note = _load_cost_model(args, path)
+    return (cm if cm is None else with_context_parallel(args, cm)), note
+
+
+def _load_cost_model(args, path=None):
     shape = ModelShape.from_args(args)
     try:
         return build_cost_model(shape, path), None

@@ -18,6 +18,10 @@ With pipeline stages (``cfg.pp`` > 1, :func:`pipeline_world`): megatron's parall
 documents run together under 1F1B (``training/pipeline.py`` answers the p2p shape exchange for
 planned steps; stock runs megatron's own); the peak is per stage (max over its ranks, static
 bytes and the communication pool held at the step's start included), beside the predicted one.
+
+With context parallelism (``cfg.cp`` > 1): megatron's parallel state with ``cp`` x p ranks;
+micro-batches padded to 2 x cp x p, each CP rank runs its two chunks (``forward_step``), the
+loss is summed over the CP ranks; the cost model is the in-node one under ``CPCostModel``.
 """
 from __future__ import annotations
 
@@ -67,7 +71,9 @@ class System:
 
     def step(self, mb, forward_only: bool = False, optimizer_step: bool = True):
         """One training step on micro-batch ``mb`` (its plan already set), or on a list of them
-        (pipeline stages: run in this order under 1F1B); returns the loss (summed over stages)."""
+        (pipeline stages: run in this order under 1F1B); returns the loss (summed over stages,
+        and over CP ranks: each runs its chunks)."""
+        from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         mbs = mb if isinstance(mb, list) else [mb]
@@ -77,7 +83,8 @@ class System:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         reports = get_forward_backward_func()(
-            forward_step_func=partial(forward_step, paradyse=True), data_iterator=iter(mbs),
+            forward_step_func=partial(forward_step, paradyse=True, cp=self.config.context_parallel_size),
+            data_iterator=iter(mbs),
             model=[self.model], num_microbatches=len(mbs), seq_length=max(m.seq_length for m in mbs),
             micro_batch_size=mbs[0].tokens.shape[0], forward_only=forward_only)
         if staged:
@@ -86,7 +93,9 @@ class System:
         if not forward_only and optimizer_step:
             self.optimizer.step()
         if not staged:
-            r = reports[0]["lm loss"] if reports else None
+            r = reports[0]["lm loss"].detach().double() if reports else None
+            if r is not None and self.config.context_parallel_size > 1:
+                dist.all_reduce(r, group=parallel_state.get_context_parallel_group())
             return None if r is None else float(r[0] / max(float(r[1]), 1.0))
         total = torch.zeros(2, dtype=torch.float64)
         for r in reports:  # the last stage's; summed over the stages below
@@ -158,11 +167,11 @@ def bench_world(rank, world, cfg):
     torch.set_num_threads(1)
     cpu_compat.apply()
     args = parse_args(cfg.argv, world_size=world)
-    init_parallel(args.tensor_model_parallel_size, seed=args.seed)
+    init_parallel(args.tensor_model_parallel_size, seed=args.seed, context_parallel_size=cfg.cp)
     install()
     dataset = pdata.DocumentDataset(cfg.data_prefix, args.seq_length, seed=args.seed,
                                     long_docs=cfg.long_docs, vocab_size=args.vocab_size)
-    mult = args.tensor_model_parallel_size
+    mult = args.paradyse_pad_multiple
     docs = _documents(dataset, cfg)
     batches = [pdata.pad_to_multiple([dataset[g]], mult) for g in docs]
     specs, notes = build_systems(cfg, args)

@@ -341,6 +341,10 @@ def add_planner_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="the planner (default 'optimal' when --paradyse is given without "
                         "--paradyse-plan): 'optimal' = the exact fastest plan under the budget; "
                         "'heuristic' = the paper's algorithm with its reference code's bugs fixed")
+    g.add_argument("--paradyse-cp-links", default=None, metavar="INTRA,INTER",
+                   help="with --context-parallel-size > 1: the in-node and across-node link classes the "
+                        "planner prices the CP ring with, names from costmodel/configs/interconnects.json "
+                        "(default: cpu_gloo,cpu_gloo on gloo ranks, nvlink4,ib_ndr on GPUs)")
     g.add_argument("--paradyse-memory-margin", type=float, default=None,
                    help="GiB of the budget kept free (default 10%% of the budget on GPU: allocator "
                         "fragmentation, NCCL/cuBLAS workspaces; 5%% on CPU: the cost model's error)")
@@ -459,9 +463,26 @@ def _check_context_parallel(args, tp: int) -> None:
              "(megatron's p2p); give --cp-comm-type p2p or leave it out")
     if getattr(args, "hierarchical_context_parallel_sizes", None):
         _err("--hierarchical-context-parallel-sizes is not supported: one CP ring across nodes")
+    if args.paradyse_pack != "none" and args.paradyse_plan is None:
+        _err("--paradyse-pack with --context-parallel-size > 1 needs --paradyse-plan: the planner's CP cost "
+             "model prices one sequence per row, not packs (give a plan or rule, or drop --paradyse-pack)")
+    if args.paradyse_cp_links is not None:
+        _check_cp_links(args.paradyse_cp_links)
     if args.seq_length % (2 * cp * tp):
         _err(f"--seq-length {args.seq_length} must be a multiple of 2 x --context-parallel-size x TP = "
              f"{2 * cp * tp}: each CP rank holds two equal chunks, split over TP")
+
+
+def _check_cp_links(value: str) -> None:
+    from ..costmodel.cp import Links
+
+    names = value.split(",")
+    if len(names) != 2:
+        _err(f"--paradyse-cp-links {value!r}: give two names, INTRA,INTER (e.g. nvlink4,ib_ndr)")
+    try:
+        Links.from_config(*names)
+    except ValueError as e:
+        _err(f"--paradyse-cp-links: {e}")
 
 
 def _check_backend(args) -> None:

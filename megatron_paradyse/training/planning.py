@@ -45,6 +45,19 @@ def calibrated_cost_model(args):
     return out
 
 
+def with_context_parallel(args, cm):
+    """``cm`` for ``--context-parallel-size C`` > 1: ``costmodel.cp.CPCostModel`` (the in-node
+    model at s/C plus the CP ring on ``--paradyse-cp-links``), planning the in-node strategy of
+    each layer at the global length; ``cm`` itself without CP."""
+    cp = getattr(args, "context_parallel_size", 1)
+    if cp == 1:
+        return cm
+    from ..costmodel.cp import CPCostModel, Links
+
+    links = args.paradyse_cp_links or ("cpu_gloo,cpu_gloo" if is_cpu() else "nvlink4,ib_ndr")
+    return CPCostModel(cm, cp, Links.from_config(*links.split(",")), ModelShape.from_args(args))
+
+
 def planner_from_args(args, can_refine: bool = True, cost_model=None):
     """``(planner, plan_fn)`` for ``--paradyse`` without ``--paradyse-plan``.
 
@@ -61,7 +74,7 @@ def planner_from_args(args, can_refine: bool = True, cost_model=None):
     """
     from megatron.core.utils import log_single_rank
 
-    cm = cost_model if cost_model is not None else cost_model_from_args(args)
+    cm = with_context_parallel(args, cost_model if cost_model is not None else cost_model_from_args(args))
     budget = args.paradyse_memory_budget
     if budget is None:
         budget = args.paradyse_memory_budget = default_memory_budget_gib()
