@@ -5,7 +5,8 @@ micro-batch and layer, and packed (stock: the same documents unpacked).
 
 One 4-rank gloo world: stock TP = 2 x DP = 2 and ParaDySe TP = 2 x CP = 2 read the same global
 batches (the loss is per token over the whole batch, so the split over replicas and CP ranks
-does not change it). Losses, gradient norms and final weights agree.
+does not change it). Losses, gradient norms and final weights agree; megatron's checkpoints
+move both ways between the two layouts; the planner plans at CP = 2 within its budget.
 """
 from __future__ import annotations
 
@@ -15,23 +16,31 @@ from megatron_paradyse.testing.spawn import run_world
 
 from .test_training import _cycling_plan_fn, _param_rel, _rel, _summary, _train
 
-STEPS = 4
+STEPS, SAVE_AT = 4, 2
 PLANNER_BUDGET_MIB = 2.5
 CP = ["--context-parallel-size", "2"]
 PACK = ["--micro-batch-size", "1", "--global-batch-size", "8", "--paradyse-pack-tokens", "64"]
 
 
-def _world(rank, world):
+def _world(rank, world, root):
     out = {}
-    hist, out["stock_params"], _ = _train(2, world, [], paradyse=False, steps=STEPS)
+    save = ["--save-interval", str(SAVE_AT)]
+    hist, out["stock_params"], _ = _train(2, world, ["--save", f"{root}/stock"] + save, paradyse=False, steps=STEPS)
     out["stock"] = _summary(hist)
     lines = []
-    hist, out["cp_params"], _ = _train(2, world, CP, paradyse=True, plan_fn_factory=_cycling_plan_fn,
-                                             steps=STEPS, lines=lines)
+    hist, out["cp_params"], _ = _train(2, world, CP + ["--save", f"{root}/cp"] + save, paradyse=True,
+                                       plan_fn_factory=_cycling_plan_fn, steps=STEPS, lines=lines)
     out["cp"], out["cp_log"] = _summary(hist), lines
     from megatron.core import parallel_state
 
     out["cp_rank"] = parallel_state.get_context_parallel_rank()
+    # checkpoints are megatron's: stock's step-2 checkpoint resumes under CP, and the reverse
+    load = ["--ckpt-step", str(SAVE_AT)]
+    hist, _, _ = _train(2, world, CP + ["--load", f"{root}/stock"] + load, paradyse=True,
+                        plan_fn_factory=_cycling_plan_fn, steps=STEPS)
+    out["stock_to_cp"] = _summary(hist)
+    hist, _, _ = _train(2, world, ["--load", f"{root}/cp"] + load, paradyse=False, steps=STEPS)
+    out["cp_to_stock"] = _summary(hist)
     lines = []
     hist, _, _ = _train(2, world, CP + ["--paradyse-memory-budget", str(PLANNER_BUDGET_MIB / 1024)], paradyse=True,
                         steps=STEPS, lines=lines)
@@ -49,8 +58,8 @@ def _world(rank, world):
 
 
 @pytest.fixture(scope="module")
-def cp_world():
-    return run_world(_world, 4, timeout=300)
+def cp_world(tmp_path_factory):
+    return run_world(_world, 4, str(tmp_path_factory.mktemp("cpckpt")), timeout=300)
 
 
 def _compare(got, ref, got_params, ref_params, label):
@@ -73,6 +82,18 @@ def test_cp_training_equals_stock_without_cp(cp_world):
     assert {r["cp_rank"] for r in cp_world} == {0, 1}
     for r in cp_world[1:]:
         assert [x["loss"] for x in r["cp"]] == [x["loss"] for x in r0["cp"]]
+
+
+def test_checkpoints_move_both_ways_between_stock_and_cp(cp_world):
+    """Stock TP = 2 x DP = 2's step-2 checkpoint resumes at CP = 2 x TP = 2 and the reverse; each
+    continuation equals the uninterrupted run's steps 3-4."""
+    r0 = cp_world[0]
+    for key in ("stock_to_cp", "cp_to_stock"):
+        got = r0[key]
+        assert [x["it"] for x in got] == list(range(SAVE_AT + 1, STEPS + 1)), got
+        worst = max(_rel(x["loss"], y["loss"]) for x, y in zip(got, r0["stock"][SAVE_AT:]))
+        print(f"\n{key}: max rel loss err {worst:.2e} against stock's steps {SAVE_AT + 1}-{STEPS}")
+        assert worst < 1e-5
 
 
 def test_the_planner_plans_under_cp_within_budget(cp_world):

@@ -62,7 +62,8 @@ def set_rng_state(state: dict) -> None:
 
 
 def rng_sharded_object(state_list=None):
-    """The ``rng_state`` entry of this TP rank: the list over DP ranks (None: a load template)."""
+    """The ``rng_state`` entry of this TP rank: the list over DP ranks (None: a load template);
+    one writer per (PP, TP) rank over DP x CP, as Megatron-LM keys it (CP ranks replicate it)."""
     from megatron.core import parallel_state
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -72,5 +73,5 @@ def rng_sharded_object(state_list=None):
          parallel_state.get_tensor_model_parallel_world_size()),
         (parallel_state.get_pipeline_model_parallel_rank(),
          parallel_state.get_tensor_model_parallel_rank()),
-        replica_id=parallel_state.get_data_parallel_rank(),
+        replica_id=parallel_state.get_data_parallel_rank(with_context_parallel=True),
     )
