@@ -38,6 +38,15 @@ naming the functions that need it:
     does only ``if torch.cuda.device_count() > 0``. Needed by every
     ``get_cuda_rng_tracker().fork()``: without it the first ``DotProductAttention.forward``
     fails (``cuda rng state model-parallel-rng is not added``). Both versions.
+``jit_warmup``
+    ``initialize._warmup_jit_function`` runs with the CPU random generator's state saved and
+    restored. It draws random inputs of ``--seq-length / --context-parallel-size`` tokens on
+    ``device="cuda"``: on a GPU from the CUDA generator, here (``device`` shim) from the CPU
+    one, which ``--use-cpu-initialization`` then initialises the weights from, so the
+    initial weights would depend on the warmup's shapes (runs at different
+    ``--context-parallel-size`` would start from different weights). Needed by
+    ``training.pretrain()`` (``set_jit_fusion_options``, before the model is built). Both
+    versions.
 ``device_arch``
     ``utils.get_device_arch_version`` (also the copy in ``arguments``) returns 0 instead of
     querying CUDA device 0, and ``CUDA_DEVICE_MAX_CONNECTIONS`` defaults to ``1`` (it means
@@ -65,7 +74,8 @@ from . import cpu_compat
 from .device import is_cpu
 
 _APPLIED: set = set()
-ALL_SHIMS = ("batch_invariant", "no_cuda_assert", "distributed", "seed", "device_arch", "memory")
+ALL_SHIMS = ("batch_invariant", "no_cuda_assert", "distributed", "seed", "jit_warmup", "device_arch",
+             "memory")
 
 
 def needed() -> bool:
@@ -181,6 +191,21 @@ def _seed():
     initialize._set_random_seed = _set_random_seed
 
 
+def _jit_warmup():
+    from megatron.training import initialize
+
+    orig = getattr(initialize, "_warmup_jit_function", None)
+    if orig is None or getattr(orig, "_paradyse", False):
+        return
+
+    def _warmup_jit_function(*args, **kwargs):
+        with torch.random.fork_rng(devices=[]):
+            return orig(*args, **kwargs)
+
+    _warmup_jit_function._paradyse = True
+    initialize._warmup_jit_function = _warmup_jit_function
+
+
 def _device_arch():
     from megatron.training import arguments, utils
 
@@ -202,6 +227,6 @@ def _memory():
 
 _SHIMS = {
     "batch_invariant": _batch_invariant, "no_cuda_assert": _no_cuda_assert,
-    "distributed": _distributed, "seed": _seed, "device_arch": _device_arch,
+    "distributed": _distributed, "seed": _seed, "jit_warmup": _jit_warmup, "device_arch": _device_arch,
     "memory": _memory,
 }

@@ -12,8 +12,9 @@ attention also covers the keys of the other CP ranks:
 * ``tp_sp`` and ``ulysses`` hold heads/p of all 2L local tokens after their gather or
   all-to-all; their K/V travel a ring over the CP group (:func:`cp_layout`: C owners);
 * the ring family holds its in-node layout's tokens (``zigzag`` / ``pack_layout``, built on the
-  local tokens) with all heads; their K/V travel one ring over megatron's TP x CP group
-  (:func:`joint_layout`: C*p owners, node-major), so a hop crosses nodes only between nodes.
+  local tokens) with all heads; their K/V travel a two-level ring (``ring_comm.TwoLevel``:
+  :func:`joint_layout`'s C*p owners): an outer ring over the CP group whose every step runs
+  an inner ring over the switching group, so a block crosses nodes C-1 times per pass.
 
 Blocks, causality and the hops a pack skips come from global positions
 (``pack_layout.PieceLayout``). RoPE: megatron slices its rotary table by CP rank for one
@@ -28,37 +29,32 @@ import torch
 import torch.distributed as dist
 
 from .pack_layout import PackedLayout, PieceLayout, place
+from .ring_comm import TwoLevel
 from .packing import Documents
 from .zigzag import RingLayout
 
 
 @dataclasses.dataclass(frozen=True)
 class CP:
-    """This rank's place in the CP dimension: ``size`` C, ``rank`` c, megatron's CP ``group``
-    and its TP x CP ``joint`` group (group rank ``c * p + tp rank``)."""
+    """This rank's place in the CP dimension: ``size`` C, ``rank`` c, megatron's CP ``group``."""
 
     size: int
     rank: int
     group: object
-    joint: object
 
 
-def cp_of(config, tp_rank: int, p: int) -> CP | None:
+def cp_of(config) -> CP | None:
     """The CP dimension of a model built with ``config``, or None without one (C = 1)."""
     size = getattr(config, "context_parallel_size", 1) or 1
     if size == 1:
         return None
     from megatron.core import parallel_state as ps
 
-    group, joint = ps.get_context_parallel_group(), ps.get_tensor_and_context_parallel_group()
-    rank = dist.get_rank(group)
-    if dist.get_world_size(group) != size or dist.get_rank(joint) != rank * p + tp_rank:
-        raise RuntimeError(
-            f"context_parallel_size={size}: megatron's CP group has {dist.get_world_size(group)} ranks and "
-            f"this rank is {dist.get_rank(joint)} of the TP x CP group, expected CP rank x p + TP rank = "
-            f"{rank * p + tp_rank}: initialise megatron's parallel state with this context_parallel_size "
-            "and its default order (tp-cp-ep-dp-pp)")
-    return CP(size, rank, group, joint)
+    group = ps.get_context_parallel_group()
+    if dist.get_world_size(group) != size:
+        raise RuntimeError(f"the model was built with context_parallel_size={size} but megatron's CP group has "
+                           f"{dist.get_world_size(group)} ranks: initialise its parallel state with the same size")
+    return CP(size, dist.get_rank(group), group)
 
 
 def chunks(size: int, rank: int, local: int) -> tuple:
@@ -118,7 +114,7 @@ def packed_inner(p: int, local_docs: Documents) -> PackedLayout:
 
 @functools.lru_cache(maxsize=64)
 def joint_layout(size: int, p: int, local: int, docs: Documents | None) -> PieceLayout:
-    """The ring family's ring over TP x CP: owner ``c * p + t`` holds TP rank t's in-node tokens
+    """The ring family's blocks under CP: owner ``c * p + t`` holds TP rank t's in-node tokens
     of CP rank c, at their global positions."""
     owners = []
     for c in range(size):
@@ -150,13 +146,13 @@ class Span:
 
 def ring_span(inner, group, rank: int, cp: CP | None, docs: Documents | None, device=None) -> Span:
     """The ring family's attention for this rank, which holds ``inner``'s tokens of rank ``rank``
-    of the switching ``group``: that ring alone, or with CP the joint ring over TP x CP."""
+    of the switching ``group``: that ring alone, or with CP the two-level ring over CP x TP."""
     local_ranges = inner.ranges(rank)
     if cp is None:
         return Span(inner.rope_positions(rank, device), group, inner)
     local = docs.total // cp.size if docs is not None else inner.total
     layout = joint_layout(cp.size, inner.p, local, docs)
-    return Span(rope_positions(cp, docs, local_ranges, device), cp.joint, layout)
+    return Span(rope_positions(cp, docs, local_ranges, device), TwoLevel(group, cp.group), layout)
 
 
 def split_for_cp(x, size: int, rank: int, dim: int = 1):

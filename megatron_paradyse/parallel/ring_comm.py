@@ -2,9 +2,15 @@
 the gradients of travelling tensors home.
 
 ``ring`` and ``colossal`` pass K/V blocks this way, METP's MLP its weight shards;
-:class:`GradRing` is the backward pair of :func:`ring_stream`.
+:class:`GradRing` is the backward pair of :func:`ring_stream`. With context parallelism the
+ring family's ring is :class:`TwoLevel`: an outer ring over the CP group (across nodes) whose
+every step runs an inner ring over the switching group (inside the node), so a block crosses
+nodes C-1 times per pass, not C*p-1, and each crossing is in flight during an inner ring.
 """
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import torch
 import torch.distributed as dist
@@ -29,7 +35,7 @@ def _reach(last, src: int, p: int) -> int:
     return p - 1 if last is None else last[src]
 
 
-def ring_stream(tensors: list, group, slot_name, last=None, shapes=None):
+def ring_stream(tensors: list, group, slot_name, last=None, shapes=None, like=None):
     """Pass ``tensors`` around the ring: yield ``(src, tensors held now)`` for the p steps,
     starting with this rank's own (``src`` is the group rank that owns them).
 
@@ -38,11 +44,17 @@ def ring_stream(tensors: list, group, slot_name, last=None, shapes=None):
     generator has been advanced twice. ``last[src]`` (optional): the last step at which some
     rank needs ``src``'s tensors; they travel no further, and where they have not arrived the
     step yields ``(src, None)``. ``shapes(src)`` (optional): the shapes of ``src``'s tensors
-    (default: this rank's).
+    (default: this rank's). ``tensors`` may be None (this rank has none to send: ``like`` gives
+    the receive buffers' dtype and device). A :class:`TwoLevel` ``group`` yields its owners
+    (``last``: :func:`reach`'s tables).
     """
+    if isinstance(group, TwoLevel):
+        yield from _two_level_stream(tensors, group, slot_name, last, shapes)
+        return
     rank, p, _ = group_info(group)
-    shape_of = shapes or (lambda src: [t.shape for t in tensors])
-    cur = list(tensors)
+    like = like if like is not None else tensors
+    shape_of = shapes or (lambda src: [t.shape for t in like])
+    cur = None if tensors is None else list(tensors)
     for step in range(p):
         src, prev_src = (rank - step) % p, (rank - step - 1) % p
         nxt, reqs = None, []
@@ -51,7 +63,7 @@ def ring_stream(tensors: list, group, slot_name, last=None, shapes=None):
             recvs = []
             if step + 1 <= _reach(last, prev_src, p):
                 nxt = [pool_buffer(slot_name(k, step % 2), shp, t.dtype, t.device)
-                       for k, (t, shp) in enumerate(zip(tensors, shape_of(prev_src)))]
+                       for k, (t, shp) in enumerate(zip(like, shape_of(prev_src)))]
                 recvs = [(t, (rank - 1) % p) for t in nxt]
             reqs = _p2p(sends, recvs, group)
         yield src, cur
@@ -111,3 +123,120 @@ class GradRing:
     def result(self) -> list:
         wait(self.reqs)  # the owner's complete gradient has come home
         return self.home
+
+
+# ------------------------------------------------------------------------------ two levels
+@dataclasses.dataclass(frozen=True)
+class TwoLevel:
+    """A ring over ``outer`` (the CP group, across nodes) x ``inner`` (the switching group):
+    owner ``c * p + t`` is CP rank c's TP rank t (``context.joint_layout``'s order)."""
+
+    inner: object
+    outer: object
+
+    def position(self) -> tuple:
+        """``(owner index of this rank, number of owners)``."""
+        p = dist.get_world_size(self.inner)
+        return dist.get_rank(self.outer) * p + dist.get_rank(self.inner), dist.get_world_size(self.outer) * p
+
+
+def ring_position(group) -> tuple:
+    """``(this rank's owner index, ring size)`` of a process group or a :class:`TwoLevel`."""
+    if isinstance(group, TwoLevel):
+        return group.position()
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reach:
+    """How far blocks travel on a :class:`TwoLevel` ring: ``outer[t][c]``, the last outer step
+    at which some rank needs owner (c, t)'s block; :meth:`inner` per node and outer step."""
+
+    outer: tuple
+    needs: object
+    C: int
+    p: int
+
+    @functools.lru_cache(maxsize=1024)
+    def inner(self, c: int, j: int) -> tuple:
+        """Node c at outer step j holds owners ((c-j) % C, t): for each t the last inner step at
+        which a rank of the node needs it, -1 where it did not come (it goes nowhere)."""
+        sc, p = (c - j) % self.C, self.p
+        return tuple(-1 if j > self.outer[t][sc] else
+                     max((s for s in range(p) if self.needs(c * p + (t + s) % p, sc * p + t)), default=0)
+                     for t in range(p))
+
+
+def reach(layout, group):
+    """The ``last`` argument of :func:`ring_stream` / :class:`GradRing` for ``layout``'s blocks on
+    ``group``: its ``last_hops()`` on one group, :class:`Reach` on a :class:`TwoLevel` ring."""
+    if not isinstance(group, TwoLevel):
+        return layout.last_hops()
+    return _two_level_reach(layout, dist.get_world_size(group.outer), dist.get_world_size(group.inner))
+
+
+@functools.lru_cache(maxsize=64)
+def _two_level_reach(layout, C: int, p: int) -> Reach:
+    def needs(rank, src):
+        return bool(layout.kernel_blocks(rank, src))
+
+    outer = tuple(tuple(max((j for j in range(C) if any(needs(((sc + j) % C) * p + u, sc * p + t) for u in range(p))),
+                            default=0) for sc in range(C)) for t in range(p))
+    return Reach(outer, needs, C, p)
+
+
+def _outer_slot(slot_name):
+    return lambda k, slot: slot_name(k, 2 + slot)  # the outer ring's own pool slots
+
+
+def _two_level_stream(tensors, ring: TwoLevel, slot_name, last: Reach | None, shapes):
+    """:func:`ring_stream` over a :class:`TwoLevel` ring: the outer ring's step brings the
+    block of owner ((c-j) % C, t); an inner ring passes the node's blocks of that step round."""
+    c, C = dist.get_rank(ring.outer), dist.get_world_size(ring.outer)
+    t, p = dist.get_rank(ring.inner), dist.get_world_size(ring.inner)
+    shape_of = shapes or (lambda owner: [x.shape for x in tensors])
+    outer_last = None if last is None else last.outer[t]
+    for sc, held in ring_stream(tensors, ring.outer, _outer_slot(slot_name), last=outer_last,
+                                shapes=lambda src: shape_of(src * p + t)):
+        j = (c - sc) % C
+        inner_last = None if last is None else last.inner(c, j)
+        for st, cur in ring_stream(held, ring.inner, slot_name, last=inner_last,
+                                   shapes=lambda src, sc=sc: shape_of(sc * p + src), like=tensors):
+            yield sc * p + st, cur
+
+
+def grad_ring(like: list, group, last=None, shapes=None):
+    """:class:`GradRing` for ``group``, or its two-level form on a :class:`TwoLevel` ring."""
+    if isinstance(group, TwoLevel):
+        return TwoLevelGradRing(like, group, last, shapes)
+    return GradRing(like, group, last=last, shapes=shapes)
+
+
+class TwoLevelGradRing:
+    """:class:`GradRing` on a :class:`TwoLevel` ring, fed in :func:`ring_stream`'s order: per
+    outer step an inner GradRing sums the node's contributions to the blocks it holds; each
+    holder adds that sum to the outer GradRing, which brings it home across the nodes."""
+
+    def __init__(self, like, ring: TwoLevel, last: Reach | None, shapes):
+        self.like, self.last = like, last
+        self.c, self.C = dist.get_rank(ring.outer), dist.get_world_size(ring.outer)
+        self.t, self.p = dist.get_rank(ring.inner), dist.get_world_size(ring.inner)
+        self.ring, self.steps = ring, 0
+        self.shape_of = shapes or (lambda owner: [x.shape for x in like])
+        self.outer = GradRing(like, ring.outer, last=None if last is None else last.outer[self.t],
+                              shapes=lambda src: self.shape_of(src * self.p + self.t))
+        self.inner = None
+
+    def add(self, contrib) -> None:
+        j, s = divmod(self.steps, self.p)
+        if s == 0:
+            sc = (self.c - j) % self.C
+            self.inner = GradRing(self.like, self.ring.inner, last=None if self.last is None else self.last.inner(self.c, j),
+                                  shapes=lambda src, sc=sc: self.shape_of(sc * self.p + src))
+        self.inner.add(contrib)
+        self.steps += 1
+        if s == self.p - 1:
+            self.outer.add(self.inner.result())
+
+    def result(self) -> list:
+        return self.outer.result()

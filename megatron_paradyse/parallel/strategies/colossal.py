@@ -31,7 +31,7 @@ import torch
 
 from ..attention_kernels import expand_kv, reduce_kv
 from ..buffers import block_slot
-from ..ring_comm import GradRing, ring_stream
+from ..ring_comm import grad_ring, reach, ring_position, ring_stream
 from .ring_base import RingStrategy
 
 
@@ -43,13 +43,13 @@ def _ring(block, group, layout, visit, grad: bool = False):
     With ``grad``, ``visit`` returns this rank's fp32 gradient contribution to the block it
     sees, and the complete gradient of this rank's own block is returned (:class:`GradRing`).
     """
-    rank = torch.distributed.get_rank(group)
-    last = layout.last_hops()
+    rank = ring_position(group)[0]
+    last = reach(layout, group)
 
     def shapes(src):
         return [block.shape[:2] + (layout.count(src),) + block.shape[3:]]
 
-    grads = GradRing([block], group, last=last, shapes=shapes) if grad else None
+    grads = grad_ring([block], group, last=last, shapes=shapes) if grad else None
     for src, held in ring_stream([block], group, lambda k, slot: block_slot("k", slot), last=last, shapes=shapes):
         blocks = layout.score_blocks(rank, src) if held is not None else ()
         g = visit(src, held[0], blocks) if blocks else None
@@ -81,7 +81,7 @@ class RingSelfAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group, scale, layout):
-        rank = torch.distributed.get_rank(group)
+        rank = ring_position(group)[0]
         b, n, sl, d = q.shape
         rep = n // k.shape[1]
         make = torch.full if layout.packed else (lambda shape, _, **kw: torch.empty(shape, **kw))
@@ -117,7 +117,7 @@ class RingSelfAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, probs = ctx.saved_tensors
         group, scale, rep, layout = ctx.group, ctx.scale, ctx.rep, ctx.layout
-        rank = torch.distributed.get_rank(group)
+        rank = ring_position(group)[0]
         b, n, sl, d = q.shape
         groups = layout.row_groups(rank)
         dout = dout.to(q.dtype)

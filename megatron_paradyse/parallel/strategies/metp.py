@@ -241,7 +241,7 @@ class METP(Strategy):
         b = bias_of(qkv)
         b = b if (b is not None and not qkv.skip_bias_add) else None
         qf, kf = rope_freqs(rotary_pos_emb)
-        cp = context.cp_of(attn.config, geo.rank, geo.p)
+        cp = context.cp_of(attn.config)
         layout = ring_layout(hidden_states, geo.group, docs, cp)
         x = arrange(hidden_states, layout, geo.group)
         span = context.ring_span(layout, geo.group, geo.rank, cp, docs, hidden_states.device)

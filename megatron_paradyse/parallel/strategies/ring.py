@@ -20,7 +20,7 @@ import torch.distributed as dist
 from .. import context
 from ..attention_kernels import attn_backward, attn_forward, causal_attention, document_attention, merge_lse
 from ..buffers import block_slot
-from ..ring_comm import GradRing, ring_stream
+from ..ring_comm import grad_ring, reach, ring_position, ring_stream
 from .ring_base import RingStrategy
 
 
@@ -44,7 +44,7 @@ def _shapes(k, v, layout):
 
 def kv_stream(k, v, group, layout):
     """:func:`ring_stream` of ``[k, v]`` as far as ``layout`` needs them to travel."""
-    return ring_stream([k, v], group, _slot, last=layout.last_hops(), shapes=_shapes(k, v, layout))
+    return ring_stream([k, v], group, _slot, last=reach(layout, group), shapes=_shapes(k, v, layout))
 
 
 def ring_forward(q, kv_steps, layout, rank, scale):
@@ -95,7 +95,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group, scale, layout):
-        rank = dist.get_rank(group)
+        rank = ring_position(group)[0]
         out, lse = ring_forward(q, kv_stream(k, v, group, layout), layout, rank, scale)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -105,10 +105,10 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        rank = dist.get_rank(ctx.group)
+        rank = ring_position(ctx.group)[0]
         dq = torch.zeros_like(q, dtype=torch.float32)
         layout = ctx.layout
-        grads = GradRing([k, v], ctx.group, last=layout.last_hops(), shapes=_shapes(k, v, layout))
+        grads = grad_ring([k, v], ctx.group, last=reach(layout, ctx.group), shapes=_shapes(k, v, layout))
         for src, kv in kv_stream(k, v, ctx.group, layout):
             blocks = layout.kernel_blocks(rank, src) if kv is not None else ()
             grads.add(step_backward(dout, q, out, lse, dq, *(kv or (None, None)), blocks, ctx.scale))
@@ -119,7 +119,7 @@ class RingAttention(torch.autograd.Function):
 def ring_attention(q, k, v, group, scale, layout):
     """``q [b, n, s/p, d]``, ``k``/``v`` ``[b, kv, s/p, d]`` holding ``layout``'s tokens of this
     rank, to the causal output like ``q`` (attention inside each document of a packed layout)."""
-    if torch.distributed.get_world_size(group) == 1 and not layout.packed:
+    if ring_position(group)[1] == 1 and not layout.packed:
         return causal_attention(q, k, v, scale)
     return RingAttention.apply(q, k, v, group, scale, layout)
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch.distributed as dist
-
 from .. import context, pack_layout, zigzag
+from ..ring_comm import ring_position
 from .base import Strategy, from_bhsd, geometry, to_bhsd, zero_support
 from .zero3 import mlp, qkv_local_tokens, row
 
@@ -16,7 +15,7 @@ class RingStrategy(Strategy):
     projection with gathered weights, the ZeRO MLP, and a ring attention core that
     subclasses provide. The layer's tokens are re-laid out to the balanced (zig-zag) split
     after the layer input and back after the output projection (``zigzag.py``). With context
-parallelism the ring runs over megatron's TP x CP group (``context.py``)."""
+parallelism the ring runs over TP inside CP (``ring_comm.TwoLevel``, ``context.py``)."""
 
     def supports(self, config, p):
         return zero_support(config, p)
@@ -28,7 +27,7 @@ parallelism the ring runs over megatron's TP x CP group (``context.py``)."""
 
     def attention(self, attn, hidden_states, rotary_pos_emb, docs=None):
         geo = geometry(attn)
-        cp = context.cp_of(attn.config, geo.rank, geo.p)
+        cp = context.cp_of(attn.config)
         layout = ring_layout(hidden_states, geo.group, docs, cp)
         x = arrange(hidden_states, layout, geo.group)
         span = context.ring_span(layout, geo.group, geo.rank, cp, docs, hidden_states.device)
@@ -54,11 +53,11 @@ def ring_layout(hidden_states, group, docs=None, cp=None):
 
 
 def span_geometry(geo, span):
-    """``geo`` with the ring's group (TP x CP under context parallelism)."""
+    """``geo`` with the ring's group (``ring_comm.TwoLevel`` under context parallelism)."""
     if span.group is geo.group:
         return geo
-    return dataclasses.replace(geo, group=span.group, rank=dist.get_rank(span.group),
-                               p=dist.get_world_size(span.group))
+    rank, size = ring_position(span.group)
+    return dataclasses.replace(geo, group=span.group, rank=rank, p=size)
 
 
 def arrange(x, layout, group):

@@ -26,7 +26,7 @@ class TPSP(Strategy):
         geo = geometry(attn)
         q, k, v = attn.get_query_key_value_tensors(hidden_states)
         qf, kf = rope_freqs(rotary_pos_emb)
-        cp = context.cp_of(attn.config, geo.rank, geo.p)
+        cp = context.cp_of(attn.config)
         pos = context.rope_positions(cp, docs, [(0, q.shape[0])], q.device)
         q, k = apply_rope(q, qf, attn.config, pos), apply_rope(k, kf, attn.config, pos)
         ctx = sequence_attention(to_bhsd(q), to_bhsd(k), to_bhsd(v), geo.scale, docs, cp)

@@ -54,7 +54,7 @@ class Ulysses(Strategy):
     def attention(self, attn, hidden_states, rotary_pos_emb, docs=None):
         geo = geometry(attn)
         sl = hidden_states.shape[0]
-        cp = context.cp_of(attn.config, geo.rank, geo.p)
+        cp = context.cp_of(attn.config)
         pos = context.rope_positions(cp, docs, [(geo.rank * sl, (geo.rank + 1) * sl)], hidden_states.device)
         q, k, v = zero3.qkv_local_tokens(attn, hidden_states, rotary_pos_emb, geo, pos)
         if geo.groups < geo.p:

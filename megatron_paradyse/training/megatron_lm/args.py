@@ -87,19 +87,59 @@ def virtual_pipeline_error(args) -> str:
             f"with --pipeline-model-parallel-size (drop {flag})")
 
 
+def layout_unit(args) -> int:
+    """What every micro-batch's length must be a multiple of: TP, or with context parallelism
+    2 x CP x TP (each CP rank holds two equal chunks, each sequence-sharded over TP)."""
+    tp, cp = args.tensor_model_parallel_size, getattr(args, "context_parallel_size", 1) or 1
+    return 2 * cp * tp if cp > 1 else tp
+
+
+def pad_multiple(args) -> int:
+    """The multiple the forward step pads each micro-batch's length to (``--paradyse-pad-multiple``,
+    else :func:`layout_unit`)."""
+    return getattr(args, "paradyse_pad_multiple", None) or layout_unit(args)
+
+
+def _check_context_parallel(args, tp: int) -> None:
+    """``--context-parallel-size C > 1`` with ``--paradyse``: every strategy attends across the CP
+    ranks itself (megatron's local attention cannot), with K/V on a ring (megatron's 'p2p'), one CP
+    level, no pipeline stages, sequences in 2 x C x TP equal pieces. The forward step reads the
+    whole micro-batch and runs this CP rank's chunks (``get_batch_on_this_cp_rank``'s); a pack's
+    boundaries stay the whole pack's."""
+    cp = args.context_parallel_size
+    if int(getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1:
+        raise ValueError(f"--context-parallel-size {cp} with --pipeline-model-parallel-size "
+                         f"{args.pipeline_model_parallel_size} is not supported with --paradyse (give one of them)")
+    comm = getattr(args, "cp_comm_type", None) or ["p2p"]
+    comm = [comm] if isinstance(comm, str) else list(comm)
+    if any(c != "p2p" for c in comm):
+        raise ValueError(f"--cp-comm-type {' '.join(comm)}: with --paradyse every strategy passes K/V on a ring "
+                         "over the CP group (megatron's p2p); give --cp-comm-type p2p or leave the flag out")
+    if getattr(args, "hierarchical_context_parallel_sizes", None):
+        raise ValueError("--hierarchical-context-parallel-sizes is not supported with --paradyse: one CP ring "
+                         "(drop the flag)")
+    if getattr(args, "hybrid_context_parallel", False):
+        raise ValueError("--hybrid-context-parallel is not supported with --paradyse: every micro-batch is "
+                         "split over all --context-parallel-size ranks (drop the flag)")
+    unit = 2 * cp * tp
+    if args.seq_length % unit:
+        raise ValueError(f"--seq-length {args.seq_length} must be a multiple of 2 x --context-parallel-size x "
+                         f"--tensor-model-parallel-size = {unit} with --paradyse: each CP rank holds two "
+                         "equal chunks, each split over TP")
+
+
 def _check_switchable(args) -> None:
     """Megatron-LM's flags under which the strategies can switch: the TP+SP layout, pipeline
-    stages only with the 1F1B schedule, no context parallelism, local layers, no dropout, no
-    overlapped parameter gather."""
+    stages only with the 1F1B schedule, context parallelism as :func:`_check_context_parallel`
+    says, local layers, no dropout, no overlapped parameter gather."""
     if args.overlap_param_gather:
         raise ValueError(OVERLAP_PARAM_GATHER_WITH_PARADYSE)
     tp = args.tensor_model_parallel_size
     if tp > 1 and not args.sequence_parallel:
         raise ValueError("--paradyse needs --sequence-parallel: every strategy keeps the "
                          "[s/p, b, h] sequence-parallel layout between layers")
-    if args.context_parallel_size != 1:
-        raise ValueError("--paradyse needs --context-parallel-size 1 (ParaDySe's ulysses/ring "
-                         "strategies replace context parallelism inside the TP group)")
+    if args.context_parallel_size > 1:
+        _check_context_parallel(args, tp)
     # Megatron-LM's validate_args has turned every interleaving flag into this one
     if getattr(args, "virtual_pipeline_model_parallel_size", None) is not None:
         raise ValueError(virtual_pipeline_error(args))
@@ -109,11 +149,14 @@ def _check_switchable(args) -> None:
                          "switchable)")
     if args.hidden_dropout or args.attention_dropout:
         raise ValueError("--paradyse needs --hidden-dropout 0 --attention-dropout 0")
+    unit = layout_unit(args)
     if args.paradyse_pad_multiple is not None and (
-            args.paradyse_pad_multiple < 1 or args.paradyse_pad_multiple % tp):
+            args.paradyse_pad_multiple < 1 or args.paradyse_pad_multiple % unit):
+        what = (f"2 x --context-parallel-size x --tensor-model-parallel-size = {unit}"
+                if args.context_parallel_size > 1 else f"--tensor-model-parallel-size {tp}")
         raise ValueError(f"--paradyse-pad-multiple {args.paradyse_pad_multiple} must be a positive "
-                         f"multiple of --tensor-model-parallel-size {tp}")
-    why = positions_error(args, args.paradyse_pad_multiple or tp)
+                         f"multiple of {what}")
+    why = positions_error(args, pad_multiple(args))
     if why:
         raise ValueError(why)
     _check_recompute(args)

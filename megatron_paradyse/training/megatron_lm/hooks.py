@@ -4,6 +4,7 @@ and their checks), ``pretrain`` (the forward step and datasets providers),
 ``compile_helpers`` where the compiled module ships; installed and removed together."""
 from __future__ import annotations
 
+from ...parallel.dispatch import install
 from ..arguments import ArgumentError
 from .args import check_paradyse_args, compose_args_providers
 from .providers import paradyse_datasets_provider, paradyse_forward_step
@@ -23,7 +24,10 @@ def _wrap_parse_args(orig):
 
 def _wrap_validate_args(orig):
     """``validate_args`` followed by :func:`check_paradyse_args` (its ``ValueError`` a user's
-    mistake: one line, exit status 2, through the entry point's ``exit_on_user_error``)."""
+    mistake: one line, exit status 2, through the entry point's ``exit_on_user_error``). With
+    ``--paradyse`` the plugin is installed here, before Megatron-LM's model provider builds the
+    model: with context parallelism megatron's local ``DotProductAttention`` is built through the
+    plugin's patch (stock asserts CP = 1 when built; the strategies attend across CP ranks)."""
     def validate_args(args, *rest, **kwargs):
         out = orig(args, *rest, **kwargs)
         try:
@@ -32,6 +36,8 @@ def _wrap_validate_args(orig):
             raise
         except ValueError as e:
             raise ArgumentError(str(e)) from None
+        if getattr(args, "paradyse", False):
+            install()
         return out
 
     validate_args._paradyse = True

@@ -11,6 +11,7 @@ from ...units import MiB
 from ...parallel.plans import describe_plans, parse_plan, rule_plan_fn
 from ..iterator import PlannedIterator
 from ..planning import MicroBatchView, planner_from_args
+from .args import pad_multiple
 from .batches import tp_batches
 
 _MEGATRON_ITERATORS: dict = {}
@@ -39,7 +40,7 @@ def planned_iterator(data_iterator, model):
         holder, it = cached
         holder[0] = data_iterator
         return it
-    multiple = args.paradyse_pad_multiple or args.tensor_model_parallel_size
+    multiple = pad_multiple(args)  # TP, or 2 x CP x TP: this CP rank's chunks split over TP
     holder = [data_iterator]
     if model.training:
         from megatron.core.num_microbatches_calculator import get_num_microbatches

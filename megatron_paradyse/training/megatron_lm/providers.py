@@ -17,8 +17,10 @@ def paradyse_forward_step(stock_forward_step=None):
     with none, the same data path with every plan ``None``: stock megatron-core layers). With
     it: installs the plugin once, reads each training step's micro-batches ahead (through
     Megatron-LM's TP-rank-0 broadcast), cuts each after its last loss-bearing token (rounded
-    up to a multiple of the TP size), gives each its plan from ``--paradyse-plan``, checks with
-    one all-reduce that all ranks agree, and runs the stock GPT forward with Megatron-LM's loss.
+    up to a multiple of the TP size, with context parallelism of 2 x CP x TP), gives each its
+    plan from ``--paradyse-plan``, checks with one all-reduce that all ranks agree, and runs the
+    stock GPT forward with Megatron-LM's loss (with CP on this CP rank's two chunks, megatron's
+    ``get_batch_on_this_cp_rank`` split; Megatron-LM sums the loss reports over DP x CP).
     """
 
     def reads_planned(args) -> bool:
@@ -35,7 +37,8 @@ def paradyse_forward_step(stock_forward_step=None):
         if paradyse:
             install()
         it = planned_iterator(data_iterator, model)
-        return forward_step(it, model, paradyse=paradyse)
+        # with context parallelism this rank runs its CP chunks of the micro-batch read whole
+        return forward_step(it, model, paradyse=paradyse, cp=int(args.context_parallel_size or 1))
 
     _forward_step._paradyse = True
     _forward_step.reads_planned = reads_planned  # schedule.py: pipeline stages read ahead
