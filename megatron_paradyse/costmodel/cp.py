@@ -1,0 +1,278 @@
+"""Context parallelism (CP) across nodes composed with the switching group: a cost model.
+
+Megatron's CP of size C cuts a sequence of ``s`` tokens into 2C chunks; CP rank c (one node)
+holds chunks c and 2C-1-c (the balanced order), ``s/C`` local tokens, sequence-sharded over
+the node's p TP ranks. Every layer runs an in-node ParaDySe strategy on those local tokens,
+and attention also covers the other CP ranks' keys:
+
+* ``tp_sp`` and ``ulysses`` (heads/p of all local tokens after their in-node gather or
+  all-to-all): their K/V ring over the CP group, C-1 hops forward; backward the K/V ring
+  again and a travelling dK/dV accumulator, C hops; every hop crosses nodes;
+* ``ring``, ``colossal``, ``metp`` (s/(Cp) tokens, all heads): a ring over the C*p ranks
+  that replaces their in-node ring of p-1 hops, in one of two forms (``ring=``): two-level
+  (the default, ``parallel/ring_comm.TwoLevel``'s): an outer ring over the C nodes whose every
+  step runs the in-node ring, C-1 inter-node and C*(p-1) in-node hops per pass; flat: one
+  ring in node-major order, C*p-1 hops per pass, C of the links of every hop crossing nodes,
+  so each hop takes the inter-node link's time.
+
+A K/V hop carries ``s/(C p) * 2 * kv_heads * head_dim * elt`` bytes from every rank (the
+same for both families); a dK/dV hop the same tokens in fp32. :class:`CPCostModel` prices a
+layer at the GLOBAL length as the in-node model's layer at ``s/C`` plus the work and bytes CP
+adds (its docstring). Weights are replicated over CP ranks (megatron reduces gradients over
+DP x CP), so static memory does not change with C. Every number is a model's, not a
+measurement; ``bench/simulate_cp.py`` uses it at 64-512 GPUs.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ..parallel.plans import split_entry
+from . import analytic, packs
+from .base import CostModel, LayerCost
+from .fitted import rates_predict
+from .shape import ModelShape
+
+RING_FAMILY = ("ring", "colossal", "metp")   # sequence-sharded inside the node: one ring over C x p
+RING_FORMS = ("two_level", "flat")           # the ring family's ring over C x p ranks (CPCostModel.ring_seconds)
+
+
+@dataclasses.dataclass(frozen=True)
+class Links:
+    """Two alpha-beta link classes: inside a node (between TP ranks) and between nodes (one
+    NIC per GPU). Bandwidth in bytes/s per direction per rank, alpha in seconds per step.
+    :meth:`from_config` names them from ``configs/interconnects.json``; the constructor takes
+    explicit numbers (a single-device profile's, or a simulation's own rates)."""
+
+    intra_bandwidth: float
+    intra_alpha: float
+    inter_bandwidth: float
+    inter_alpha: float
+    intra_name: str = "explicit"
+    inter_name: str = "explicit"
+
+    def __post_init__(self):
+        if min(self.intra_bandwidth, self.inter_bandwidth) <= 0 or min(self.intra_alpha, self.inter_alpha) < 0:
+            raise ValueError(f"link bandwidths must be > 0 and alphas >= 0: {self}")
+
+    @classmethod
+    def from_config(cls, intra: str = "nvlink4", inter: str = "ib_ndr", path: str | None = None) -> "Links":
+        """The two classes by name from ``configs/interconnects.json`` (or ``path``);
+        ``cpu_gloo`` is this project's CPU loopback."""
+        nets = analytic.load_config("interconnects.json", path)
+        known = sorted(k for k in nets if not k.startswith("_"))
+        for name in (intra, inter):
+            if name not in nets:
+                raise ValueError(f"unknown interconnect {name!r} (known: {known})")
+        a, e = nets[intra], nets[inter]
+        return cls(float(a["bandwidth"]), float(a["alpha"]), float(e["bandwidth"]), float(e["alpha"]), intra, inter)
+
+    def hop(self, nbytes: float, inter: bool) -> float:
+        """Seconds of one ring hop of ``nbytes`` per rank on the inter- or in-node class."""
+        if inter:
+            return self.inter_alpha + nbytes / self.inter_bandwidth
+        return self.intra_alpha + nbytes / self.intra_bandwidth
+
+
+class CPCostModel(CostModel):
+    """A :class:`CostModel` for CP of size ``cp`` over nodes whose in-node costs are ``base``'s.
+
+    :meth:`layer` takes the GLOBAL length ``s`` (divisible by ``2 * cp * p`` when cp > 1) and
+    returns one rank's cost: the base's layer at ``s/cp``, plus
+
+    * attention work: per rank, balanced causal attention over the global sequence is ``cp``
+      times the base's at ``s/cp`` (``(s/cp)**2 / p`` per rank against ``s**2 / (cp p)``), so
+      ``(cp-1)`` times the base's attention seconds are added (:meth:`attention_seconds`);
+    * the CP ring's time (:meth:`ring_seconds`), times ``1 - overlap`` (the fraction hidden
+      behind compute; 0 by default: the repository's models add their terms);
+    * the CP ring's buffers (:meth:`ring_bytes`): two K/V blocks in flight and two fp32 dK/dV
+      blocks (transient): ``tp_sp`` / ``ulysses``'s ring, the ring family's outer ring (its
+      flat ring moves blocks of the size its in-node ring already holds: nothing added); and
+      ``colossal``'s score rows span all ``s`` keys: ``cp`` times the base's rows.
+
+    A recomputed entry (``st:rc``, where the base prices it) runs the forward K/V ring once
+    more and keeps none of the additions (they become transient, as the base's recompute
+    turns its saved bytes into transient). ``nonlayer``, ``pool`` and the resident bytes are
+    the base's at ``s/cp``; ``static_bytes``, ``update_seconds`` (no DP x CP gradient
+    reduction unless the base has one), ``recomputes`` and ``device_kind`` are the base's.
+    ``cp = 1`` returns the base's numbers exactly. Packs are out of scope (ValueError).
+    """
+
+    def __init__(self, base: CostModel, cp: int, links: Links, shape: ModelShape | None = None,
+                 overlap: float = 0.0, hardware: str | None = None, ring: str = "two_level"):
+        if isinstance(cp, bool) or int(cp) != cp or cp < 1:
+            raise ValueError(f"cp must be an integer >= 1, got {cp!r}")
+        if not 0.0 <= float(overlap) <= 1.0:
+            raise ValueError(f"overlap is the fraction of the CP ring's time hidden, in [0, 1]: got {overlap!r}")
+        if ring not in RING_FORMS:
+            raise ValueError(f"ring must be one of {RING_FORMS}, got {ring!r}")
+        self.ring = ring
+        self.base, self.cp, self.links, self.overlap = base, int(cp), links, float(overlap)
+        self.shape = shape if shape is not None else base.shape
+        self.strategies = tuple(base.strategies)
+        self.num_layers = base.num_layers
+        self.attention_rate = self._fallback_rate(hardware)
+        self._memo: dict = {}
+
+    # ------------------------------------------------------------------ delegated
+    def static_bytes(self) -> float:
+        return self.base.static_bytes()
+
+    def recomputes(self) -> bool:
+        return self.base.recomputes()
+
+    def update_seconds(self) -> float:
+        return self.base.update_seconds()
+
+    def device_kind(self) -> str:
+        return self.base.device_kind()
+
+    def nonlayer(self, s, b: int) -> LayerCost:
+        """The embedding, output layer and loss of the node's local tokens."""
+        return self.base.nonlayer(self.local(s, b), b)
+
+    def resident_bytes(self, s, b: int) -> float:
+        return self.base.resident_bytes(self.local(s, b), b)
+
+    def pool(self, strategy: str, s, b: int) -> dict:
+        return self.base.pool(strategy, self.local(s, b), b)
+
+    def step(self, plan, s, b: int):
+        """The base's step at cp = 1 (exactly its numbers), else ``CostModel.step``."""
+        if self.cp == 1:
+            return self.base.step(plan, s, b)
+        return super().step(plan, s, b)
+
+    # ------------------------------------------------------------------ the layer
+    def local(self, s, b: int) -> int:
+        """The node's local length ``s / cp``; ValueError for a pack or a length the 2*cp
+        chunks of p ranks cannot split (cp = 1: ``s`` as given, the base checks it)."""
+        if self.cp == 1:
+            return s
+        if packs.is_pack(s):
+            raise ValueError("packs (PackShape) are out of scope of CPCostModel: megatron's CP splits every "
+                             "document of a THD pack into 2*cp chunks, which it does not price")
+        unit = 2 * self.cp * self.shape.p
+        if isinstance(s, bool) or int(s) != s or s < unit or s % unit or b < 1:
+            raise ValueError(f"CP of size {self.cp} over p = {self.shape.p} needs a global length divisible "
+                             f"by 2*cp*p = {unit} and b >= 1 (got s={s}, b={b})")
+        return int(s) // self.cp
+
+    def layer(self, strategy: str, s, b: int) -> LayerCost:
+        """One rank's layer under the plan entry ``strategy`` at the global length ``s``."""
+        if self.cp == 1:
+            return self.base.layer(strategy, s, b)
+        key = (strategy, s, b)
+        got = self._memo.get(key)
+        if got is None:
+            got = self._memo[key] = self._layer(strategy, s, b)
+        return got
+
+    def _layer(self, entry: str, s: int, b: int) -> LayerCost:
+        """The class docstring's sum, not memoized."""
+        name, rc = split_entry(entry)
+        L = self.local(s, b)
+        own = self.base.layer(entry, L, b)
+        seconds = own.seconds + (self.cp - 1) * self.attention_seconds(entry, L, b) \
+            + (1.0 - self.overlap) * self.ring_seconds(entry, s, b)
+        saved, transient = self.ring_bytes(name, s, b)
+        if rc:  # the recompute rebuilds what the plain layer keeps: all of it is transient
+            saved, transient = 0.0, saved + transient
+        return LayerCost(seconds, own.saved_bytes + saved, own.transient_bytes + transient)
+
+    # ------------------------------------------------------------------ the terms
+    def attention_seconds(self, entry: str, L: int, b: int) -> float:
+        """The base's causal attention seconds of one layer at the local length ``L``.
+
+        A base with a rate time model (``analytic.time_features`` times rates: the roofline's
+        ``rates``, a fitted model's ``physics`` rates) is split by those rates: the attention
+        term's share of the rate curve at ``L`` times the base's layer seconds (so a fitted
+        model's measured correction and a recompute's extra scale both parts alike). A base
+        without one: the analytic attention FLOPs (``analytic.flops_parts``) at the attention
+        FLOP rate of ``configs/hardware.json``, times the base's recompute factor."""
+        name, rc = split_entry(entry)
+        total = self.base.layer(entry, L, b).seconds
+        rates = self._rates(name)
+        if rates is not None:
+            feats = analytic.time_features(name, self.shape, L, b)
+            curve = rates_predict(rates, feats)
+            return total * rates.get("attn_flops", 0.0) * feats["attn_flops"] / curve if curve > 0 else 0.0
+        att = analytic.flops_parts(name, self.shape, L, b)[1] / self.attention_rate
+        if rc:
+            plain = self.base.layer(name, L, b).seconds
+            att *= total / plain if plain > 0 else 1.0
+        return att
+
+    def block_bytes(self, strategy: str, s: int, b: int) -> float:
+        """Bytes one rank sends per K/V hop: K and V of ``s/(cp p)`` tokens x ``kv_heads``
+        (``tp_sp`` / ``ulysses``: heads/p of all ``s/cp`` tokens, the same unless a rank holds
+        a replicated K/V group, kv_heads < p)."""
+        sh = self.shape
+        kv = sh.query_groups * sh.head_dim
+        if strategy not in RING_FAMILY:
+            kv = max(sh.query_groups, sh.p) * sh.head_dim
+        return s * b / (self.cp * sh.p) * 2 * kv * sh.elt
+
+    def ring_seconds(self, entry: str, s: int, b: int) -> float:
+        """Seconds the CP ring adds to one layer (before ``overlap``). K/V passes: forward and
+        backward (``metp``: 3, its backward recomputes attention; a recomputed entry: one more),
+        plus one pass of fp32 dK/dV. ``tp_sp`` / ``ulysses``: C-1 K/V hops per pass and C
+        dK/dV hops, all inter-node. The ring family (:meth:`family_ring_seconds`): its ring
+        over the C*p ranks, less the in-node ring of p-1 (and p) hops on the in-node link that
+        the base already priced at ``s/cp`` (blocks of the same size)."""
+        name, rc = split_entry(entry)
+        kv = self.block_bytes(name, s, b)
+        dkv = kv * 4 / self.shape.elt
+        passes = (3 if name == "metp" else 2) + (1 if rc else 0)
+        if name in RING_FAMILY:
+            return self.family_ring_seconds(passes, kv, dkv)
+        hop, C = self.links.hop, self.cp
+        return passes * (C - 1) * hop(kv, True) + C * hop(dkv, True)
+
+    def family_ring_seconds(self, passes: int, kv: float, dkv: float) -> float:
+        """The ring family's added ring time: ``flat``, C*p-1 K/V hops per pass and C*p dK/dV
+        hops, each on the inter-node link; ``two_level``, per pass C-1 inter-node hops and C
+        in-node rings of p-1 hops (dK/dV: C inter-node hops, C in-node rings of p hops); less
+        the base's in-node ring."""
+        hop, C, p = self.links.hop, self.cp, self.shape.p
+        inner = passes * (p - 1) * hop(kv, False) + p * hop(dkv, False) if p > 1 else 0.0
+        if self.ring == "flat":
+            n = C * p
+            return passes * (n - 1) * hop(kv, True) + n * hop(dkv, True) - inner
+        outer = passes * (C - 1) * hop(kv, True) + C * hop(dkv, True)
+        return outer + (C - 1) * inner
+
+    def ring_bytes(self, strategy: str, s: int, b: int) -> tuple:
+        """``(saved, transient)`` bytes the CP ring adds to one plain layer (class docstring)."""
+        saved = transient = 0.0
+        if strategy == "colossal":
+            saved = transient = (self.cp - 1) * analytic.basis(self.shape, s // self.cp, b)["rows"]
+        if strategy not in RING_FAMILY or self.ring == "two_level":
+            kv = self.block_bytes(strategy, s, b)
+            transient += 2 * kv + 2 * kv * 4 / self.shape.elt
+        return saved, transient
+
+    # ------------------------------------------------------------------ rates
+    def _rates(self, strategy: str) -> dict | None:
+        """The base's time rates per ``analytic.time_features`` unit, or None: the roofline's
+        ``rates``, a fitted model's ``physics`` rates of ``strategy`` (format 2)."""
+        rates = getattr(self.base, "rates", None)
+        if isinstance(rates, dict) and "attn_flops" in rates:
+            return rates
+        meta = getattr(self.base, "meta", None)
+        if isinstance(meta, dict):
+            phys = ((meta.get("targets") or {}).get(strategy) or {}).get("seconds", {}).get("physics", {})
+            if phys.get("kind") == "rates":
+                return phys["rates"]
+        return None
+
+    def _fallback_rate(self, hardware: str | None) -> float:
+        """FLOP/s of attention for a base without rates: ``hardware.json``'s entry ``hardware``
+        (default: the analytic base's own, else ``cpu`` or ``h100`` by the base's device)."""
+        table = analytic.load_config("hardware.json")
+        if hardware is None:
+            own = getattr(self.base, "hardware", None)
+            hardware = own if own in table else ("cpu" if self.base.device_kind() == "cpu" else "h100")
+        if hardware not in table:
+            known = sorted(k for k in table if not k.startswith("_"))
+            raise ValueError(f"unknown hardware {hardware!r} (known: {known})")
+        return float(table[hardware]["flops"][self.shape.dtype])
