@@ -174,12 +174,19 @@ def run_cp(rank, world, cases):
     return results if rank == 0 else None
 
 
+def _usable(spec_kw):
+    from megatron_paradyse.testing.models import TinyGPT
+
+    cfg = TinyGPT(**spec_kw).transformer_config(P, True)
+    return [s for s in ALL if mp.supports(s, cfg, P)[0]]
+
+
 def _cases():
     rng = random.Random(36)
     cases = []
     for i, spec_kw in enumerate(SPECS):
-        n = spec_kw["num_layers"]
-        plans = list(ALL) + [[rng.choice(ALL) for _ in range(n)] for _ in range(2)]
+        n, usable = spec_kw["num_layers"], _usable(spec_kw)
+        plans = usable + [[rng.choice(usable) for _ in range(n)] for _ in range(2)]
         passes = [(plan, "rows", ROWS[j % len(ROWS)], 100 * i + j) for j, plan in enumerate(plans)]
         passes += [(plan, "pack", PACKS[(j + i) % len(PACKS)], 200 * i + j) for j, plan in enumerate(plans)]
         cases.append((spec_kw, passes))
