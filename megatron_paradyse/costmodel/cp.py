@@ -76,7 +76,7 @@ class Links:
 class CPCostModel(CostModel):
     """A :class:`CostModel` for CP of size ``cp`` over nodes whose in-node costs are ``base``'s.
 
-    :meth:`layer` takes the GLOBAL length ``s`` (divisible by ``2 * cp * p`` when cp > 1) and
+    :meth:`layer` takes the GLOBAL length ``s`` (priced padded to a multiple of ``2 * cp * p``) and
     returns one rank's cost: the base's layer at ``s/cp``, plus
 
     * attention work: per rank, balanced causal attention over the global sequence is ``cp``
@@ -143,24 +143,28 @@ class CPCostModel(CostModel):
         return super().step(plan, s, b)
 
     # ------------------------------------------------------------------ the layer
-    def local(self, s, b: int) -> int:
-        """The node's local length ``s / cp``; ValueError for a pack or a length the 2*cp
-        chunks of p ranks cannot split (cp = 1: ``s`` as given, the base checks it)."""
+    def padded(self, s, b: int) -> int:
+        """``s`` rounded up to a multiple of ``2*cp*p``, as the data path pads it (the 2*cp chunks
+        of p ranks); ValueError for a pack, a length < 1 or b < 1 (cp = 1: ``s`` as given)."""
         if self.cp == 1:
             return s
         if packs.is_pack(s):
-            raise ValueError("packs (PackShape) are out of scope of CPCostModel: megatron's CP splits every "
-                             "document of a THD pack into 2*cp chunks, which it does not price")
+            raise ValueError("packs (PackShape) are out of scope of CPCostModel: the plugin's CP pack split "
+                             "(context.py) is not priced")
         unit = 2 * self.cp * self.shape.p
-        if isinstance(s, bool) or int(s) != s or s < unit or s % unit or b < 1:
-            raise ValueError(f"CP of size {self.cp} over p = {self.shape.p} needs a global length divisible "
-                             f"by 2*cp*p = {unit} and b >= 1 (got s={s}, b={b})")
-        return int(s) // self.cp
+        if isinstance(s, bool) or int(s) != s or s < 1 or b < 1:
+            raise ValueError(f"CP of size {self.cp} needs a length >= 1 and b >= 1 (got s={s}, b={b})")
+        return -(-int(s) // unit) * unit
+
+    def local(self, s, b: int) -> int:
+        """The node's local length: the padded ``s`` / ``cp`` (:meth:`padded`)."""
+        return s if self.cp == 1 else self.padded(s, b) // self.cp
 
     def layer(self, strategy: str, s, b: int) -> LayerCost:
         """One rank's layer under the plan entry ``strategy`` at the global length ``s``."""
         if self.cp == 1:
             return self.base.layer(strategy, s, b)
+        s = self.padded(s, b)
         key = (strategy, s, b)
         got = self._memo.get(key)
         if got is None:
