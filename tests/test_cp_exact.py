@@ -18,7 +18,7 @@ import megatron_paradyse as mp
 from megatron_paradyse.testing.spawn import run_world
 
 from .exactness import REL_TOL, assert_exact, observe, rel_err
-from .test_packed_exact import _hop_steps, _pack, _params, _reference_pass
+from .test_packed_exact import _hop_steps, _pack, _plugin_pass, _reference_pass
 
 # CP x p: 2 x 2 in the suite; PARADYSE_CP_EXACT=4x2 (8 ranks) or 3x2 for a larger world by hand
 C, P = (int(x) for x in os.environ.get("PARADYSE_CP_EXACT", "2x2").split("x"))
@@ -118,27 +118,17 @@ def _row_pass(model, spec, plan, batch, seq, seed):
 def _pack_pass(model, spec, plan, lengths, seed):
     """The pack's CP chunks through the model (boundaries of the whole pack), per-token losses
     and logits gathered over CP, gradients of the losses' sum."""
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     from megatron_paradyse.parallel import context
 
     tokens, labels, positions = _pack(lengths, spec.vocab_size, seed)
     rank, group = ps.get_context_parallel_rank(), ps.get_context_parallel_group()
     tokens, labels, positions = (context.split_for_cp(t, C, rank) for t in (tokens, labels, positions))
-    captured = []
-    handle = model.output_layer.register_forward_hook(lambda _m, _i, out: captured.append(out[0].detach().clone()))
-    try:
-        with observe(model) as records:
-            loss = model(tokens, positions, None, labels=labels, packed_seq_params=_params(lengths))
-        loss.float().sum().backward()
-    finally:
-        handle.remove()
-    check_cp_ran(records, plan, model.config, sum(lengths) // C, _docs(lengths))
-    logits = gather_from_tensor_model_parallel_region(captured[0])[:, 0]
-    full = context.gather_from_cp(loss.detach(), C, group, dim=1)[0]
-    dist.barrier(group=group)
+    loss, logits = _plugin_pass(model, lengths, tokens, labels, positions, plan,
+                                check=lambda records: check_cp_ran(records, plan, model.config, sum(lengths) // C,
+                                                                   _docs(lengths)))
+    full = context.gather_from_cp(loss.unsqueeze(0), C, group, dim=1)[0]
     return full, context.gather_from_cp(logits, C, group, dim=0)
 
 

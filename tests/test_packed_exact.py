@@ -83,7 +83,10 @@ def _reference_pass(model, lengths, tokens, labels):
     return torch.cat(losses), _full_logits(captured, sum(lengths))
 
 
-def _plugin_pass(model, lengths, tokens, labels, positions, plan):
+def _plugin_pass(model, lengths, tokens, labels, positions, plan, check=None):
+    """The pack ``lengths`` (``tokens`` etc.: this rank's, all of them without CP) through the
+    plugin: per-token losses and this rank's logits gathered over TP, gradients of their sum;
+    ``check(records)`` judges the collectives (default :func:`check_packed_ran`)."""
     captured, handle = _capture_logits(model)
     try:
         with observe(model) as records:
@@ -91,8 +94,11 @@ def _plugin_pass(model, lengths, tokens, labels, positions, plan):
         loss.float().sum().backward()
     finally:
         handle.remove()
-    check_packed_ran(records, plan, model.config, lengths)
-    return loss.detach()[0], _full_logits(captured, sum(lengths))
+    if check is None:
+        check_packed_ran(records, plan, model.config, lengths)
+    else:
+        check(records)
+    return loss.detach()[0], _full_logits(captured, tokens.shape[1])
 
 
 def run_packed(rank, world, cases):
