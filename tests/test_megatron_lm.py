@@ -333,6 +333,33 @@ def test_indexed_dataset():
         _assert_close(got.losses, stock.losses, range(1, ITERS + 1), f"indexed dataset {extra}")
 
 
+def _equal_docs_flags(tp: int) -> list:
+    """An IndexedDataset of 400 documents of 16 tokens, one per sample, at --seq-length 64."""
+    import numpy as np
+
+    from megatron_paradyse.data import write_indexed_dataset
+
+    prefix = os.path.join(_TMP, "equal_docs")
+    if not os.path.isfile(prefix + ".bin"):
+        rng = np.random.default_rng(3)
+        write_indexed_dataset(prefix, [rng.integers(1, 250, size=17) for _ in range(400)], vocab_size=256)
+    return model_flags(tp, seq=64) + ["--data-path", prefix, "--split", "100,0,0", "--eval-iters", "0",
+                                      "--paradyse-document-data"]
+
+
+@functools.lru_cache(maxsize=None)
+def packed_run(tp: int, nproc: int, *extra: str) -> Run:
+    """Stock unpacked (no ``extra``: one 16-token document per micro-batch, global batch 8) or
+    ``--paradyse`` packed (``extra``: 4 documents a pack of 64, global batch 2): the same
+    documents per step."""
+    mbs_gbs = ("1", "2") if extra else ("1", "8")
+    flags = _with(_equal_docs_flags(tp), micro_batch_size=mbs_gbs[0], global_batch_size=mbs_gbs[1])
+    return launch(flags + list(extra), nproc)
+
+
+PACKED = ("--paradyse", "--paradyse-plan", "tp_sp+ulysses+ring+metp", "--paradyse-pack", "greedy")
+
+
 @pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=full)])
 def test_packed_documents_equal_stock_unpacked(nproc):
     """``--paradyse-pack greedy``: each sample packs consecutive documents up to --seq-length
@@ -343,23 +370,8 @@ def test_packed_documents_equal_stock_unpacked(nproc):
     losses are equal. (Stock Megatron-LM's own loss over the same 8 documents differs between
     --micro-batch-size 1, 2 and 4 at iteration 1 (5.564410, 5.540153, 5.571390, core_v0.16.1,
     measured), so the comparison is with its micro-batch size 1.)"""
-    import numpy as np
-
-    from megatron_paradyse.data import write_indexed_dataset
-
-    prefix = os.path.join(_TMP, "equal_docs")
-    rng = np.random.default_rng(3)
-    write_indexed_dataset(prefix, [rng.integers(1, 250, size=17) for _ in range(400)], vocab_size=256)
-    base = model_flags(nproc, seq=64) + ["--data-path", prefix, "--split", "100,0,0", "--eval-iters", "0",
-                                     "--paradyse-document-data"]
-
-    def with_batches(mbs, gbs):
-        out = list(base)
-        out[out.index("--micro-batch-size") + 1], out[out.index("--global-batch-size") + 1] = str(mbs), str(gbs)
-        return out
-    stock = launch(with_batches(1, 8), nproc).check()
-    packed = launch(with_batches(1, 2) + ["--paradyse", "--paradyse-plan", "tp_sp+ulysses+ring+metp",
-                                          "--paradyse-pack", "greedy"], nproc).check()
+    stock = packed_run(nproc, nproc).check()
+    packed = packed_run(nproc, nproc, *PACKED).check()
     assert len(stock.losses) == ITERS
     _assert_close(packed.losses, stock.losses, range(1, ITERS + 1), "packed vs stock unpacked")
     assert {lens for lens, _ in packed.plans.values()} == {"64,64"}, packed.plans  # two packs of 64 a step
@@ -538,3 +550,106 @@ def test_pipeline_stages_with_the_planner():
     plans = {p for _, line in got.plans.values() for p in line.split(",")}
     assert "tp_sp*4" in plans and len(plans) >= 2, plans
     assert re.search(r"\[paradyse\] iteration .*\| pred: [0-9.]+ s, stage peaks [0-9.]+/[0-9.]+ MiB", got.out)
+
+
+# ------------------------------------------------------------------ context parallelism (issue 36)
+CP2 = ("--context-parallel-size", "2")
+
+
+def cp_flags(*extra: str) -> list:
+    """4 ranks: CP = 2 x TP = 2 (CP rank 0: ranks 0-1, CP rank 1: ranks 2-3), the model and data of
+    :func:`model_flags` (--seq-length 128, a multiple of 2 x CP x TP = 8)."""
+    return model_flags(2) + list(CP2) + ["--mock-data", "--paradyse-document-data", *extra]
+
+
+def test_context_parallel_equals_stock_without_cp():
+    """CP = 2 x TP = 2 on 4 ranks with --paradyse (the plan mixes every strategy per layer and
+    changes per micro-batch; each attends across the two CP ranks) against stock Megatron-LM at
+    TP = 2 on 2 ranks without CP, the same global batch and documents: equal training,
+    validation and test losses. The forward step reads each micro-batch whole, pads it to a
+    multiple of 2 x CP x TP = 8 and runs this CP rank's chunks c and 3 - c; Megatron-LM sums the
+    loss reports and (--calculate-per-token-loss) the token counts and gradients over DP x CP."""
+    stock = run("stock").check()
+    got = launch(cp_flags("--paradyse", "--paradyse-plan", PLAN), nproc=4).check()
+    assert "data-parallel size: 1, context-parallel size: 2" in got.out, got.out[:3000]
+    assert sorted(got.plans) == list(range(1, ITERS + 1))
+    _assert_close(got.losses, stock.losses, range(1, ITERS + 1), "CP=2 x TP=2 --paradyse vs stock TP=2")
+    assert len(stock.valid) == 4 and set(got.valid) == set(stock.valid), (stock.valid, got.valid)
+    _assert_close(got.valid, stock.valid, sorted(stock.valid), "CP=2 x TP=2: validation/test loss")
+    lengths = {int(s) for lens, _ in got.plans.values() for s in lens.split(",")}
+    plans = {p for _, line in got.plans.values() for p in line.split(",")}
+    assert all(s % 8 == 0 for s in lengths) and len(lengths) >= 5 and len(plans) >= 3, (lengths, plans)
+
+
+@full
+def test_context_parallel_packed_equals_stock_unpacked():
+    """--paradyse-pack greedy under CP = 2 x TP = 2: each pack (4 documents of 16 tokens) is split
+    into the CP ranks' chunks like a row, its document boundaries the whole pack's; equal to stock
+    Megatron-LM at TP = 2 reading the same documents unpacked (test_packed_documents_equal_stock_unpacked)."""
+    stock = packed_run(2, 2).check()
+    got = packed_run(2, 4, *PACKED, *CP2).check()
+    _assert_close(got.losses, stock.losses, range(1, ITERS + 1), "packed CP=2 x TP=2 vs stock TP=2 unpacked")
+    assert {lens for lens, _ in got.plans.values()} == {"64,64"}, got.plans
+
+
+def test_context_parallel_refusals():
+    """What --paradyse cannot run with CP: one clear error naming the flag, locally, from Megatron-LM's
+    parsed arguments; without --paradyse none of them is the plugin's business."""
+    import argparse
+
+    from megatron_paradyse.training.megatron_lm import check_paradyse_args
+
+    base = dict(paradyse=True, overlap_param_gather=False, paradyse_document_data=False,
+                tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=2,
+                pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None, cp_comm_type=["p2p"],
+                hierarchical_context_parallel_sizes=None, hybrid_context_parallel=False, seq_length=128,
+                transformer_impl="local", hidden_dropout=0.0, attention_dropout=0.0, paradyse_pad_multiple=None,
+                paradyse_plan="tp_sp")
+    cases = [
+        (dict(cp_comm_type=["a2a"]), "--cp-comm-type a2a: with --paradyse"),
+        (dict(cp_comm_type=["p2p", "a2a+p2p"]), "--cp-comm-type p2p a2a+p2p"),
+        (dict(hierarchical_context_parallel_sizes=[2, 1]), "--hierarchical-context-parallel-sizes is not supported"),
+        (dict(hybrid_context_parallel=True), "--hybrid-context-parallel is not supported"),
+        (dict(pipeline_model_parallel_size=2), "--context-parallel-size 2 with --pipeline-model-parallel-size 2"),
+        (dict(seq_length=132), "--seq-length 132 must be a multiple of 2 x --context-parallel-size x "
+                               "--tensor-model-parallel-size = 8"),
+        (dict(paradyse_pad_multiple=4), "--paradyse-pad-multiple 4 must be a positive multiple of 2 x"),
+        (dict(paradyse_plan=None, paradyse_document_data=True, paradyse_pack="greedy", mock_data=True,
+              data_path=None, micro_batch_size=1), "--paradyse-pack with --context-parallel-size > 1 needs "
+                                                   "--paradyse-plan"),
+        (dict(paradyse_cp_links="nvlink4"), "--paradyse-cp-links 'nvlink4': give two names"),
+    ]
+    for change, needle in cases:
+        args = argparse.Namespace(**{**base, **change})
+        with pytest.raises(ValueError) as e:
+            check_paradyse_args(args)
+        assert needle in str(e.value) and "\n" not in str(e.value), (change, str(e.value))
+        if "paradyse_pack" not in change:  # (packs need --paradyse anyway)
+            args.paradyse = False
+            check_paradyse_args(args)
+
+
+@full
+def test_context_parallel_resumes_a_stock_checkpoint():
+    """Stock Megatron-LM's TP = 2 checkpoint (iteration 5) resumed at CP = 2 x TP = 2 with
+    --paradyse: iterations 6..10 and the evaluation equal the uninterrupted stock run; the CP run
+    saves its own (iteration 10)."""
+    stock = run("stock").check()
+    save = os.path.join(_TMP, "cp_save")
+    got = launch(cp_flags("--paradyse", "--paradyse-plan", PLAN, "--load", _ckpt_at(os.path.join(_TMP, "stock2"), SAVE_AT),
+                          "--save", save, "--save-interval", str(ITERS)), nproc=4).check()
+    assert "successfully loaded checkpoint" in got.out
+    _assert_close(got.losses, _resumed_expected(stock.losses), range(SAVE_AT + 1, ITERS + 1),
+                  "CP=2 x TP=2 --paradyse resumed from a stock TP=2 checkpoint vs the stock run")
+    assert set(got.valid) == {k for k in stock.valid if k[0] == ITERS}
+    _assert_close(got.valid, stock.valid, sorted(got.valid), "CP=2 x TP=2 resumed: validation/test loss")
+    assert os.path.isdir(os.path.join(save, f"iter_{ITERS:07d}"))
+
+
+@full
+def test_context_parallel_bad_comm_type_is_one_line():
+    """--cp-comm-type a2a with --paradyse at CP = 2: one line, every rank exits 2, before
+    torch.distributed starts (Megatron-LM's default p2p is what the plugin runs)."""
+    out = launch(cp_flags("--paradyse", "--paradyse-plan", PLAN, "--cp-comm-type", "a2a"), nproc=4)
+    one_line(out, "--cp-comm-type a2a: with --paradyse every strategy passes K/V on a ring")
+    assert "initializing torch distributed" not in out.out

@@ -2,6 +2,7 @@
 inside Megatron-LM's ``validate_args``."""
 from __future__ import annotations
 
+from ..arguments import _check_cp_links as check_cp_links  # the trainer's check of the same flag
 from ..arguments import (LAYERNORM_RECOMPUTE_WITHOUT_TE, MLP_RECOMPUTE_WITH_BIAS,
                          OVERLAP_PARAM_GATHER_WITH_PARADYSE, te_installed, add_paradyse_args, add_planner_args,
                          check_fixed_plan, positions_error, validate_planner_args)
@@ -121,6 +122,12 @@ def _check_context_parallel(args, tp: int) -> None:
     if getattr(args, "hybrid_context_parallel", False):
         raise ValueError("--hybrid-context-parallel is not supported with --paradyse: every micro-batch is "
                          "split over all --context-parallel-size ranks (drop the flag)")
+    if getattr(args, "paradyse_pack", "none") != "none" and getattr(args, "paradyse_plan", None) is None:
+        raise ValueError("--paradyse-pack with --context-parallel-size > 1 needs --paradyse-plan: the planner's "
+                         "CP cost model prices one sequence per row, not packs (give a plan or rule, or drop "
+                         "--paradyse-pack)")
+    if getattr(args, "paradyse_cp_links", None) is not None:
+        check_cp_links(args.paradyse_cp_links)
     unit = 2 * cp * tp
     if args.seq_length % unit:
         raise ValueError(f"--seq-length {args.seq_length} must be a multiple of 2 x --context-parallel-size x "
@@ -156,6 +163,8 @@ def _check_switchable(args) -> None:
                 if args.context_parallel_size > 1 else f"--tensor-model-parallel-size {tp}")
         raise ValueError(f"--paradyse-pad-multiple {args.paradyse_pad_multiple} must be a positive "
                          f"multiple of {what}")
+    if args.context_parallel_size > 1 and args.paradyse_pad_multiple is None:
+        args.paradyse_pad_multiple = unit  # 2 x CP x TP, for every reader (data, planner) as in the trainer
     why = positions_error(args, pad_multiple(args))
     if why:
         raise ValueError(why)
