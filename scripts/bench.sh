@@ -9,6 +9,9 @@
 # With pipeline stages (PP > 1; world = PP x P ranks, default P=2): STEPS steps of MICRO
 # documents in flight under 1F1B (default 8 x 4), no length search, no simulation:
 #   PP=2 OUT=docs/benchmark_pipeline scripts/bench.sh      # docs/benchmark.md, "Pipeline stages"
+# With context parallelism (CP > 1; world = CP x P ranks, default P=2): STEPS documents up to
+# 8192 tokens, every static in-node strategy x CP and the planners, no search, no simulation:
+#   CP=2 OUT=docs/benchmark_cp scripts/bench.sh            # docs/benchmark.md, "Context parallelism"
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="$(bash "$ROOT/scripts/setup_env.sh" | tail -n 1)"
@@ -17,6 +20,12 @@ export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONWARNINGS="${PYTHONWARNINGS:-ign
 cd "$ROOT"
 mkdir -p "$OUT"
 start=$(date +%s)
+if [ "${CP:-1}" -gt 1 ]; then
+  "$PY" -m megatron_paradyse.bench --cp "$CP" --p "${P:-2}" --steps "${STEPS:-16}" --seq-length 8192 \
+    --memory-budget-mib "${BUDGET_MIB:-40}" --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
+  echo "> scripts/bench.sh took $(( $(date +%s) - start )) s" | tee -a "$OUT/bench.log"
+  exit 0
+fi
 if [ "${PP:-1}" -gt 1 ]; then
   "$PY" -m megatron_paradyse.bench --pp "$PP" --p "${P:-2}" --steps "${STEPS:-8}" \
     --pp-microbatches "${MICRO:-4}" --seq-length 4096 --memory-budget-mib "${BUDGET_MIB:-28.5}" \
