@@ -197,7 +197,8 @@ def _assert_close(got: dict, want: dict, iterations, what: str):
 def _resumed_expected(stock: dict) -> dict:
     """Megatron-LM's log after a resume at SAVE_AT: its second line (SAVE_AT + 2) prints the mean
     of the first two iterations' losses (measured with stock Megatron-LM resuming its own
-    checkpoint, core_v0.16.1, --vocab-size 256: 6.049054 = (6.055610 + 6.042497) / 2); every
+    checkpoint, core_v0.16.1, --vocab-size 256: 6.049054 = (6.055610 + 6.042497) / 2, with the
+    initial weights before the jit_warmup CPU shim); every
     other line is the iteration's own loss. The weights are unaffected: later iterations equal
     the uninterrupted run."""
     want = dict(stock)
@@ -369,7 +370,7 @@ def test_packed_documents_equal_stock_unpacked(nproc):
     global batch four times as large (--global-batch-size 8 against 2 packs): their per-token
     losses are equal. (Stock Megatron-LM's own loss over the same 8 documents differs between
     --micro-batch-size 1, 2 and 4 at iteration 1 (5.564410, 5.540153, 5.571390, core_v0.16.1,
-    measured), so the comparison is with its micro-batch size 1.)"""
+    measured with the initial weights before the jit_warmup CPU shim), so the comparison is with its micro-batch size 1.)"""
     stock = packed_run(nproc, nproc).check()
     packed = packed_run(nproc, nproc, *PACKED).check()
     assert len(stock.losses) == ITERS

@@ -2,10 +2,22 @@
 inside Megatron-LM's ``validate_args``."""
 from __future__ import annotations
 
+import logging
+import os
+
 from ..arguments import _check_cp_links as check_cp_links  # the trainer's check of the same flag
 from ..arguments import (LAYERNORM_RECOMPUTE_WITHOUT_TE, MLP_RECOMPUTE_WITH_BIAS,
                          OVERLAP_PARAM_GATHER_WITH_PARADYSE, te_installed, add_paradyse_args, add_planner_args,
                          check_fixed_plan, positions_error, validate_planner_args)
+
+
+log = logging.getLogger(__name__)
+
+CP_LOSS_NOTE = (
+    "--context-parallel-size > 1 without --calculate-per-token-loss: megatron-core divides each CP rank's "
+    "loss by that rank's own loss-bearing tokens (as stock Megatron-LM's CP does), which differs from the "
+    "run without CP when the CP ranks hold different numbers of them (padding); give "
+    "--calculate-per-token-loss for the per-token mean over the whole global batch")
 
 
 def add_megatron_lm_args(parser):
@@ -133,6 +145,8 @@ def _check_context_parallel(args, tp: int) -> None:
         raise ValueError(f"--seq-length {args.seq_length} must be a multiple of 2 x --context-parallel-size x "
                          f"--tensor-model-parallel-size = {unit} with --paradyse: each CP rank holds two "
                          "equal chunks, each split over TP")
+    if not getattr(args, "calculate_per_token_loss", False) and int(os.environ.get("RANK", "0")) == 0:
+        log.warning(f"> warning: {CP_LOSS_NOTE}")
 
 
 def _check_switchable(args) -> None:
