@@ -222,21 +222,25 @@ class TwoLevelGradRing:
         self.c, self.C = dist.get_rank(ring.outer), dist.get_world_size(ring.outer)
         self.t, self.p = dist.get_rank(ring.inner), dist.get_world_size(ring.inner)
         self.ring, self.steps = ring, 0
-        self.shape_of = shapes or (lambda owner: [x.shape for x in like])
-        self.outer = GradRing(like, ring.outer, last=None if last is None else last.outer[self.t],
-                              shapes=lambda src: self.shape_of(src * self.p + self.t))
+        # no closure over self: a cycle would keep the accumulators alive until the cyclic GC
+        self.shape_of = shape_of = shapes or (lambda owner, like=like: [x.shape for x in like])
+        p, t = self.p, self.t
+        self.outer = GradRing(like, ring.outer, last=None if last is None else last.outer[t],
+                              shapes=lambda src: shape_of(src * p + t))
         self.inner = None
 
     def add(self, contrib) -> None:
         j, s = divmod(self.steps, self.p)
         if s == 0:
-            sc = (self.c - j) % self.C
+            sc, p, shape_of = (self.c - j) % self.C, self.p, self.shape_of
             self.inner = GradRing(self.like, self.ring.inner, last=None if self.last is None else self.last.inner(self.c, j),
-                                  shapes=lambda src, sc=sc: self.shape_of(sc * self.p + src))
+                                  shapes=lambda src: shape_of(sc * p + src))
         self.inner.add(contrib)
         self.steps += 1
         if s == self.p - 1:
             self.outer.add(self.inner.result())
+            self.inner = None
 
     def result(self) -> list:
-        return self.outer.result()
+        out, self.outer = self.outer.result(), None
+        return out
