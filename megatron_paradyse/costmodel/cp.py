@@ -246,14 +246,22 @@ class CPCostModel(CostModel):
         return outer + (C - 1) * inner
 
     def ring_bytes(self, strategy: str, s: int, b: int) -> tuple:
-        """``(saved, transient)`` bytes the CP ring adds to one plain layer (class docstring)."""
+        """``(saved, transient)`` bytes the CP ring adds to one plain layer: the visiting K/V
+        blocks the pool holds, ``min(2, cp - 1)`` (the ring's double buffer); for the ring
+        family's two-level ring also the outer ring's fp32 dK/dV accumulator (the in-node ring's
+        are the base's), ``metp``'s blocks holding one head group (1/p of the heads);
+        ``colossal``'s score rows over all s keys. Measured on CPU at cp = 2, 7056 tokens, the
+        demo shape at p = 2 (model memory at cp = 2 minus cp = 1 at s/2): ``tp_sp:rc`` and
+        ``metp:rc`` +1.8 MiB (one block is 1.7 MiB), ``ring:rc`` +3.9 MiB."""
         saved = transient = 0.0
         if strategy == "colossal":
             saved = transient = (self.cp - 1) * analytic.basis(self.shape, s // self.cp, b)["rows"]
-        if strategy not in RING_FAMILY or self.ring == "two_level":
-            kv = self.block_bytes(strategy, s, b)
-            transient += 2 * kv + 2 * kv * 4 / self.shape.elt
-        return saved, transient
+        kv = self.block_bytes(strategy, s, b) * min(2, self.cp - 1)
+        if strategy in RING_FAMILY:
+            if self.ring != "two_level":
+                return saved, transient
+            kv = (kv + self.block_bytes(strategy, s, b) * 4 / self.shape.elt) / (self.shape.p if strategy == "metp" else 1)
+        return saved, transient + kv
 
     # ------------------------------------------------------------------ rates
     def _rates(self, strategy: str) -> dict | None:
