@@ -84,10 +84,11 @@ class CPCostModel(CostModel):
       ``(cp-1)`` times the base's attention seconds are added (:meth:`attention_seconds`);
     * the CP ring's time (:meth:`ring_seconds`), times ``1 - overlap`` (the fraction hidden
       behind compute; 0 by default: the repository's models add their terms);
-    * the CP ring's buffers (:meth:`ring_bytes`): two K/V blocks in flight and two fp32 dK/dV
-      blocks (transient): ``tp_sp`` / ``ulysses``'s ring, the ring family's outer ring (its
-      flat ring moves blocks of the size its in-node ring already holds: nothing added); and
-      ``colossal``'s score rows span all ``s`` keys: ``cp`` times the base's rows.
+    * the CP ring's buffers (:meth:`ring_bytes`, transient): the visiting K/V blocks the pool
+      holds (``min(2, cp - 1)``) of ``tp_sp`` / ``ulysses``'s ring and of the ring family's
+      outer ring, which also keeps an fp32 dK/dV accumulator (``metp``'s blocks hold one head
+      group; a flat ring moves blocks of the size its in-node ring already holds: nothing
+      added); ``colossal``'s score rows span all ``s`` keys: ``cp`` times the base's rows.
 
     A recomputed entry (``st:rc``, where the base prices it) runs the forward K/V ring once
     more and keeps none of the additions (they become transient, as the base's recompute
