@@ -15,7 +15,6 @@ owner. Memory: O(s/p) activations, two K/V blocks in flight, one gathered weight
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from .. import context
 from ..attention_kernels import attn_backward, attn_forward, causal_attention, document_attention, merge_lse
