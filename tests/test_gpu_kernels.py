@@ -119,6 +119,7 @@ def _fa_28_fwd(q, k, v, dropout_p, softmax_scale, causal, window_size_left, wind
 def _fa_28_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
                window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state=None):
     _fa_28_bwd.args = (dout, q, k, v, dq, dk, dv)
+    _fa_28_bwd.deterministic = deterministic
 
 
 def _fa_26_fwd(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax):
@@ -185,6 +186,25 @@ def test_flash_attn_call(monkeypatch):
         assert args[4]._base is dq and args[5]._base is dk and args[6]._base is dv
     assert out.shape == q.shape and lse.shape == (B, 8, 64)
     assert dk.shape == k.shape and dv.shape == v.shape
+
+
+def test_flash_attn_backward_follows_torchs_deterministic_setting(monkeypatch):
+    """flash-attn's backward is deterministic exactly when torch's global setting asks for it
+    (Megatron-LM's --deterministic-mode calls torch.use_deterministic_algorithms(True))."""
+    monkeypatch.setattr(K, "_FA", (_fa_28_fwd, _fa_28_bwd))
+    was = torch.are_deterministic_algorithms_enabled()
+    seen = []
+    try:
+        for on in (False, True):
+            torch.use_deterministic_algorithms(on)
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                q, k, v, dout = _cuda(8, 2, 64, 64, torch.bfloat16)
+                out, lse = K.attn_forward(q, k, v, True, 0.125)
+                K.attn_backward(dout, q, k, v, out, lse, True, 0.125)
+            seen.append(_fa_28_bwd.deterministic)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert seen == [False, True]
 
 
 def test_kernel_paths(torch_kernels):

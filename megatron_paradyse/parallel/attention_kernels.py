@@ -172,8 +172,9 @@ def _block_backward(dout, q, k, v, out, lse, causal, scale):
     if _fa() and native_gqa(q):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         t = lambda x: x.transpose(1, 2)  # noqa: E731 - [b, s, h, d] views, written in place
+        # deterministic: torch's global setting (Megatron-LM's --deterministic-mode sets it)
         _FA[1](t(dout), t(q), t(k), t(v), t(out), lse.contiguous(), t(dq), t(dk), t(dv), 0.0, scale, causal,
-               -1, -1, 0.0, None, False)
+               -1, -1, 0.0, None, torch.are_deterministic_algorithms_enabled())
         return dq, dk, dv
     if native_gqa(q):
         # cum_seq_q/k None (undefined): the dense kernel; defined ones select the varlen one
