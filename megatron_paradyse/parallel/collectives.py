@@ -11,7 +11,26 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..device import current as current_device
 from .buffers import pool_buffer
+
+_READY: dict = {}  # id -> the group itself (kept, so that its id is not reused)
+
+
+def ensure_ready(group) -> None:
+    """Make ``group``'s communicator exist before a point-to-point batch some rank may skip.
+
+    torch's ``batch_isend_irecv`` requires every rank of the group to take part when it is the
+    group's first collective (NCCL; torch 2.13 ``distributed_c10d.batch_isend_irecv``'s note:
+    "if this API is the first collective call in the group ... all ranks of the group must
+    participate"; later batches may involve a subset). The plugin's rings and re-layouts skip
+    batches a rank has nothing for, so every rank of the group calls this at the same point
+    before its first batch: one all-reduce of one element, once per group and process.
+    """
+    if _READY.get(id(group)) is group:
+        return
+    dist.all_reduce(torch.zeros(1, device=current_device()), group=group)
+    _READY[id(group)] = group
 
 
 def group_info(group):

@@ -30,7 +30,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from .collectives import group_info, wait
+from .collectives import ensure_ready, group_info, wait
 from .packing import Documents
 from .zigzag import Block, Segment  # noqa: F401 - Block: the blocks' type, here for callers
 
@@ -213,7 +213,9 @@ def _move_plan(layout: PackedLayout, rank: int) -> tuple:
 
 
 def _move(x, sends: dict, recvs: dict, out_rows: int, group) -> torch.Tensor:
-    """Rows ``sends[peer]`` of ``x`` to each peer; rows ``recvs[peer]`` of the result from it."""
+    """Rows ``sends[peer]`` of ``x`` to each peer; rows ``recvs[peer]`` of the result from it.
+    Every rank of the group calls it, with or without peers (``collectives.ensure_ready``)."""
+    ensure_ready(group)
     rank, _, ranks = group_info(group)
     out = x.new_empty((out_rows,) + tuple(x.shape[1:]))
     if rank in sends:

@@ -16,13 +16,14 @@ import torch
 import torch.distributed as dist
 
 from .buffers import pool_buffer
-from .collectives import group_info, wait
+from .collectives import ensure_ready, group_info, wait
 
 
 def _p2p(sends: list, recvs: list, group) -> list:
     """Post ``(tensor, peer)`` sends and receives (group ranks) in one batch; returns the
     requests (:func:`~.collectives.wait` them before touching a receive). Odd ranks post their
     receives first, so that neighbours never both block on a send."""
+    ensure_ready(group)  # every rank of the group calls _p2p at each step, even with nothing to do
     rank, _, ranks = group_info(group)
     ops = [dist.P2POp(dist.isend, t.contiguous(), ranks[peer], group) for t, peer in sends]
     got = [dist.P2POp(dist.irecv, t, ranks[peer], group) for t, peer in recvs]

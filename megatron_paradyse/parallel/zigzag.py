@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .buffers import pool_buffer
-from .collectives import group_info, wait
+from .collectives import ensure_ready, group_info, wait
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,7 +232,9 @@ class _Relayout(torch.autograd.Function):
 
 
 def to_balanced(x: torch.Tensor, layout: RingLayout, group) -> torch.Tensor:
-    """``[s/p, ...]`` contiguous tokens to this rank's balanced tokens (backward: the inverse)."""
+    """``[s/p, ...]`` contiguous tokens to this rank's balanced tokens (backward: the inverse).
+    Every rank calls it, the middle one of an odd p too (``collectives.ensure_ready``)."""
+    ensure_ready(group)
     return _Relayout.apply(x, layout, group, True) if layout.moves(dist.get_rank(group)) else x
 
 
