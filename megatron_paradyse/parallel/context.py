@@ -100,16 +100,13 @@ def local_documents(docs: Documents, size: int, rank: int, local: int) -> Docume
     return Documents(tuple(sorted(bounds)))
 
 
+@functools.lru_cache(maxsize=256)
 def inner_layout(p: int, size: int, rank: int, local: int, docs: Documents | None):
-    """The ring family's in-node layout of CP rank ``rank``'s local tokens (local positions)."""
+    """The ring family's in-node layout of CP rank ``rank``'s local tokens (local positions);
+    cached: every layer of a micro-batch asks for the same one."""
     if docs is None:
         return RingLayout(p, local // p)
-    return packed_inner(p, local_documents(docs, size, rank, local))
-
-
-@functools.lru_cache(maxsize=64)
-def packed_inner(p: int, local_docs: Documents) -> PackedLayout:
-    return PackedLayout(p, local_docs)
+    return PackedLayout(p, local_documents(docs, size, rank, local))
 
 
 @functools.lru_cache(maxsize=64)
@@ -160,9 +157,9 @@ def split_for_cp(x, size: int, rank: int, dim: int = 1):
     ``get_batch_on_this_cp_rank``: chunks ``rank`` and ``2 * size - 1 - rank`` of 2 x size)."""
     if size == 1:
         return x
-    parts = x.chunk(2 * size, dim=dim)
-    if len(parts) != 2 * size or x.shape[dim] % (2 * size):
+    if x.shape[dim] % (2 * size):
         raise ValueError(f"a sequence of {x.shape[dim]} tokens does not split into 2 x {size} equal CP chunks")
+    parts = x.chunk(2 * size, dim=dim)
     return torch.cat([parts[rank], parts[2 * size - 1 - rank]], dim=dim)
 
 
