@@ -21,7 +21,7 @@ def test_the_short_cpu_form_passes_every_section(tmp_path):
     by = {}
     for x in lines:
         by.setdefault(x["section"], []).append(x)
-    assert set(by) == {"env", "kernels", "exactness", "profile", "training"}, res.stdout[-3000:]
+    assert set(by) == {"env", "kernels", "exactness", "timing", "profile", "training"}, res.stdout[-3000:]
     # five strategies and three mixed plans in fp32 (one recomputes layers); the mixes together
     # use every strategy
     exact = [x for x in by["exactness"] if x["name"].startswith("fp32")]
@@ -32,6 +32,10 @@ def test_the_short_cpu_form_passes_every_section(tmp_path):
     judged = [x for x in lines if x["status"] != "INFO" and not x["name"].startswith("time at")]
     assert all(x["status"] == "PASS" for x in judged), [x for x in judged if x["status"] != "PASS"]
     assert any(x["name"].startswith("time at held-out") for x in by["profile"])
+    # timing: every strategy at the quick lengths and on one pack, then the sanity line
+    timed = [x for x in by["timing"] if "ms" in x["data"]]
+    assert len(timed) == 5 * 3 and all(v > 0 for x in timed for v in x["data"]["ms"].values())
+    assert by["timing"][-1]["name"] == "measurements" and any("pack" in x["name"] for x in timed)
     assert by["training"][0]["data"]["rows"] and "over" in by["training"][0]["detail"]
     assert "passed" in res.stdout and str(out) in res.stdout
 
@@ -46,6 +50,7 @@ def test_bad_flags_are_refused_before_anything_starts(tmp_path, monkeypatch, cap
     monkeypatch.chdir(tmp_path)
     for argv, needle in ((["--backend", "gloo", "--nproc", "2", "--num-attention-heads", "5"], "num-attention-heads"),
                          (["--backend", "gloo", "--sections", "exactness,nope"], "unknown section"),
+                         (["--backend", "gloo", "--timing-seqs", "64,65"], "--timing-seqs"),
                          (["--backend", "gloo", "--no-such-flag"], "--no-such-flag")):
         with pytest.raises(SystemExit) as e:
             main(argv)

@@ -8,7 +8,9 @@
 Sections: ``env`` (what runs), ``kernels`` (the ring's block kernels against float64),
 ``exactness`` (every strategy and three mixed plans, one recomputing layers, against stock
 megatron-core TP = 1 on the same weights, fp32 and, on GPUs, bf16; with torch's kernels and with flash-attn where
-installed), ``profile`` (a short profile and fit of the model, error on a held-out length),
+installed), ``timing`` (each strategy's forward + backward time and TFLOP/s at a few lengths and
+on one pack, with and without weight prefetch where the plugin has it), ``profile`` (a short
+profile and fit of the model, error on a held-out length),
 ``training`` (planned steps under the default budget: peaks beside predictions, no OOM) and,
 launched with ``MEGATRON_LM_PATH``, ``megatron-lm`` (Megatron-LM's own ``pretrain_gpt.py``
 with and without ``--paradyse``: equal losses). Model flags are Megatron-LM's
@@ -34,7 +36,7 @@ from ..cpu_compat import RANK_ENV
 from ..device import default_backend
 from ..model import ModelArgsError, add_model_args, complete_model_args
 from ..training.faults import FailFast
-from . import megatron_lm, worker
+from . import megatron_lm, timing, worker
 from .results import FAIL, Line, failed, from_json, table, to_json
 from .worker import SECTIONS
 
@@ -74,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--train-seq", type=int, default=None, help="training: the longest sequence")
     g.add_argument("--train-iters", type=int, default=None, help="training: steps")
     g.add_argument("--profile-seqs", default=None, help="profile: comma list of lengths")
+    g.add_argument("--timing-seqs", default=None,
+                   help="timing: comma list of lengths (default 2048,4096,8192 on GPUs; the longest "
+                        "also as a pack)")
+    g.add_argument("--timing-layers", type=int, default=None,
+                   help="timing: decoder layers of the model timed (at most; default 4, 2 with --quick)")
     g.add_argument("--bf16-on-cpu", action="store_true", help="exactness in bf16 on CPU ranks too")
     g.add_argument("--verbose", action="store_true", help="print the trainer's and profiler's logs")
     return ap
@@ -99,6 +106,15 @@ def complete(opts, world: int) -> None:
     # quadratic terms show on the CPU
     opts.profile_seqs = opts.profile_seqs or ("256,512,768,1024" if q else "256,512,768,1024,1536,2048"
                                               if not on_gpu else "1024,2048,4096,8192,16384")
+    opts.timing_seqs = opts.timing_seqs or ("64,128" if q else "256,512,1024" if not on_gpu else "2048,4096,8192")
+    if opts.timing_layers is None:
+        opts.timing_layers = 2 if q else 4
+    try:
+        timing.parse_seqs(opts.timing_seqs, opts.p)
+    except ValueError as e:
+        raise CheckArgsError(str(e)) from None
+    if opts.timing_layers < 1:
+        raise CheckArgsError(f"--timing-layers must be at least 1, got {opts.timing_layers}")
 
 
 def model_flags(opts, rest: list) -> list:
@@ -168,7 +184,8 @@ def _worker_argv(opts, rest: list) -> list:
     argv = ["--backend", opts.backend, "--sections", ",".join(opts.sections), "--out", opts.out,
             "--timeout", str(opts.timeout), "--exact-seq", str(opts.exact_seq),
             "--exact-layers", str(opts.exact_layers), "--train-seq", str(opts.train_seq),
-            "--train-iters", str(opts.train_iters), "--profile-seqs", opts.profile_seqs]
+            "--train-iters", str(opts.train_iters), "--profile-seqs", opts.profile_seqs,
+            "--timing-seqs", opts.timing_seqs, "--timing-layers", str(opts.timing_layers)]
     argv += ["--tp", str(opts.tp)] if opts.tp else []
     argv += [f for f, on in (("--quick", opts.quick), ("--bf16-on-cpu", opts.bf16_on_cpu),
                              ("--verbose", opts.verbose)) if on]

@@ -23,10 +23,10 @@ from ..model import transformer_config
 from ..parallel import attention_kernels as K
 from ..parallel.kernel_check import ring_blocks_selfcheck
 from ..units import GiB
-from . import exactness, profile, training
+from . import exactness, profile, timing, training
 from .results import INFO, SKIP, Line, to_json
 
-SECTIONS = ("env", "kernels", "exactness", "profile", "training")
+SECTIONS = ("env", "kernels", "exactness", "timing", "profile", "training")
 
 
 @dataclasses.dataclass
@@ -113,6 +113,8 @@ def run(opts, model_argv: list, model_args, notes: list) -> list:
         for kernels in _kernel_settings():
             with kernels[1]():
                 emit(exactness.check(spec, opts.p, bf16=on_gpu or opts.bf16_on_cpu, kernels=kernels[0]))
+    if "timing" in opts.sections:
+        emit(timing.run(model_args, opts))
     cost_model = None
     if "profile" in opts.sections:
         new, cost_model = profile.run(opts, model_argv)
