@@ -12,28 +12,31 @@ import contextlib
 from collections import Counter
 
 REL_TOL = 1e-5
-KINDS = ("all_to_all", "p2p", "broadcast", "weight_gather", "sdpa", "relayout")
+KINDS = ("all_to_all", "p2p", "broadcast", "weight_gather", "sdpa", "varlen", "relayout")
 
 
 @contextlib.contextmanager
 def observe(model):
     """Count, per decoder layer and module, the calls made inside its forward to
     ``all_to_all_single`` (Ulysses), ``batch_isend_irecv`` (rings), ``broadcast`` (METP),
-    the plugin's ZeRO weight gather (``collectives.gather_shards``), the balanced ring layout's
+    a ZeRO linear's taking of its gathered weight (``prefetch.weight``: prefetched or gathered
+    there, one per linear), the balanced ring layout's
     exchange (``zigzag.exchange``, whose point-to-point calls count as ``p2p`` too) and torch's
-    ``scaled_dot_product_attention`` (megatron's local spec never calls it).
+    ``scaled_dot_product_attention`` (megatron's local spec never calls it) and the plugin's
+    variable-length attention over a pack's documents (``varlen.forward``).
 
     Yields a dict ``{(layer index, "attention" | "mlp"): Counter}``.
     """
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from megatron_paradyse.parallel import collectives, dispatch, zigzag
+    from megatron_paradyse.parallel import dispatch, prefetch, varlen, zigzag
 
     records, current = {}, []
     targets = [(dist, "all_to_all_single", "all_to_all"), (dist, "batch_isend_irecv", "p2p"),
-               (dist, "broadcast", "broadcast"), (collectives, "gather_shards", "weight_gather"),
-               (zigzag, "exchange", "relayout"), (F, "scaled_dot_product_attention", "sdpa")]
+               (dist, "broadcast", "broadcast"), (prefetch, "weight", "weight_gather"),
+               (zigzag, "exchange", "relayout"), (F, "scaled_dot_product_attention", "sdpa"),
+               (varlen, "forward", "varlen")]
     saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in targets]
 
     def counting(fn, kind):

@@ -66,7 +66,7 @@ def _two_level_steps(layout, c, t) -> int:
     return calls
 
 
-def cp_signature(name, module, config, local, docs, cp_rank, tp_rank) -> Counter:
+def cp_signature(name, module, config, local, docs, cp_rank, tp_rank, batch=1) -> Counter:
     """What ``name`` calls in one attention or MLP forward under CP on this rank."""
     from megatron_paradyse.parallel import context
 
@@ -83,22 +83,23 @@ def cp_signature(name, module, config, local, docs, cp_rank, tp_rank) -> Counter
     cp_hops = _hop_steps(context.cp_layout(C, local, docs), cp_rank)
     joint_hops = _two_level_steps(context.joint_layout(C, P, local, docs), cp_rank, tp_rank)
     bias = 3 if (config.add_bias_linear or config.add_qkv_bias) else 2
+    own = 1 if batch == 1 else 0  # one row's own keys (a pack's documents): one variable-length call
     return {
-        "tp_sp": Counter(p2p=cp_hops),
-        "ulysses": Counter(all_to_all=4, weight_gather=2, p2p=cp_hops),
-        "ring": Counter(p2p=joint_hops, weight_gather=2) + relayout,
+        "tp_sp": Counter(p2p=cp_hops, varlen=own),
+        "ulysses": Counter(all_to_all=4, weight_gather=2, p2p=cp_hops, varlen=own),
+        "ring": Counter(p2p=joint_hops, weight_gather=2, varlen=own) + relayout,
         "colossal": Counter(p2p=2 * joint_hops, weight_gather=2) + relayout,
-        "metp": Counter(broadcast=P * bias, p2p=P * joint_hops) + relayout,
+        "metp": Counter(broadcast=P * bias, p2p=P * joint_hops, varlen=P * own) + relayout,
     }[name]
 
 
-def check_cp_ran(records, plan, config, local, docs):
+def check_cp_ran(records, plan, config, local, docs, batch=1):
     from megatron.core import parallel_state as ps
 
     cp_rank, tp_rank = ps.get_context_parallel_rank(), ps.get_tensor_model_parallel_rank()
     wrong = []
     for (layer, module), seen in sorted(records.items()):
-        want = cp_signature(plan[layer], module, config, local, docs, cp_rank, tp_rank)
+        want = cp_signature(plan[layer], module, config, local, docs, cp_rank, tp_rank, batch)
         if +seen != +want:
             wrong.append(f"layer {layer} {module} {plan[layer]}: expected {dict(want)}, saw {dict(seen)}")
     if wrong:
@@ -111,7 +112,7 @@ def _row_pass(model, spec, plan, batch, seq, seed):
     tokens, labels = T.make_batch(spec, batch, seq, seed=seed)
     with observe(model) as records:
         loss, logits = T.forward_backward(model, tokens, labels)
-    check_cp_ran(records, plan, model.config, seq // C, None)
+    check_cp_ran(records, plan, model.config, seq // C, None, batch)
     return loss, logits
 
 

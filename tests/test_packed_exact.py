@@ -153,11 +153,11 @@ def packed_signature(name, module, p, config, lengths, rank) -> Counter:
     hops = _hop_steps(layout, rank)
     bias = 3 if (config.add_bias_linear or config.add_qkv_bias) else 2
     return {
-        "tp_sp": Counter(sdpa=len(padded)),
-        "ulysses": Counter(all_to_all=4, weight_gather=2, sdpa=len(padded)),
-        "ring": Counter(p2p=hops + relayout, weight_gather=2),
+        "tp_sp": Counter(varlen=1),  # every document in one call
+        "ulysses": Counter(all_to_all=4, weight_gather=2, varlen=1),
+        "ring": Counter(p2p=hops + relayout, weight_gather=2, varlen=1),  # its own keys in one call
         "colossal": Counter(p2p=2 * hops + relayout, weight_gather=2),
-        "metp": Counter(broadcast=p * bias, p2p=p * hops + relayout),
+        "metp": Counter(broadcast=p * bias, p2p=p * hops + relayout, varlen=p),  # one per head group
     }[name]
 
 

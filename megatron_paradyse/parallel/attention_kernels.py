@@ -2,13 +2,15 @@
 the log-sum-exp with the merge that ring attention needs.
 
 Layout here is ``[b, heads, s, d]``; ``k``/``v`` may have fewer heads than ``q`` (GQA). The
-block kernels (:func:`kernel_path` says which runs): on CPU: torch's flash kernel for CPU
-(``_scaled_dot_product_flash_attention_for_cpu``), which returns the log-sum-exp and has a
+block kernels, chosen per call by ``kernel_select`` (device, capability, dtype, head size; a
+kernel that raises falls back to the next, logged): on CPU torch's flash kernel for CPU
+(``_scaled_dot_product_flash_attention_for_cpu``, which returns the log-sum-exp and has a
 backward that accepts a global output and log-sum-exp, the property that lets a ring split
-one softmax into blocks. On CUDA: flash-attn 2.7/2.8 when installed, else torch's own flash
-kernel (fp16/bf16) or memory-efficient kernel (fp32). The flash kernels take fewer K/V heads
-natively (:func:`native_gqa`); for the others K/V are expanded per call and dK/dV reduced.
-A causal block must be square (the kernels align a non-square causal mask differently).
+one softmax into blocks); on CUDA flash-attn 2.7/2.8 when installed, torch's own flash kernel
+(fp16/bf16, sm >= 80), its memory-efficient kernel, then explicit scores (``math_attention``).
+The flash kernels take fewer K/V heads natively; for the others K/V are expanded per call and
+dK/dV reduced. A causal block must be square (the kernels align a non-square causal mask
+differently). Packs: ``varlen.py``.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import logging
 
 import torch
 import torch.nn.functional as F
+
+from . import kernel_select, math_attention
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -94,21 +98,30 @@ def default_kernels():
     yield
 
 
+def _call(q):
+    return kernel_select.call_of(q)
+
+
+def _families(q) -> list:
+    return kernel_select.candidates(_call(q), _fa() is not None)
+
+
 def kernel_path(q) -> str:
-    """Which block kernel :func:`attn_forward` / :func:`attn_backward` run for ``q``."""
-    if q.device.type == "cpu":
-        return "cpu flash"
-    if q.dtype in (torch.float16, torch.bfloat16):
-        return f"flash-attn {FLASH_ATTN_VERSION}" if _fa() else "torch flash"
-    return "torch efficient"
+    """Which block kernel :func:`attn_forward` / :func:`attn_backward` run first for ``q``
+    (``kernel_select``: by device, capability, dtype and head size)."""
+    family = _families(q)[0]
+    return f"flash-attn {FLASH_ATTN_VERSION}" if family == kernel_select.FLASH_ATTN else family
 
 
 def native_gqa(q) -> bool:
     """Whether the block kernel for ``q`` takes fewer K/V heads than query heads itself
     (flash-attn's and torch's CUDA flash kernel: ``num_heads % num_heads_k == 0`` in mha_fwd /
-    mha_bwd, which sum dK/dV over each group). torch's memory-efficient kernel needs equal heads;
-    the CPU kernel gets them expanded too (torch 2.13's takes GQA, not checked for older ones)."""
-    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    mha_bwd, which sum dK/dV over each group). The others get K/V expanded per call and dK/dV
+    reduced (torch 2.13's CPU kernel takes GQA, not checked for older ones)."""
+    return _families(q)[0] in _NATIVE_GQA
+
+
+_NATIVE_GQA = (kernel_select.FLASH_ATTN, kernel_select.TORCH_FLASH)
 
 
 def _bshd(x):
@@ -118,6 +131,11 @@ def _bshd(x):
     tensors (``contiguous()`` sets a CUDA device guard there)."""
     t = x.transpose(1, 2)
     return x if t.is_contiguous() else t.clone(memory_format=torch.contiguous_format).transpose(1, 2)
+
+
+def dense(x):
+    """``x`` contiguous (``clone``: runs on fake CUDA tensors too, see :func:`_bshd`)."""
+    return x if x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
 
 
 def _flash_rng(q):
@@ -134,58 +152,96 @@ def _efficient_rng(q):
             torch.empty((), dtype=torch.int64, device=q.device))
 
 
-def attn_forward(q, k, v, causal: bool, scale: float):
-    """Softmax attention of one block: returns (out like q, lse [b, heads, sq] in fp32)."""
-    if not native_gqa(q):
+def _expanded(fn):
+    """``fn`` over K/V expanded to the query heads (for kernels without native GQA)."""
+    def call(q, k, v, *rest):
         rep = q.shape[1] // k.shape[1]
-        k, v = expand_kv(k, rep), expand_kv(v, rep)
-    if q.device.type == "cpu":
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)[:2]
-        return out, lse
-    if _fa() and native_gqa(q):
-        # [b, s, h, d] views: flash-attn needs only a contiguous last dim, so nothing is copied
-        out, lse = _FA[0](q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, scale, causal,
-                          -1, -1, 0.0, None, False)[:2]
-        return out.transpose(1, 2), lse
-    if native_gqa(q):
-        out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
-        return out, lse
+        return fn(q, expand_kv(k, rep), expand_kv(v, rep), *rest)
+    return call
+
+
+def _fwd_flash_attn(q, k, v, causal, scale):
+    # [b, s, h, d] views: flash-attn needs only a contiguous last dim, so nothing is copied
+    out, lse = _FA[0](q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, scale, causal,
+                      -1, -1, 0.0, None, False)[:2]
+    return out.transpose(1, 2), lse
+
+
+def _fwd_torch_flash(q, k, v, causal, scale):
+    return aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+
+
+def _fwd_efficient(q, k, v, causal, scale):
     out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)[:2]
     return out, lse.narrow(-1, 0, q.shape[2])  # the kernel pads the lse rows to a multiple of 32
+
+
+def _fwd_cpu(q, k, v, causal, scale):
+    return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)[:2]
+
+
+_FORWARD = {kernel_select.FLASH_ATTN: _fwd_flash_attn, kernel_select.TORCH_FLASH: _fwd_torch_flash,
+            kernel_select.TORCH_EFFICIENT: _expanded(_fwd_efficient), kernel_select.CPU_FLASH: _expanded(_fwd_cpu),
+            kernel_select.MATH: _expanded(math_attention.forward)}
+
+
+def attn_forward(q, k, v, causal: bool, scale: float):
+    """Softmax attention of one block: returns (out like q, lse [b, heads, sq] in fp32)."""
+    c = _call(q)
+    return kernel_select.run(c, kernel_select.candidates(c, _fa() is not None), _FORWARD, q, k, v, causal, scale)
 
 
 def attn_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     """Gradients (dq, dk, dv) of one block, given the *global* out and lse of its rows; dk/dv
     have k's heads."""
-    rep = 1 if native_gqa(q) else q.shape[1] // k.shape[1]
-    dq, dk, dv = _block_backward(dout, q, expand_kv(k, rep), expand_kv(v, rep), out, lse, causal, scale)
-    return dq, reduce_kv(dk, rep), reduce_kv(dv, rep)
+    c = _call(q)
+    return kernel_select.run(c, kernel_select.candidates(c, _fa() is not None), _BACKWARD,
+                             dout, q, k, v, out, lse, causal, scale)
 
 
-def _block_backward(dout, q, k, v, out, lse, causal, scale):
-    """:func:`attn_backward` with K/V as the kernel takes them. The flash kernels read ``lse`` by
-    pointer as ``[b, h, sq]``: contiguous."""
-    if q.device.type == "cpu":
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, causal, scale=scale)
-    sq, sk = q.shape[2], k.shape[2]
-    if _fa() and native_gqa(q):
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        t = lambda x: x.transpose(1, 2)  # noqa: E731 - [b, s, h, d] views, written in place
-        # deterministic: torch's global setting (Megatron-LM's --deterministic-mode sets it)
-        _FA[1](t(dout), t(q), t(k), t(v), t(out), lse.contiguous(), t(dq), t(dk), t(dv), 0.0, scale, causal,
-               -1, -1, 0.0, None, torch.are_deterministic_algorithms_enabled())
-        return dq, dk, dv
-    if native_gqa(q):
-        # cum_seq_q/k None (undefined): the dense kernel; defined ones select the varlen one
-        return aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse.contiguous(), None, None, sq, sk, 0.0, causal, *_flash_rng(q), scale=scale)
-    pad = (-sq) % 32  # rows padded to a multiple of 32, as its forward returns them
-    lse = torch.nn.functional.pad(lse, (0, pad)) if pad else lse.contiguous()
+def _reduced(fn):
+    """``fn`` over K/V expanded to the query heads, dK/dV summed back to K's heads."""
+    def call(dout, q, k, v, *rest):
+        rep = q.shape[1] // k.shape[1]
+        dq, dk, dv = fn(dout, q, expand_kv(k, rep), expand_kv(v, rep), *rest)
+        return dq, reduce_kv(dk, rep), reduce_kv(dv, rep)
+    return call
+
+
+def _bwd_cpu(dout, q, k, v, out, lse, causal, scale):
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, causal, scale=scale)
+
+
+def _bwd_flash_attn(dout, q, k, v, out, lse, causal, scale):
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    t = lambda x: x.transpose(1, 2)  # noqa: E731 - [b, s, h, d] views, written in place
+    # deterministic: torch's global setting (Megatron-LM's --deterministic-mode sets it)
+    _FA[1](t(dout), t(q), t(k), t(v), t(out), dense(lse), t(dq), t(dk), t(dv), 0.0, scale, causal,
+           -1, -1, 0.0, None, torch.are_deterministic_algorithms_enabled())
+    return dq, dk, dv
+
+
+def _bwd_torch_flash(dout, q, k, v, out, lse, causal, scale):
+    # cum_seq_q/k None (undefined): the dense kernel; defined ones select the varlen one. The
+    # kernel reads lse by pointer as [b, h, sq]: contiguous
+    return aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, dense(lse), None, None, q.shape[2], k.shape[2], 0.0, causal, *_flash_rng(q),
+        scale=scale)
+
+
+def _bwd_efficient(dout, q, k, v, out, lse, causal, scale):
+    pad = (-q.shape[2]) % 32  # rows padded to a multiple of 32, as its forward returns them
+    lse = torch.nn.functional.pad(lse, (0, pad)) if pad else dense(lse)
     dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
         dout, q, k, v, None, _bshd(out), lse, *_efficient_rng(q), 0.0, [True, True, True, False],
         causal, scale=scale)
     return dq, dk, dv
+
+
+_BACKWARD = {kernel_select.FLASH_ATTN: _bwd_flash_attn, kernel_select.TORCH_FLASH: _bwd_torch_flash,
+             kernel_select.TORCH_EFFICIENT: _reduced(_bwd_efficient), kernel_select.CPU_FLASH: _reduced(_bwd_cpu),
+             kernel_select.MATH: _reduced(math_attention.backward)}
 
 
 def merge_lse(out, lse, blk_out, blk_lse):
@@ -242,14 +298,3 @@ def causal_attention(q, k, v, scale: float):
         k, v, rep = expand_kv(k, rep), expand_kv(v, rep), 1
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=rep > 1)
 
-
-def document_attention(q, k, v, scale: float, docs=None):
-    """:func:`causal_attention` over whole sequences, or inside each document of a pack
-    (``docs``: ``packing.Documents`` of the sequence dimension): one causal kernel call per
-    document, so memory stays linear in the pack's length and nothing crosses a boundary.
-    On GPUs a variable-length kernel would make this one call (not done: see docs/packing.md)."""
-    if docs is None:
-        return causal_attention(q, k, v, scale)
-    b = docs.bounds
-    return torch.cat([causal_attention(q[:, :, x:y], k[:, :, x:y], v[:, :, x:y], scale)
-                      for x, y in zip(b, b[1:])], dim=2)

@@ -131,6 +131,23 @@ class PieceLayout:
                 out.append((q.local, keys, False))
         return tuple(out)
 
+    def own_documents(self, rank: int) -> Documents:
+        """The causal squares of ``rank``'s queries over its own keys (:meth:`kernel_blocks`) as
+        the documents of its local rows, for one variable-length kernel call. Built once per
+        layout and rank, so its device tensors (``Documents.on_device``) serve every layer."""
+        got = self._own.get(rank)
+        if got is None:
+            spans = sorted((r.start, r.stop) for r, _, _ in self.kernel_blocks(rank, rank))
+            bounds = (0,) + tuple(b for _, b in spans)
+            if tuple(a for a, _ in spans) != bounds[:-1] or bounds[-1] != self.count(rank):
+                raise AssertionError(f"rank {rank}'s own causal blocks {spans} do not tile its {self.count(rank)} rows")
+            got = self._own[rank] = Documents(bounds)
+        return got
+
+    @functools.cached_property
+    def _own(self) -> dict:
+        return {}
+
     @functools.cached_property
     def _last(self) -> tuple:
         out = []
@@ -186,7 +203,7 @@ class PackedLayout(PieceLayout):
         return _move_plan(self, rank)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=16)
 def packed_layout(p: int, docs: Documents) -> PackedLayout:
     return PackedLayout(p, docs)
 

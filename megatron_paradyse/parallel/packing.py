@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import functools
 
 import torch
 
@@ -63,9 +62,15 @@ def seq_tokens(s) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Documents:
-    """A pack's document boundaries ``bounds = (0, ..., T)`` (strictly increasing)."""
+    """A pack's document boundaries ``bounds = (0, ..., T)`` (strictly increasing).
+
+    The tensors a step needs of them (RoPE positions, a kernel's ``cu_seqlens``) are built on
+    the device once per object and kept on it (:meth:`on_device`): a micro-batch's layers, METP's
+    head groups and the backward reuse them, with no host work or host-to-device copy per layer.
+    """
 
     bounds: tuple
+    _tensors: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     @property
     def total(self) -> int:
@@ -93,7 +98,6 @@ class Documents:
             start, d = b, d + 1
         return out
 
-    @functools.lru_cache(maxsize=256)
     def _positions(self, ranges: tuple) -> list:
         out = []
         for start, stop in ranges:
@@ -102,9 +106,24 @@ class Documents:
                 out.extend(range(a - off, b - off))
         return out
 
+    def on_device(self, key, device, build):
+        """The tensor ``build()`` makes (host values) on ``device``, made once per key and device."""
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        got = self._tensors.get((key, device))
+        if got is None:
+            got = self._tensors[(key, device)] = build(device)
+        return got
+
     def positions(self, ranges, device=None) -> torch.Tensor:
         """In-document positions (RoPE's) of the tokens ``ranges`` (``(start, stop)`` pairs) hold."""
-        return torch.tensor(self._positions(tuple(tuple(r) for r in ranges)), dtype=torch.long, device=device)
+        ranges = tuple(tuple(r) for r in ranges)
+        return self.on_device(("positions", ranges), device, lambda dev: torch.tensor(
+            self._positions(ranges), dtype=torch.long, device=dev))
+
+    def cu_seqlens(self, device=None) -> torch.Tensor:
+        """The boundaries as variable-length kernels take them: int32, contiguous, on ``device``."""
+        return self.on_device("cu_seqlens", device, lambda dev: torch.tensor(
+            self.bounds, dtype=torch.int32, device=dev))
 
 
 def check_cu_seqlens(cu, total: int, where: str = "packed_seq_params") -> tuple:
@@ -136,8 +155,8 @@ def documents_from(params, total: int) -> Documents:
     checked (ValueError naming the problem; the same on every rank, before any collective) and
     cached on ``params``."""
     cached = getattr(params, _DOCS_ATTR, None)
-    if cached is not None and cached.total == total:
-        return cached
+    if cached is not None and cached[0].total == total and _same_inputs(cached[1], _inputs(params)):
+        return cached[0]
     fmt = getattr(params, "qkv_format", None)
     if fmt != "thd":
         raise ValueError(f"packed_seq_params.qkv_format must be 'thd' (got {fmt!r}): ParaDySe packs "
@@ -160,8 +179,22 @@ def documents_from(params, total: int) -> Documents:
         if got is None or int(got) < docs.max_length:
             raise ValueError(f"packed_seq_params.{name} is {got}, but the longest document holds "
                              f"{docs.max_length} tokens (megatron sizes its RoPE table by it)")
-    setattr(params, _DOCS_ATTR, docs)
+    setattr(params, _DOCS_ATTR, (docs, _inputs(params)))
     return docs
+
+
+_CU_FIELDS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
+
+
+def _inputs(params) -> tuple:
+    """What the cached documents were read from: each boundary field's object and, for a tensor,
+    its version counter (an in-place write bumps it), so reused or rewritten buffers are re-read."""
+    return tuple((obj, obj._version if torch.is_tensor(obj) else None)
+                 for obj in (getattr(params, f, None) for f in _CU_FIELDS))
+
+
+def _same_inputs(a: tuple, b: tuple) -> bool:
+    return all(x is y and vx == vy for (x, vx), (y, vy) in zip(a, b))
 
 
 def pad_pack(params, total: int, p: int):

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import context
-from ..attention_kernels import attn_backward, attn_forward, causal_attention, document_attention, merge_lse
+from .. import context, varlen
+from ..attention_kernels import attn_backward, attn_forward, causal_attention, merge_lse
 from ..buffers import block_slot
 from ..ring_comm import grad_ring, reach, ring_position, ring_stream
 from .ring_base import RingStrategy
@@ -27,10 +27,23 @@ def _slot(k, slot):
     return block_slot("kv"[k], slot)
 
 
+def _rows(x, rows: slice):
+    """Rows ``rows`` of ``[b, n, s, ...]`` (``narrow``: a view that fake CUDA tensors take too)."""
+    return x.narrow(2, rows.start, rows.stop - rows.start)
+
+
 def _merge_rows(out, lse, rows, blk_out, blk_lse):
-    """Merge one block's result into rows ``rows`` of the running (out, lse)."""
-    o, l = merge_lse(out[:, :, rows], lse[:, :, rows], blk_out, blk_lse)
-    out[:, :, rows], lse[:, :, rows] = o, l
+    """Merge one block's result into rows ``rows`` of the running (out, lse), in place."""
+    o, l = merge_lse(_rows(out, rows), _rows(lse, rows), blk_out, blk_lse)
+    torch.ops.aten.copy_(_rows(out, rows), o)  # Tensor.copy_'s kernel; it runs on fake CUDA tensors too
+    torch.ops.aten.copy_(_rows(lse, rows), l)
+
+
+def _own_varlen(layout, rank, src, q) -> bool:
+    """Whether a ring step over the rank's own keys of a pack is one variable-length call (one
+    causal square per document, together every local row: ``PieceLayout.own_documents``). Rows
+    (b > 1, also under context parallelism) hold one document: one block anyway."""
+    return src == rank and layout.packed and q.shape[0] == 1
 
 
 def _shapes(k, v, layout):
@@ -55,9 +68,11 @@ def ring_forward(q, kv_steps, layout, rank, scale):
     for src, kv in kv_steps:
         if kv is None:
             continue
-        cur_k, cur_v = kv
+        if _own_varlen(layout, rank, src, q):
+            out, lse = merge_lse(out, lse, *varlen.forward(q, *kv, layout.own_documents(rank), scale))
+            continue
         for rows, keys, causal in layout.kernel_blocks(rank, src):
-            o, l = attn_forward(q[:, :, rows], cur_k[:, :, keys], cur_v[:, :, keys], causal, scale)
+            o, l = attn_forward(_rows(q, rows), _rows(kv[0], keys), _rows(kv[1], keys), causal, scale)
             if out is None and rows == slice(0, sl):  # one block over every row: it is the start
                 out, lse = merge_lse(None, None, o, l)
                 continue
@@ -71,17 +86,30 @@ def ring_forward(q, kv_steps, layout, rank, scale):
 
 def step_backward(dout, q, out, lse, dq, cur_k, cur_v, blocks, scale):
     """One ring step's backward over the visiting ``cur_k``/``cur_v``: adds the blocks' dQ into
-    ``dq`` (fp32) and returns the block's fp32 [dK, dV], or None where no query sees it."""
+    ``dq`` (fp32) and returns the block's fp32 [dK, dV], or None where no query sees it.
+    ``blocks``: the step's ``kernel_blocks``, or a ``Documents`` for the rank's own keys of a
+    pack (one variable-length call)."""
+    if not isinstance(blocks, tuple):
+        dq_b, dk_b, dv_b = varlen.backward(dout, q, cur_k, cur_v, out, lse, blocks, scale)
+        dq.add_(dq_b)
+        return [dk_b.float(), dv_b.float()]
     if not blocks:
         return None
     contrib = [torch.zeros_like(cur_k, dtype=torch.float32), torch.zeros_like(cur_v, dtype=torch.float32)]
     for rows, keys, causal in blocks:
-        dq_b, dk_b, dv_b = attn_backward(dout[:, :, rows], q[:, :, rows], cur_k[:, :, keys], cur_v[:, :, keys],
-                                         out[:, :, rows], lse[:, :, rows], causal, scale)
-        dq[:, :, rows] += dq_b
-        contrib[0][:, :, keys] += dk_b
-        contrib[1][:, :, keys] += dv_b
+        dq_b, dk_b, dv_b = attn_backward(_rows(dout, rows), _rows(q, rows), _rows(cur_k, keys), _rows(cur_v, keys),
+                                         _rows(out, rows), _rows(lse, rows), causal, scale)
+        _rows(dq, rows).add_(dq_b)
+        _rows(contrib[0], keys).add_(dk_b)
+        _rows(contrib[1], keys).add_(dv_b)
     return contrib
+
+
+def step_blocks(layout, rank, src, q):
+    """What :func:`step_backward` takes for the step over ``src``'s keys."""
+    if _own_varlen(layout, rank, src, q):
+        return layout.own_documents(rank)
+    return layout.kernel_blocks(rank, src)
 
 
 class RingAttention(torch.autograd.Function):
@@ -109,7 +137,7 @@ class RingAttention(torch.autograd.Function):
         layout = ctx.layout
         grads = grad_ring([k, v], ctx.group, last=reach(layout, ctx.group), shapes=_shapes(k, v, layout))
         for src, kv in kv_stream(k, v, ctx.group, layout):
-            blocks = layout.kernel_blocks(rank, src) if kv is not None else ()
+            blocks = step_blocks(layout, rank, src, q) if kv is not None else ()
             grads.add(step_backward(dout, q, out, lse, dq, *(kv or (None, None)), blocks, ctx.scale))
         dk, dv = grads.result()
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
@@ -128,7 +156,7 @@ def sequence_attention(q, k, v, scale, docs=None, cp=None):
     (inside each document of a pack), or with context parallelism (``cp``: ``context.CP``) over
     this CP rank's local tokens and, by a K/V ring over the CP group, every other CP rank's."""
     if cp is None:
-        return document_attention(q, k, v, scale, docs)
+        return varlen.document_attention(q, k, v, scale, docs)
     layout = context.cp_layout(cp.size, q.shape[2], docs)
     return RingAttention.apply(q, k, v, cp.group, scale, layout)
 
