@@ -454,20 +454,43 @@ def update_comm_seconds(shape: ModelShape, net: dict) -> float:
 _DTYPE_NAME = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
-def pool_buffers(strategy: str, shape: ModelShape, s: int, b: int) -> dict:
+ZERO = ("ulysses", "ring", "colossal")  # the strategies that gather their weights (zero3.py)
+
+
+def zero_weight_pool(shape: ModelShape, prefetch: bool | None = None) -> dict:
+    """The ZeRO strategies' gathered weights in the pool (bytes, undecorated names).
+
+    Prefetch on (``prefetch`` None: as ``parallel.prefetch.enabled()`` says now): two slots by
+    role, ``weight0_0`` the larger of QKV and fc1, ``weight0_1`` the larger of the projection and
+    fc2, so the one extra gathered weight prefetch holds is ``weight0_1``; ``weight0_1_in`` the
+    staged row-parallel shard. Off: one slot, ``weight0_0``, the largest weight, and ``_in``.
+    """
+    from ..parallel import prefetch as pf
+
+    on = pf.enabled() if prefetch is None else prefetch
+    p, e, h, f = shape.p, shape.elt, shape.hidden, shape.ffn
+    f1 = 2 * f if shape.swiglu else f
+    col, row = max(h * shape.qkv_width, h * f1) * e, max(h * shape.heads * shape.head_dim, f * h) * e
+    if on:
+        return {"paradyse:weight0_0": col, "paradyse:weight0_1": row, "paradyse:weight0_1_in": row / p}
+    return {"paradyse:weight0_0": max(col, row), "paradyse:weight0_0_in": row / p}
+
+
+def pool_buffers(strategy: str, shape: ModelShape, s: int, b: int, prefetch: bool | None = None) -> dict:
     """The communication pool a micro-batch allocates for ``strategy`` (or ``"nonlayer"``):
     ``{"name/dtype": bytes}``, the largest rank's, read off the strategies' code and equal to
     the profiler's pool rows (tests/test_costmodel_analytic.py, fp32, p = 2 and 4).
 
     ``mpu``: megatron's sequence-parallel all-gather of a layer input (TP+SP's linears, and the
-    output layer for every plan); ``weight0_0`` / ``_in``: the ZeRO gather of the largest weight
-    (and the copy of a row-parallel shard); ``kv_*``: ring blocks (slot 1 from p = 3 on);
+    output layer for every plan); ``weight0_*``: the ZeRO gathers (:func:`zero_weight_pool`,
+    prefetch on or off); ``kv_*``: ring blocks (slot 1 from p = 3 on);
     ``zigzag_*``: the balanced layout's partner swap; METP's ``weight{j}_{slot}``: the travelling
     shards (QKV/fc1, projection/fc2, their biases), attention in slot 1 and MLP in slot 0 at
     p = 2, both in both slots from p = 3 on.
     """
     if packs.is_pack(s):
-        return pack_pool(strategy, shape.p, s, pool_buffers(strategy, shape, packs.geometry(s, shape.p).tokens, 1))
+        tokens = packs.geometry(s, shape.p).tokens
+        return pack_pool(strategy, shape.p, s, pool_buffers(strategy, shape, tokens, 1, prefetch))
     p, e, h = shape.p, shape.elt, shape.hidden
     T = s * b
     t = T / p
@@ -478,9 +501,8 @@ def pool_buffers(strategy: str, shape: ModelShape, s: int, b: int) -> dict:
     if strategy in ("nonlayer", "tp_sp"):
         out["mpu"] = T * h * e
     slots = (0, 1) if p >= 3 else (0,)
-    if strategy in ("ulysses", "ring", "colossal"):
-        out["paradyse:weight0_0"] = max(w.values()) * e
-        out["paradyse:weight0_0_in"] = max(w["proj"], w["fc2"]) / p * e
+    if strategy in ZERO:
+        out.update(zero_weight_pool(shape, prefetch))
     if strategy in ("ring", "colossal", "metp"):
         out["paradyse:zigzag_send"] = out["paradyse:zigzag_recv"] = T / (2 * p) * h * e
         for k in slots:

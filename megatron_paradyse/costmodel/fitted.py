@@ -333,12 +333,19 @@ class FittedCostModel(CostModel):
 
     def pool(self, strategy: str, s, b: int) -> dict:
         """The pool's buffers from the profile's pool rows (empty for a model fitted without
-        them); a pack's from its padded length's (``analytic.pack_pool``)."""
+        them); a pack's from its padded length's (``analytic.pack_pool``). A ZeRO strategy's
+        gathered weights are ``analytic.zero_weight_pool``'s, with prefetch as it is set now
+        (a profile records them with prefetch as it was then; they do not depend on s or b)."""
         strategy = strategy_of(strategy)  # a recomputed layer's pool is its strategy's
         if packs.is_pack(s):
             return analytic.pack_pool(strategy, self.shape.p, s, self.pool(strategy, *as_tokens(s, b, self.shape.p)))
         got = (self.meta.get("pool") or {}).get(strategy, {})
-        return {n: max(0.0, c0 + c1 * b * s) for n, (c0, c1) in got.items()}
+        out = {n: max(0.0, c0 + c1 * b * s) for n, (c0, c1) in got.items()}
+        if got and strategy in analytic.ZERO:
+            out = {n: v for n, v in out.items() if not n.startswith("paradyse:weight0_")}
+            dt = analytic._DTYPE_NAME[self.shape.dtype]
+            out.update({f"{n}/{dt}": float(v) for n, v in analytic.zero_weight_pool(self.shape).items()})
+        return out
 
 
 def extrapolation_note(cm, longest: int) -> str | None:

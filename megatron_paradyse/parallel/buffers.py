@@ -19,8 +19,9 @@ def weight_slot(k: int, slot: int) -> str:
     """Pool name of the ``k``-th weight tensor in flight, double-buffer ``slot`` (0/1).
 
     Every strategy names its gathered or travelling weights this way (ZeRO gathers use
-    ``weight0_0`` / ``weight2_0``, METP's broadcast and ring shards ``weight{k}_{0|1}``), so
-    the pool holds the largest use of each role, not one buffer per strategy.
+    ``weight0_0``, and with prefetch ``weight0_1`` for the projection and fc2: ``prefetch.py``;
+    METP's broadcast and ring shards ``weight{k}_{0|1}``), so the pool holds the largest use of
+    each role, not one buffer per strategy.
     """
     return f"weight{k}_{slot}"
 
@@ -30,10 +31,37 @@ def block_slot(kind: str, slot: int) -> str:
     return f"kv_{kind}{slot}"
 
 
+_WRITES: dict = {}  # pool name -> (work, payload): an async write into that buffer still in flight
+
+
+def post_write(name: str, work, payload=None) -> None:
+    """Record an async collective writing into the pooled buffer ``name`` (``payload``: what
+    :func:`settle` hands back), so that no later use of ``name`` starts before it is done."""
+    settle(name)
+    _WRITES[name] = (work, payload)
+
+
+def settle(name: str):
+    """Wait for the async write posted into ``name``, if any; its payload, else None."""
+    entry = _WRITES.pop(name, None)
+    if entry is None:
+        return None
+    entry[0].wait()
+    return entry[1]
+
+
+def settle_all() -> None:
+    """Wait for every async write into the pool."""
+    for name in list(_WRITES):
+        settle(name)
+
+
 def pool_buffer(name: str, shape, dtype, device=None) -> torch.Tensor:
-    """A view of the pooled buffer ``name``; its contents are only valid until its next use."""
+    """A view of the pooled buffer ``name``; its contents are only valid until its next use
+    (an async write still posted into it is waited for first: :func:`post_write`)."""
     from megatron.core import parallel_state
 
+    settle(name)
     buf = parallel_state.get_global_memory_buffer().get_tensor(list(shape), dtype, POOL_PREFIX + name)
     if device is not None and not _same_device(buf.device, torch.device(device)):
         raise RuntimeError(
@@ -73,8 +101,10 @@ def release_pool() -> None:
     pins its buffers for the rest of training, and a micro-batch's memory would depend on its
     predecessors. After the release a micro-batch holds exactly the buffers of its own plan
     and length, which is what the cost model predicts (``CostModel.pool_bytes``). Entries are
-    only ever used within one collective, so none is in use between micro-batches.
+    only ever used within one collective, so none is in use between micro-batches (a prefetched
+    gather still in flight is waited for first).
     """
+    settle_all()
     buf = _global_buffer()
     if buf is not None:
         buf.buffer.clear()

@@ -45,11 +45,12 @@ def wait(works) -> None:
         w.wait()
 
 
-def gather_dim0(shard: torch.Tensor, group, name: str) -> torch.Tensor:
+def gather_dim0(shard: torch.Tensor, group, name: str, async_op: bool = False):
     """All-gather equal dim-0 shards (rank order) into the pooled buffer ``name``.
 
     Not megatron's ``_gather_along_first_dim``: that one writes into fresh memory or its single
     ``"mpu"`` slot (which megatron's own TP+SP linears use), never into a named pool slot.
+    ``async_op``: returns ``(buffer, work)``, the gather in flight (wait on ``work`` before reading).
     """
     size = dist.get_world_size(group)
     out = pool_buffer(name, (size * shard.shape[0],) + tuple(shard.shape[1:]), shard.dtype, shard.device)
@@ -57,8 +58,8 @@ def gather_dim0(shard: torch.Tensor, group, name: str) -> torch.Tensor:
         # Stage a strided shard in the pool: a fresh copy would be kept alive by the backend's
         # work object for an unknowable while after the wait (gloo frees it on its own thread).
         shard = pool_buffer(name + "_in", shard.shape, shard.dtype, shard.device).copy_(shard)
-    dist.all_gather_into_tensor(out, shard, group=group)
-    return out
+    work = dist.all_gather_into_tensor(out, shard, group=group, async_op=async_op)
+    return (out, work) if async_op else out
 
 
 def reduce_scatter_dim0(full: torch.Tensor, group) -> torch.Tensor:
@@ -70,15 +71,15 @@ def reduce_scatter_dim0(full: torch.Tensor, group) -> torch.Tensor:
         return reduce_scatter_to_sequence_parallel_region(full, group=group)
 
 
-def gather_shards(shard: torch.Tensor, shard_dim: int, group, name: str) -> torch.Tensor:
-    """Rebuild a TP-sharded weight just in time (ZeRO-3 style) in the pool.
+def gather_shards(shard: torch.Tensor, shard_dim: int, group, name: str, async_op: bool = False):
+    """Rebuild a TP-sharded weight (ZeRO-3 style) in the pool.
 
     ``shard_dim`` 0 (column-parallel) returns ``W``; ``shard_dim`` 1 (row-parallel) returns
     ``W^T`` gathered as dim-0 shards of the transposed weight, with no layout copy of ``W``.
-    The pair of :func:`scatter_grad`.
+    ``async_op``: ``(buffer, work)`` (:func:`gather_dim0`). The pair of :func:`scatter_grad`.
     """
     src = shard if shard_dim == 0 else shard.t()
-    return gather_dim0(src, group, name)
+    return gather_dim0(src, group, name, async_op)
 
 
 def scatter_grad(full_grad: torch.Tensor, shard_dim: int, group) -> torch.Tensor:

@@ -13,7 +13,7 @@ import copy
 
 import torch
 
-from . import context, recompute, strategies
+from . import context, groups, prefetch, recompute, strategies
 from .packing import documents_from, pad_pack
 from .plan_check import PlanMismatchError, verify_plans
 from .plans import normalize_plan, split_entry
@@ -52,6 +52,7 @@ def install() -> None:
     GPTModel.forward = _gpt_forward
     TransformerLayer.forward = _layer_forward
     recompute.install()
+    groups.install()  # the weight communicators, created now or with megatron's parallel state
 
 
 def uninstall() -> None:
@@ -71,6 +72,7 @@ def uninstall() -> None:
     GPTModel.forward = _ORIGINAL.pop("gpt")
     TransformerLayer.forward = _ORIGINAL.pop("layer")
     recompute.uninstall()
+    groups.uninstall()
     delattr(SelfAttention, STOCK_FORWARD)
     delattr(MLP, STOCK_FORWARD)
 
@@ -284,6 +286,7 @@ def _set_plan(model, plan) -> tuple:
     if not getattr(gpt, _MODULES_CHECKED, False):  # once per model: set_plan runs every micro-batch
         check_model(gpt)
         setattr(gpt, _MODULES_CHECKED, True)
+    prefetch.link(layers)  # each layer's neighbours, for the gathers prefetched across layers
     for layer, entry in zip(layers, stage_entries(plan, layers)):
         name, rc = split_entry(entry)
         setattr(layer.self_attention, _ATTR, name)

@@ -29,6 +29,7 @@ class Strategy:
 
     name: str = ""
     description: str = ""
+    zero_weights: bool = False  # gathers its linears' weights (zero3.py), so it takes prefetch hints
 
     def supports(self, config, p: int) -> tuple[bool, str]:
         """(True, "") if this strategy can run ``config`` over a group of ``p`` ranks, else the reason."""

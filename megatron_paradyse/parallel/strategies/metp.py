@@ -8,8 +8,10 @@ the one arriving), never the gathered matrix.
 Attention, forward: for each head group ``i = 0..p-1`` (the heads whose ``linear_qkv`` and
 ``linear_proj`` shards group rank ``i`` owns), rank ``i`` broadcasts those two shards (and its
 QKV bias shard); the next group's broadcast is posted before this group's compute
-(double-buffered). Every rank computes the QKV of its own tokens for group ``i``'s heads,
-applies RoPE at the tokens' global positions, runs causal ring attention over the group's
+(double-buffered), on a communicator of its own (``groups.weight_group``: the switching group's
+twin, so NCCL does not queue it behind the ring attention's hops). Every rank computes the QKV
+of its own tokens for group ``i``'s heads, applies RoPE at the tokens' global positions, runs
+causal ring attention over the group's
 heads (:class:`~.ring.RingAttention`; the layer's tokens are re-laid out to the balanced
 split of ``zigzag.py`` before the attention and back after it) and adds ``ctx_i W_proj_i^T`` to
 its output. Backward: the same broadcasts in the same order; per group the QKV, RoPE and
@@ -48,6 +50,7 @@ import torch
 from .. import context
 from ..buffers import weight_slot
 from ..collectives import broadcast_start, reduce_to, wait
+from ..groups import weight_group
 from ..ring_comm import GradRing, ring_stream
 from .base import (Strategy, apply_activation, apply_rope, bias_of, from_bhsd, geometry, rope_freqs,
                    row_output, split_qkv, switching_group, to_bhsd, weight_grad, wgrad_fusion,
@@ -67,8 +70,10 @@ def _flat(t):
 
 
 def _group_weights(shards, src, group):
-    """Post the broadcasts of group rank ``src``'s ``shards`` into pool slot ``src % 2``."""
-    return broadcast_start(shards, src, group, [weight_slot(k, src % 2) for k in range(len(shards))])
+    """Post the broadcasts of group rank ``src``'s ``shards`` into pool slot ``src % 2``, on the
+    weight communicator (``groups.weight_group``: not behind the ring attention's hops)."""
+    names = [weight_slot(k, src % 2) for k in range(len(shards))]
+    return broadcast_start(shards, src, weight_group(group), names)
 
 
 def _group_weight_stream(shards, group, p):

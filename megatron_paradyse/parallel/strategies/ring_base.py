@@ -17,6 +17,8 @@ class RingStrategy(Strategy):
     after the layer input and back after the output projection (``zigzag.py``). With context
 parallelism the ring runs over TP inside CP (``ring_comm.TwoLevel``, ``context.py``)."""
 
+    zero_weights = True
+
     def supports(self, config, p):
         return zero_support(config, p)
 
@@ -34,7 +36,7 @@ parallelism the ring runs over TP inside CP (``ring_comm.TwoLevel``, ``context.p
         q, k, v = qkv_local_tokens(attn, x, rotary_pos_emb, geo, span.positions)
         ctx = self.core(to_bhsd(q), to_bhsd(k).contiguous(), to_bhsd(v).contiguous(), span_geometry(geo, span),
                         span.layout)
-        y, bias = row(attn.linear_proj, from_bhsd(ctx), geo.group)
+        y, bias = row(attn, "linear_proj", from_bhsd(ctx), geo.group)
         return restore(y, layout, geo.group), bias
 
     def mlp(self, mlp_module, hidden_states):

@@ -39,6 +39,7 @@ def head_to_seq(x, group):
 class Ulysses(Strategy):
     name = "ulysses"
     description = "DeepSpeed-Ulysses all-to-all attention, ZeRO-3 weights gathered just in time"
+    zero_weights = True
 
     def supports(self, config, p):
         ok, why = zero_support(config, p)
@@ -63,7 +64,7 @@ class Ulysses(Strategy):
         q, k, v = (seq_to_head(t, geo.group) for t in (q, k, v))
         ctx = sequence_attention(to_bhsd(q), to_bhsd(k), to_bhsd(v), geo.scale, docs, cp)
         ctx = head_to_seq(ctx.permute(2, 0, 1, 3), geo.group)
-        return zero3.row(attn.linear_proj, ctx, geo.group)
+        return zero3.row(attn, "linear_proj", ctx, geo.group)
 
     def mlp(self, mlp, hidden_states):
         return zero3.mlp(mlp, hidden_states)
