@@ -21,7 +21,7 @@ from .. import cpu_compat
 from ..device import current, select
 from ..model import transformer_config
 from ..parallel import attention_kernels as K
-from ..parallel.kernel_check import ring_blocks_selfcheck
+from ..parallel.kernel_check import kernel_choices, ring_blocks_selfcheck
 from ..units import GiB
 from . import exactness, profile, timing, training
 from .results import INFO, SKIP, Line, to_json
@@ -52,7 +52,7 @@ class ExactSpec:
                                   use_cpu_initialization=True)
 
 
-def env_lines(opts, notes) -> list:
+def env_lines(opts, notes, model_args) -> list:
     """What this world runs on (INFO lines)."""
     dev = current()
     lines = [Line("env", "device", INFO, f"{dev} ({torch.cuda.get_device_name(dev)}, "
@@ -70,6 +70,9 @@ def env_lines(opts, notes) -> list:
         except Exception:  # noqa: BLE001 - absent or broken: say so
             found.append(f"{mod} absent")
     lines.append(Line("env", "packages", INFO, ", ".join(found)))
+    head_dim = model_args.kv_channels or model_args.hidden_size // model_args.num_attention_heads
+    dtypes = (torch.float32, torch.bfloat16) if dev.type == "cuda" else (torch.float32,)
+    lines += [Line("env", "kernels", INFO, t) for t in kernel_choices(dev, head_dim, dtypes)]
     lines += [Line("env", "model", INFO, n) for n in notes]
     return lines
 
@@ -104,7 +107,7 @@ def run(opts, model_argv: list, model_args, notes: list) -> list:
 
     on_gpu = opts.backend == "nccl"
     if "env" in opts.sections:
-        emit(env_lines(opts, notes))
+        emit(env_lines(opts, notes, model_args))
     if "kernels" in opts.sections:
         emit(kernel_lines([torch.float32, torch.bfloat16] if on_gpu else [torch.float32]))
     if "exactness" in opts.sections:

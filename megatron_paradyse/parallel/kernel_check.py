@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from . import varlen
 from .attention_kernels import expand_kv, kernel_path, native_gqa
 from .strategies import ring
 from .zigzag import RingLayout
@@ -79,3 +80,15 @@ def ring_blocks_selfcheck(device, dtype, seed: int = 0) -> dict:
            ((outs, q), (lses, q[..., 0]), (dqs, q), (dks, k), (dvs, v))]
     errors = {name: _rel(g, r) for name, g, r in zip(("out", "lse", "dq", "dk", "dv"), got, ref)}
     return {"path": kernel_path(q), "native_gqa": native_gqa(q), **errors}
+
+
+def kernel_choices(device, head_dim: int, dtypes=(torch.float32, torch.bfloat16)) -> list:
+    """One line per dtype: which kernel each attention path runs on ``device`` for this head size
+    (``kernel_select``'s first choice; a kernel that raises falls back to the next, logged)."""
+    lines = []
+    for dtype in dtypes:
+        q = torch.empty(1, 1, 1, head_dim, device=device, dtype=dtype)
+        gqa = "native GQA" if native_gqa(q) else "K/V expanded"
+        lines.append(f"{str(dtype).replace('torch.', '')}, head_dim {head_dim}: ring blocks {kernel_path(q)} ({gqa}); "
+                     f"packs {varlen.kernel_path(q)}; whole sequences torch SDPA")
+    return lines
