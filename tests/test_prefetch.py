@@ -215,3 +215,30 @@ def test_the_cost_model_prices_the_prefetched_weight(ranks):
     with prefetch.disabled():
         assert cm.pool_bytes(PLAN, 36, 2) == sum(want.values())
         assert on - cm.pool_bytes(zero, 36, 2) == 256 * 64 * 4  # fc2's weight, gathered whole
+
+
+def _trainer_world(rank, world, flags):
+    """One training step of this repository's trainer per flag set: (prefetch on?, events)."""
+    from megatron_paradyse.parallel import prefetch
+    from megatron_paradyse.training import arguments, trainer as training
+
+    out = []
+    for extra in flags:
+        argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+                "--max-position-embeddings", "32", "--vocab-size", "128", "--micro-batch-size", "1",
+                "--global-batch-size", "1", "--train-iters", "1", "--lr", "1e-3", "--attention-dropout", "0",
+                "--hidden-dropout", "0", "--mock-data", "--tensor-model-parallel-size", "2",
+                "--sequence-parallel", "--paradyse", "--paradyse-plan", "ulysses"] + extra
+        args = arguments.parse_args(argv, world_size=world)
+        prefetch.TRACE = trace = []
+        training.Trainer(args).train(1)
+        prefetch.TRACE = None
+        out.append((prefetch.enabled(), sorted({e for e, _ in trace})))
+    return out
+
+
+def test_the_trainer_flag_turns_prefetch_off():
+    got = run_world(_trainer_world, 2, [["--paradyse-no-prefetch"], []], timeout=300)
+    for (off_on, off_events), (on_on, on_events) in got:
+        assert not off_on and off_events == ["gather", "use"]
+        assert on_on and on_events == ["gather", "issue", "use", "wait"]

@@ -71,6 +71,10 @@ def add_paradyse_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                         "layer in backward); 'off' never. megatron's own --recompute-* flags fix "
                         "recompute where they apply and the planner plans the rest. Fixed plans "
                         "(--paradyse-plan) say it per entry.")
+    g.add_argument("--paradyse-no-prefetch", action="store_true",
+                   help="Gather the ulysses/ring/colossal layers' weights where they are used, blocking "
+                        "(default: each gather is posted before the linear that precedes its use, "
+                        "holding one more gathered weight: megatron_paradyse.parallel.prefetch).")
     g.add_argument("--paradyse-trainer", choices=("auto", "core", "megatron"), default="core",
                    help="pretrain_gpt_paradyse.py: 'core' (default) = the megatron-core training "
                         "loop of megatron_paradyse.training; 'megatron' = Megatron-LM's pretrain() "

@@ -4,6 +4,7 @@ and their checks), ``pretrain`` (the forward step and datasets providers),
 ``compile_helpers`` where the compiled module ships; installed and removed together."""
 from __future__ import annotations
 
+from ...parallel import prefetch
 from ...parallel.dispatch import install
 from ..arguments import ArgumentError
 from .args import check_paradyse_args, compose_args_providers
@@ -38,6 +39,7 @@ def _wrap_validate_args(orig):
             raise ArgumentError(str(e)) from None
         if getattr(args, "paradyse", False):
             install()
+        prefetch.set_enabled(not getattr(args, "paradyse_no_prefetch", False))
         return out
 
     validate_args._paradyse = True
