@@ -263,7 +263,7 @@ def test_dense_and_varlen_paths_follow_the_order(monkeypatch):
     with FakeTensorMode(allow_non_fake_inputs=True):
         q = torch.empty(1, N, 64, D, device="cuda", dtype=torch.bfloat16)
         _caps(monkeypatch, (7, 5))
-        assert (K.kernel_path(q), K.native_gqa(q), varlen.kernel_path(q)) == ("math", False, "per document")
+        assert (K.kernel_path(q), K.native_gqa(q), varlen.kernel_path(q)) == ("math", False, "per document (math)")
         _caps(monkeypatch, (8, 6))
         assert (K.kernel_path(q), K.native_gqa(q), varlen.kernel_path(q)) == (
             "torch flash", True, "torch flash varlen")

@@ -21,7 +21,8 @@ from .. import cpu_compat
 from ..device import current, select
 from ..model import transformer_config
 from ..parallel import attention_kernels as K
-from ..parallel.kernel_check import kernel_choices, ring_blocks_selfcheck
+from ..parallel import kernel_select
+from ..parallel.kernel_check import kernel_choices, kernel_families, packed_selfcheck, ring_blocks_selfcheck
 from ..units import GiB
 from . import exactness, profile, timing, training
 from .results import INFO, SKIP, Line, to_json
@@ -77,17 +78,25 @@ def env_lines(opts, notes, model_args) -> list:
     return lines
 
 
-def kernel_lines(dtypes) -> list:
-    """The ring's block kernels against a float64 reference on this device."""
+def kernel_lines(dtypes, head_dim: int = 64) -> list:
+    """The ring's block kernels and, on a pack, the ring and the variable-length primitive,
+    against a float64 reference on this device, with every kernel family the device takes."""
     tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
     lines = []
     for dtype in dtypes:
-        r = ring_blocks_selfcheck(current(), dtype)
-        worst = max(r[k] for k in ("out", "dq", "dk", "dv"))
         name = str(dtype).replace("torch.", "")
-        lines.append(Line.verdict("kernels", f"ring blocks {name} [{r['path']}]", worst < tol[dtype],
-                                  f"out {r['out']:.1e} dq {r['dq']:.1e} dk {r['dk']:.1e} dv {r['dv']:.1e} "
-                                  f"(vs float64; < {tol[dtype]:g})", **r))
+        for family in kernel_families(current(), dtype):
+            with kernel_select.only(family):
+                r = ring_blocks_selfcheck(current(), dtype)
+                worst = max(r[k] for k in ("out", "dq", "dk", "dv"))
+                lines.append(Line.verdict("kernels", f"ring blocks {name} [{r['path']}]", worst < tol[dtype],
+                                          f"out {r['out']:.1e} dq {r['dq']:.1e} dk {r['dk']:.1e} dv {r['dv']:.1e} "
+                                          f"(vs float64; < {tol[dtype]:g})", **r))
+                r = packed_selfcheck(current(), dtype)
+                worst = max(e[k] for e in (r["ring"], r["varlen"]) for k in ("out", "dq", "dk", "dv"))
+                lines.append(Line.verdict("kernels", f"packs {name} [{r['path']}]", worst < tol[dtype],
+                                          f"ring and whole-pack worst {worst:.1e} (out/dq/dk/dv vs float64 inside "
+                                          f"each document; < {tol[dtype]:g})", **r))
     return lines
 
 

@@ -12,6 +12,7 @@ flash kernel then ``math`` on CPU) runs anything. Out-of-memory errors are never
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 
@@ -84,9 +85,25 @@ _FAILED: dict = {}  # (family, Call.key()) -> the error that made it fall back
 _LOGGED: set = set()
 
 
+_ONLY: list = [None]
+
+
+@contextlib.contextmanager
+def only(family: str):
+    """Inside, every call runs ``family`` where its rules allow it (the check runs each kernel
+    the device takes, not just the first choice)."""
+    old, _ONLY[0] = _ONLY[0], family
+    try:
+        yield
+    finally:
+        _ONLY[0] = old
+
+
 def candidates(c: Call, flash_attn: bool) -> list:
     """The families that may run ``c``, in order (``flash_attn``: installed and turned on)."""
     order = ORDER_CPU if c.device == "cpu" else ORDER_CUDA
+    if _ONLY[0] is not None:
+        order = [f for f in order if f == _ONLY[0]] or order
     out = []
     for family in order:
         why = "not installed or turned off" if family == FLASH_ATTN and not flash_attn else RULES[family](c)

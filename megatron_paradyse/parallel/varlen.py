@@ -183,8 +183,9 @@ def _families(q):
 def kernel_path(q) -> str:
     """Which varlen kernel runs first for ``q`` (per document: one dense block kernel each)."""
     family = _families(q)[1][0]
-    return {kernel_select.MATH: "per document", kernel_select.CPU_FLASH: "per document (cpu flash)"}.get(
-        family, f"{family} varlen")
+    if family in (kernel_select.MATH, kernel_select.CPU_FLASH):
+        return f"per document ({K.kernel_path(q)})"
+    return f"{family} varlen"
 
 
 def forward(q, k, v, docs, scale: float):
