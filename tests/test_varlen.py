@@ -312,3 +312,32 @@ def test_math_kernel_matches_the_cpu_flash_kernel(causal):
     ref = K._bwd_cpu(dout, q, k, v, ref_out, ref_lse, causal, 0.3)
     for a, b in zip(got, ref):
         assert (a - b).abs().max() < 1e-4
+
+
+def test_colossal_packed_path_runs_on_fake_cuda_bf16(monkeypatch):
+    """colossal's ring self-attention (explicit scores, no attention kernel) over a p = 2 pack
+    layout, forward and backward, each rank's ring steps fed as its ring would feed them."""
+    from megatron_paradyse.parallel.strategies import colossal
+
+    docs = _docs((40, 3, 21))
+    layout = PackedLayout(2, docs)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for rank in range(2):
+            e = lambda h, s: torch.empty(1, h, s, D, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+
+            def ring_steps(block, group, lay, visit, grad=False, rank=rank):
+                own = None
+                for src in (rank, 1 - rank):
+                    blk = block if src == rank else e(KV, lay.count(src))
+                    blocks = lay.score_blocks(rank, src)
+                    g = visit(src, blk, blocks) if blocks else None
+                    own = g if src == rank else own
+                return own if grad else None
+            monkeypatch.setattr(colossal, "_ring", ring_steps)
+            monkeypatch.setattr(colossal, "ring_position", lambda group, rank=rank: (rank, 2))
+            ctx = types.SimpleNamespace(save_for_backward=lambda *t: setattr(ctx, "saved_tensors", t))
+            n = layout.count(rank)
+            q, k, v = e(N, n), e(KV, n), e(KV, n)
+            out = colossal.RingSelfAttention.forward(ctx, q, k, v, None, 0.25, layout)
+            dq, dk, dv = colossal.RingSelfAttention.backward(ctx, e(N, n))[:3]
+            assert (out.shape, dq.shape, dk.shape, dv.shape) == (q.shape, q.shape, k.shape, v.shape)

@@ -34,6 +34,18 @@ from ..buffers import block_slot
 from ..ring_comm import grad_ring, reach, ring_position, ring_stream
 from .ring_base import RingStrategy
 
+_copy = torch.ops.aten.copy_  # Tensor.copy_'s kernel; it also runs on the CPU tests' fake CUDA tensors
+
+
+def _at(x, rows: slice, cols: slice | None = None):
+    """``x[:, :, rows, cols]`` as ``narrow`` views (Python indexing does not run on fake CUDA tensors)."""
+    x = x.narrow(2, rows.start, rows.stop - rows.start)
+    return x if cols is None else x.narrow(3, cols.start, cols.stop - cols.start)
+
+
+def _cols(x, start: int, stop: int):
+    return x.narrow(-1, start, stop - start)
+
 
 def _ring(block, group, layout, visit, grad: bool = False):
     """Pass ``block`` around the ring (as far as ``layout`` needs it), calling
@@ -62,10 +74,10 @@ def _softmax_rows(scores, layout, rank):
     """Softmax over the seen columns of each row, in place; unseen columns get probability 0.
     A row's seen columns end at its segment's (or a pack's piece's) stop."""
     for rows, stop in layout.row_groups(rank):
-        part = scores[:, :, rows, :stop]
+        part = _at(scores, rows, slice(0, stop))
         part.sub_(part.amax(dim=-1, keepdim=True)).exp_()
         part.div_(part.sum(dim=-1, keepdim=True))
-        scores[:, :, rows, stop:].zero_()
+        _at(scores, rows, slice(stop, scores.shape[-1])).zero_()
 
 
 class RingSelfAttention(torch.autograd.Function):
@@ -89,8 +101,8 @@ class RingSelfAttention(torch.autograd.Function):
 
         def score_block(src, kb, blocks):
             for blk in blocks:
-                part = scores[:, :, blk.rows, blk.cols]
-                part.copy_(torch.matmul(q[:, :, blk.rows], expand_kv(kb[:, :, blk.keys], rep).transpose(-1, -2)))
+                part = _at(scores, blk.rows, blk.cols)
+                _copy(part, torch.matmul(_at(q, blk.rows), expand_kv(_at(kb, blk.keys), rep).transpose(-1, -2)))
                 part.mul_(scale)
                 if blk.causal:
                     m = blk.rows.stop - blk.rows.start
@@ -105,8 +117,7 @@ class RingSelfAttention(torch.autograd.Function):
 
         def value_block(src, vb, blocks):
             for blk in blocks:
-                out[:, :, blk.rows].add_(torch.matmul(probs[:, :, blk.rows, blk.cols],
-                                                      expand_kv(vb[:, :, blk.keys], rep)))
+                _at(out, blk.rows).add_(torch.matmul(_at(probs, blk.rows, blk.cols), expand_kv(_at(vb, blk.keys), rep)))
 
         _ring(v, group, layout, value_block)
         ctx.save_for_backward(q, k, v, probs)
@@ -131,26 +142,26 @@ class RingSelfAttention(torch.autograd.Function):
         def value_grad(src, vb, blocks):  # dP_j = dO V_j^T, dV_j = P_j^T dO
             dv = torch.zeros(vb.shape, dtype=torch.float32, device=vb.device)
             for blk in blocks:
-                dp = dscores[:, :, blk.rows, blk.cols]
-                dp.copy_(torch.matmul(dout[:, :, blk.rows], expand_kv(vb[:, :, blk.keys], rep).transpose(-1, -2)))
-                pj = probs[:, :, blk.rows, blk.cols]
-                rowdot[:, :, blk.rows].add_((dp * pj).sum(dim=-1, keepdim=True))
-                dv[:, :, blk.keys] += reduce_kv(torch.matmul(pj.transpose(-1, -2), dout[:, :, blk.rows]), rep)
+                dp = _at(dscores, blk.rows, blk.cols)
+                _copy(dp, torch.matmul(_at(dout, blk.rows), expand_kv(_at(vb, blk.keys), rep).transpose(-1, -2)))
+                pj = _at(probs, blk.rows, blk.cols)
+                _at(rowdot, blk.rows).add_((dp * pj).sum(dim=-1, keepdim=True))
+                _at(dv, blk.keys).add_(reduce_kv(torch.matmul(pj.transpose(-1, -2), _at(dout, blk.rows)), rep))
             return dv
 
         dv = _ring(v, group, layout, value_grad, grad=True)
         # softmax backward: dS = P * (dP - rowsum(dP * P)), in place, on the seen columns
         for rows, stop in groups:
-            dscores[:, :, rows, :stop].sub_(rowdot[:, :, rows]).mul_(probs[:, :, rows, :stop])
+            _at(dscores, rows, slice(0, stop)).sub_(_at(rowdot, rows)).mul_(_at(probs, rows, slice(0, stop)))
         del rowdot
         dq = torch.zeros((b, n, sl, d), dtype=torch.float32, device=q.device)
 
         def key_grad(src, kb, blocks):  # dQ += dS_j K_j, dK_j = dS_j^T Q (both times scale)
             dk = torch.zeros(kb.shape, dtype=torch.float32, device=kb.device)
             for blk in blocks:
-                ds = dscores[:, :, blk.rows, blk.cols].to(q.dtype)
-                dq[:, :, blk.rows].add_(torch.matmul(ds, expand_kv(kb[:, :, blk.keys], rep)))
-                dk[:, :, blk.keys] += reduce_kv(torch.matmul(ds.transpose(-1, -2), q[:, :, blk.rows]), rep)
+                ds = _at(dscores, blk.rows, blk.cols).to(q.dtype)
+                _at(dq, blk.rows).add_(torch.matmul(ds, expand_kv(_at(kb, blk.keys), rep)))
+                _at(dk, blk.keys).add_(reduce_kv(torch.matmul(ds.transpose(-1, -2), _at(q, blk.rows)), rep))
             return dk.mul_(scale)
 
         dk = _ring(k, group, layout, key_grad, grad=True)
