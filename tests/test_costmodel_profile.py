@@ -122,7 +122,9 @@ def test_recompute_only_appends_to_an_existing_profile(fitted, capsys):
 
 def test_a_mixed_plans_training_step_peaks_where_the_model_says(fitted):
     _, cm, _ = fitted
-    plans = [("metp", "tp_sp", "ring", "tp_sp")]
+    # the second: ring layers next to each other prefetch across the layer boundary (the pool's
+    # second weight slot, parallel/prefetch.py)
+    plans = [("metp", "tp_sp", "ring", "tp_sp"), ("ring", "ring", "metp", "ring")]
     measured = measure_steps(SHAPE, plans, [256, 384], repeats=1, timeout=300)
     for e in step_errors(cm, measured):
         assert e["seconds"] > 0 and e["pred_seconds"] > cm.update_seconds()

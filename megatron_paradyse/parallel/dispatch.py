@@ -17,10 +17,10 @@ from . import context, groups, prefetch, recompute, strategies
 from .packing import documents_from, pad_pack
 from .plan_check import PlanMismatchError, verify_plans
 from .plans import normalize_plan, split_entry
-from .strategies.base import STOCK_FORWARD
+from .strategies.base import STOCK_FORWARD, STRATEGY_ATTR
 
 _ORIGINAL: dict = {}
-_ATTR = "_paradyse_strategy"
+_ATTR = STRATEGY_ATTR
 
 
 def installed() -> bool:

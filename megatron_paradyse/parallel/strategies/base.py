@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 STOCK_FORWARD = "paradyse_stock_forward"
+STRATEGY_ATTR = "_paradyse_strategy"  # a layer's attention / MLP: the strategy it runs (set_plan)
 
 
 def stock_forward(module, *args, **kwargs):
