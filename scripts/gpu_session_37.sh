@@ -1,0 +1,5 @@
+python -m pip install -q --no-deps --no-index .whl/*.whl 2>&1 | grep -v WARNING | tail -2
+export PYTHONWARNINGS=ignore PYTHONPATH=$PWD
+timeout 40 python -m pytest -q tests/test_gpu_kernels.py tests/test_varlen.py tests/test_merge_lse.py > $OUT/tests.log 2>&1; tail -2 $OUT/tests.log
+timeout 30 python scripts/gpu_determinism.py > $OUT/determinism.log 2>&1; cat $OUT/determinism.log | tail -12
+timeout 170 bash scripts/check.sh --sections env,kernels,exactness,timing --timing-seqs 4096,8192 --out $OUT/check.json > $OUT/check.log 2>&1; grep -v "^\[check\]" $OUT/check.log | tail -60
