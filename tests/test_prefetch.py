@@ -215,6 +215,8 @@ def test_the_cost_model_prices_the_prefetched_weight(ranks):
     with prefetch.disabled():
         assert cm.pool_bytes(PLAN, 36, 2) == sum(want.values())
         assert on - cm.pool_bytes(zero, 36, 2) == 256 * 64 * 4  # fc2's weight, gathered whole
+    one = ModelShape(**dict(shape.key(), p=1))  # p = 1: nothing to prefetch, one slot
+    assert analytic.zero_weight_pool(one, True) == analytic.zero_weight_pool(one, False)
 
 
 def _trainer_world(rank, world, flags):

@@ -460,14 +460,15 @@ ZERO = ("ulysses", "ring", "colossal")  # the strategies that gather their weigh
 def zero_weight_pool(shape: ModelShape, prefetch: bool | None = None) -> dict:
     """The ZeRO strategies' gathered weights in the pool (bytes, undecorated names).
 
-    Prefetch on (``prefetch`` None: as ``parallel.prefetch.enabled()`` says now): two slots by
-    role, ``weight0_0`` the larger of QKV and fc1, ``weight0_1`` the larger of the projection and
-    fc2, so the one extra gathered weight prefetch holds is ``weight0_1``; ``weight0_1_in`` the
-    staged row-parallel shard. Off: one slot, ``weight0_0``, the largest weight, and ``_in``.
+    Prefetch on (``prefetch`` None: as ``parallel.prefetch.enabled()`` says now) and p > 1: two
+    slots by role, ``weight0_0`` the larger of QKV and fc1, ``weight0_1`` the larger of the
+    projection and fc2, so the one extra gathered weight prefetch holds is ``weight0_1``;
+    ``weight0_1_in`` the staged row-parallel shard. Off (or p = 1): one slot, ``weight0_0``, the
+    largest weight, and ``_in``.
     """
     from ..parallel import prefetch as pf
 
-    on = pf.enabled() if prefetch is None else prefetch
+    on = (pf.enabled() if prefetch is None else prefetch) and shape.p > 1
     p, e, h, f = shape.p, shape.elt, shape.hidden, shape.ffn
     f1 = 2 * f if shape.swiglu else f
     col, row = max(h * shape.qkv_width, h * f1) * e, max(h * shape.heads * shape.head_dim, f * h) * e

@@ -19,7 +19,7 @@ Memory: the gathered weights alternate between two pool slots by role (``weight0
 fc1; ``weight0_1``: projection and fc2), so the one in use is never the one being written and
 at most one extra gathered weight is held: the larger of the projection and fc2 (and its
 staged row-parallel shard, ``weight0_1_in``). Off, every gather is blocking into ``weight0_0``
-as before. The cost model prices both (``costmodel.analytic.zero_weight_pool``).
+as before; so at p = 1, where a gather is a copy with nothing to overlap. The cost model prices both (``costmodel.analytic.zero_weight_pool``).
 
 Switch: :func:`enabled`, :func:`set_enabled`, the context manager :func:`disabled` (the
 trainers' ``--paradyse-no-prefetch``). Toggle between passes, not inside one.

@@ -52,9 +52,11 @@ class ZeroLinear(torch.autograd.Function):
 
 
 def zero_linear(lin, x, group, shard_dim, name, then=(None, None)):
-    """``ZeroLinear`` over the stock linear ``lin`` (the module's ``name``: its pool slot) with
-    its gradient-accumulation fusion, if on; ``then``: the next ZeRO weights (forward, backward)."""
-    return ZeroLinear.apply(x, lin.weight, group, shard_dim, wgrad_fusion(lin), _ROLE[name], then)
+    """``ZeroLinear`` over the stock linear ``lin`` (the module's ``name``: its pool slot; one
+    slot at p = 1, which prefetches nothing) with its gradient-accumulation fusion, if on;
+    ``then``: the next ZeRO weights (forward, backward)."""
+    role = _ROLE[name] if torch.distributed.get_world_size(group) > 1 else 0
+    return ZeroLinear.apply(x, lin.weight, group, shard_dim, wgrad_fusion(lin), role, then)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -98,8 +100,9 @@ def _across(module, name, group):
 
 
 def hints(module, name, group) -> tuple:
-    """(next in forward, next in backward) ZeRO weights after ``module``'s linear ``name``."""
-    if not prefetch.enabled():
+    """(next in forward, next in backward) ZeRO weights after ``module``'s linear ``name``
+    (none at p = 1, where a gather is a copy with nothing to overlap)."""
+    if not prefetch.enabled() or torch.distributed.get_world_size(group) == 1:
         return None, None
     if name == "linear_qkv":
         return _target(module, "linear_proj", group), _across(module, "linear_fc2", group)
