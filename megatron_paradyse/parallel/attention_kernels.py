@@ -124,7 +124,7 @@ def native_gqa(q) -> bool:
 _NATIVE_GQA = (kernel_select.FLASH_ATTN, kernel_select.TORCH_FLASH)
 
 
-def _bshd(x):
+def bshd(x):
     """``[b, h, s, d]`` values laid out as contiguous ``[b, s, h, d]``: the layout torch's CUDA
     forwards return ``out`` in, which the memory-efficient backward assumes (o_strideM = h*d).
     ``clone``, not ``contiguous()``: the same copy, which also runs on the CPU tests' fake CUDA
@@ -134,7 +134,7 @@ def _bshd(x):
 
 
 def dense(x):
-    """``x`` contiguous (``clone``: runs on fake CUDA tensors too, see :func:`_bshd`)."""
+    """``x`` contiguous (``clone``: runs on fake CUDA tensors too, see :func:`bshd`)."""
     return x if x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
 
 
@@ -234,7 +234,7 @@ def _bwd_efficient(dout, q, k, v, out, lse, causal, scale):
     pad = (-q.shape[2]) % 32  # rows padded to a multiple of 32, as its forward returns them
     lse = torch.nn.functional.pad(lse, (0, pad)) if pad else dense(lse)
     dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, k, v, None, _bshd(out), lse, *_efficient_rng(q), 0.0, [True, True, True, False],
+        dout, q, k, v, None, bshd(out), lse, *_efficient_rng(q), 0.0, [True, True, True, False],
         causal, scale=scale)
     return dq, dk, dv
 

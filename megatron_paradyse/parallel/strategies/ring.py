@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .. import context, varlen
-from ..attention_kernels import attn_backward, attn_forward, causal_attention, merge_lse
+from ..attention_kernels import bshd, attn_backward, attn_forward, causal_attention, merge_lse
 from ..buffers import block_slot
 from ..ring_comm import grad_ring, reach, ring_position, ring_stream
 from .ring_base import RingStrategy
@@ -69,7 +69,10 @@ def ring_forward(q, kv_steps, layout, rank, scale):
         if kv is None:
             continue
         if _own_varlen(layout, rank, src, q):
-            out, lse = merge_lse(out, lse, *varlen.forward(q, *kv, layout.own_documents(rank), scale))
+            o, l = varlen.forward(q, *kv, layout.own_documents(rank), scale)
+            # in [b, s, n, d] memory, as the CUDA kernels return it (the CPU loop does not), so
+            # the context's [s, b, n*d] stays a view of what RingAttention saves, not a copy
+            out, lse = merge_lse(out, lse, bshd(o), l)
             continue
         for rows, keys, causal in layout.kernel_blocks(rank, src):
             o, l = attn_forward(_rows(q, rows), _rows(kv[0], keys), _rows(kv[1], keys), causal, scale)
