@@ -56,9 +56,21 @@ def process_env(env: dict):
 def _exit_with_parent(parent: int, every: float = 1.0) -> None:
     """End this rank once the process that started it is gone: a parent killed by SIGTERM or
     SIGKILL runs no cleanup, and its ranks would go on computing (a killed profile's ranks did,
-    at full CPU, beside the next one). A daemon thread polls the parent id once per ``every``."""
+    at full CPU, beside the next one). A daemon thread polls once per ``every`` whether the
+    parent lives (a rank forked by a fork server is not its child)."""
+    def alive() -> bool:
+        if os.getppid() == parent:
+            return True
+        try:
+            os.kill(parent, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # a pid taken by another user's process: ours is gone
+            return False
+
     def watch():
-        while os.getppid() == parent:
+        while alive():
             time.sleep(every)
         os._exit(1)
 
@@ -99,7 +111,7 @@ def _worker(fn, rank, world_size, init_file, backend, fake_device, args, kwargs,
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, backend: str = "gloo",
               fake_device: str | None = None, grace: float = 5.0, env: dict | None = None,
-              setup=None, **kwargs) -> list:
+              setup=None, start_method: str = "spawn", **kwargs) -> list:
     """``fn(rank, world_size, *args)`` in ``world_size`` fresh processes; the per-rank results
     (picklable). ``backend``: ``"gloo"`` (CPU ranks of one world) or ``"fake"`` (one process,
     no group; ``fake_device``: ``"nccl"`` plays a GPU rank, ``"gloo"`` a CPU one, default this
@@ -107,14 +119,16 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, backend: str =
     picklable function) runs first in each rank; ``kwargs`` go to ``fn``. Raises
     :class:`WorldError` naming every failing rank (with its traceback) and the ranks that did
     not finish within ``timeout`` seconds; once one rank fails, the others get ``grace``
-    seconds to report before they are killed."""
+    seconds to report before they are killed. ``start_method``: multiprocessing's; ``"forkserver"``
+    (the tests') forks each rank from one server process that imported torch once, where
+    ``"spawn"`` imports it in every rank."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if backend not in ("gloo", "fake"):
         raise ValueError(f"backend must be 'gloo' or 'fake', got {backend!r}")
     if backend == "fake" and world_size != 1:
         raise ValueError("the fake backend runs one process")
-    ctx = tmp.get_context("spawn")
+    ctx = tmp.get_context(start_method)
     results = ctx.Queue()
     env = {**RANK_ENV, **(env or {})}
     with tempfile.TemporaryDirectory(prefix="paradyse_world_") as tmpdir:

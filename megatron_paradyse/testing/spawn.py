@@ -55,7 +55,22 @@ def run_world(fn, world_size: int, *args, timeout: float = 300.0, env: dict | No
     rank fails, the others get ``grace`` seconds to report before they are killed.
     """
     return run_ranks(fn, world_size, *args, timeout=timeout, env=env, grace=grace,
-                     setup=fake_cuda_available, **kwargs)
+                     setup=fake_cuda_available, start_method=_forkserver(), **kwargs)
+
+
+# what every test world imports: the fork server imports it once, each rank is a fork of it
+PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt",
+           "megatron_paradyse", "megatron_paradyse.testing.models"]
+
+
+def _forkserver() -> str:
+    """The start method of the tests' worlds: ``forkserver`` with :data:`PRELOAD` (ranks start
+    in well under a second instead of importing torch and megatron-core each, seconds apiece on
+    this machine), or ``spawn`` with ``$PARADYSE_WORLD_START=spawn``."""
+    method = os.environ.get("PARADYSE_WORLD_START", "forkserver")
+    if method == "forkserver":
+        tmp.set_forkserver_preload(PRELOAD)
+    return method
 
 
 # ============================================================================ forked worlds
