@@ -92,14 +92,26 @@ class PieceLayout:
         """``(rows, stop)``: local rows whose seen keys all lie before global position ``stop``."""
         return [(g.local, g.stop) for g in self._pieces[rank]]
 
+    def _of_doc(self, rank: int, doc: int) -> tuple:
+        """``rank``'s pieces of document ``doc``, in order (an index built once per rank: the
+        block lists then cost the pieces, not their pairs)."""
+        by_doc = self._by_doc.get(rank)
+        if by_doc is None:
+            by_doc = self._by_doc[rank] = {}
+            for g in self._pieces[rank]:
+                by_doc.setdefault(g.doc, []).append(g)
+        return by_doc.get(doc, ())
+
+    @functools.cached_property
+    def _by_doc(self) -> dict:
+        return {}
+
     @functools.lru_cache(maxsize=4096)
     def score_blocks(self, rank: int, src: int) -> tuple:
         """Blocks of ``src``'s keys that ``rank``'s queries see, one per pair of pieces."""
         out = []
         for q in self._pieces[rank]:
-            for k in self._pieces[src]:
-                if k.doc != q.doc:
-                    continue
+            for k in self._of_doc(src, q.doc):
                 if src == rank and k == q:
                     out.append(Block(q.local, k.local, slice(k.start, k.stop), True))
                 elif k.stop <= q.start:
@@ -121,7 +133,7 @@ class PieceLayout:
             return tuple((slice(a, b), slice(a, b), True) for a, b in spans.values())
         out = []
         for q in mine:
-            ks = [k for k in self._pieces[src] if k.doc == q.doc and k.stop <= q.start]
+            ks = [k for k in self._of_doc(src, q.doc) if k.stop <= q.start]
             if not ks:
                 continue
             keys = slice(ks[0].offset, ks[-1].local.stop)
