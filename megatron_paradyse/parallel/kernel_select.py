@@ -54,6 +54,9 @@ def call_of(q) -> Call:
     return Call(q.device.type, cap, q.dtype, int(q.shape[-1]))
 
 
+_CHOSEN: dict = {}  # (Call key, flash_attn, only) -> candidates: every block call asks, the rules run once
+
+
 def _sm80(c: Call) -> str:
     return "" if c.capability is None or c.capability >= (8, 0) else f"sm {c.capability[0]}{c.capability[1]} < 80"
 
@@ -101,6 +104,14 @@ def only(family: str):
 
 def candidates(c: Call, flash_attn: bool) -> list:
     """The families that may run ``c``, in order (``flash_attn``: installed and turned on)."""
+    key = (c.key(), flash_attn, _ONLY[0])
+    got = _CHOSEN.get(key)
+    if got is None:
+        got = _CHOSEN[key] = _candidates(c, flash_attn)
+    return list(got)
+
+
+def _candidates(c: Call, flash_attn: bool) -> list:
     order = ORDER_CPU if c.device == "cpu" else ORDER_CUDA
     if _ONLY[0] is not None:
         order = [f for f in order if f == _ONLY[0]] or order
@@ -136,6 +147,7 @@ def run(c: Call, families: list, kernels: dict, *args):
         except (RuntimeError, ValueError, NotImplementedError) as err:
             if i == len(families) - 1:
                 raise
+            _CHOSEN.clear()
             _FAILED[(family, c.key())] = f"raised {type(err).__name__}: {str(err).splitlines()[0][:160]}"
             log.warning("attention kernel %s failed for %s %s head_dim %d (%s); falling back to %s",
                         family, c.device, str(c.dtype).replace("torch.", ""), c.head_dim,
@@ -147,3 +159,4 @@ def forget_failures() -> None:
     """Forget the families marked failed (tests; a new device)."""
     _FAILED.clear()
     _LOGGED.clear()
+    _CHOSEN.clear()
