@@ -32,3 +32,11 @@ def test_layout_table_and_slope(capsys):
     assert "tp_sp" in text and "5.0" in text
     assert H.main(["--tokens", "128", "--doc-len", "8", "--repeats", "1", "--skip-world"]) == 0
     assert "PackedLayout(p=1, docs)" in capsys.readouterr().out
+
+
+def test_json_folder_is_made_before_measuring(tmp_path):
+    from megatron_paradyse.bench import host_time
+
+    out = tmp_path / "new" / "h.json"
+    _, a = host_time.parse(["--tokens", "256", "--p", "1", "--json", str(out)])
+    assert out.parent.is_dir() and a.json == str(out)

@@ -41,6 +41,7 @@ from ..launch import run_ranks
 from ..parallel import pack_layout, packing
 from ..parallel.dispatch import set_plan
 from ..parallel.strategies import STRATEGIES
+from ..paths import writable_file
 
 PROG = "python -m megatron_paradyse.bench.host_time"
 QUIET = {"PYTHONWARNINGS": "ignore"}  # megatron's and torch's deprecation warnings, once per rank
@@ -332,6 +333,8 @@ def parse(argv) -> tuple:
                      a.heads, a.repeats, a.warmup, a.device, a.bf16, a.max_gib)
     if any(a.heads % p for p in cfg.ps):
         raise UserError(f"--heads {a.heads} must be divisible by every --p")
+    if a.json:
+        a.json = writable_file(a.json, "--json")  # its folder made now, before any measuring
     return cfg, a
 
 
