@@ -69,7 +69,6 @@ def signature(name, module: str, p: int, config) -> Counter:
     if module == "mlp":
         return {"ulysses": zero_mlp, "ring": zero_mlp, "colossal": zero_mlp,
                 "metp": Counter(p2p=p - 1)}.get(name, Counter())  # tp_sp's MLP is megatron's own
-    qkv_bias = config.add_bias_linear or config.add_qkv_bias
     # the ring strategies re-lay out their tokens to the balanced split and back: two
     # exchanges (with p even and s/p >= 2 every rank has a partner to swap with)
     relayout = 2 if p % 2 == 0 else None
@@ -80,8 +79,8 @@ def signature(name, module: str, p: int, config) -> Counter:
         "ring": Counter(p2p=p - 1 + relayout, weight_gather=2, relayout=relayout),
         # a K ring, then a V ring
         "colossal": Counter(p2p=2 * (p - 1) + relayout, weight_gather=2, relayout=relayout),
-        # per head group: W_qkv, W_proj (and b_qkv) broadcast, a ring attention of p-1 hops
-        "metp": Counter(broadcast=p * (3 if qkv_bias else 2), p2p=p * (p - 1) + relayout,
+        # per head group: one broadcast of W_qkv, W_proj (and b_qkv) flat, a ring attention of p-1 hops
+        "metp": Counter(broadcast=p, p2p=p * (p - 1) + relayout,
                         relayout=relayout),
     }[name]
 

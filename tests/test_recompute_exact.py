@@ -167,7 +167,7 @@ def test_recompute_matches_stock_tp1_with_the_forward_plan(p):
     cases = _cases(p)
     ref = _reference(tuple((key, tuple((None, None, packed, seed) for _, _, packed, seed in passes))
                            for key, passes in cases))
-    got = run_world(run_recompute, p, cases, timeout=600)[0]
+    got = run_world(run_recompute, p, cases, timeout=600, trace=True)[0]
     covered, worst = set(), 0.0
     for (key, passes), r_case, g_case in zip(cases, ref, got):
         for (plan, _, packed, _), r, g in zip(passes, r_case, g_case):

@@ -59,7 +59,7 @@ def _world(rank, world, root):
 
 @pytest.fixture(scope="module")
 def cp_world(tmp_path_factory):
-    return run_world(_world, 4, str(tmp_path_factory.mktemp("cpckpt")), timeout=300)
+    return run_world(_world, 4, str(tmp_path_factory.mktemp("cpckpt")), timeout=300, trace=True)
 
 
 def _compare(got, ref, got_params, ref_params, label):

@@ -52,7 +52,7 @@ def _world(rank, world, root):
 @pytest.fixture(scope="module")
 def packed_world(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("packed"))
-    return run_world(_world, 4, root, timeout=300)
+    return run_world(_world, 4, root, timeout=300, trace=True)
 
 
 @pytest.mark.parametrize("tp", [4, 2])

@@ -167,7 +167,7 @@ def test_a_step_no_plan_fits_stops_on_every_rank_naming_the_stage(world):
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("pp"))
-    return run_world(_world, WORLD, root, timeout=300)
+    return run_world(_world, WORLD, root, timeout=300, trace=True)  # NCCL's ordering rule checked on every stage
 
 
 @pytest.mark.parametrize("case", ["plain", "packed", "recompute"])

@@ -485,9 +485,9 @@ def pool_buffers(strategy: str, shape: ModelShape, s: int, b: int, prefetch: boo
     ``mpu``: megatron's sequence-parallel all-gather of a layer input (TP+SP's linears, and the
     output layer for every plan); ``weight0_*``: the ZeRO gathers (:func:`zero_weight_pool`,
     prefetch on or off); ``kv_*``: ring blocks (slot 1 from p = 3 on);
-    ``zigzag_*``: the balanced layout's partner swap; METP's ``weight{j}_{slot}``: the travelling
-    shards (QKV/fc1, projection/fc2, their biases), attention in slot 1 and MLP in slot 0 at
-    p = 2, both in both slots from p = 3 on.
+    ``zigzag_*``: the balanced layout's partner swap; METP's ``weight{j}_{slot}``: a head
+    group's attention shards in one flat buffer (``weight0``, both slots) and the MLP's
+    travelling shards (fc1, fc2, bias: ``weight0..2``, slot 0 at p = 2, both from p = 3 on).
     """
     if packs.is_pack(s):
         tokens = packs.geometry(s, shape.p).tokens
@@ -511,11 +511,13 @@ def pool_buffers(strategy: str, shape: ModelShape, s: int, b: int, prefetch: boo
             for n in names:
                 out[f"paradyse:kv_{n}{k}"] = t * kv * e / (p if strategy == "metp" else 1)
     if strategy == "metp":
-        attn = (w["qkv"], w["proj"], qw if shape.bias else 0)
+        # attention: head group i's shards in one flat buffer, slot i % 2 (every rank: the owner
+        # packs its own there); MLP: the travelling shards, slot (step % 2) for steps 0..p-2
+        attn = (w["qkv"] + w["proj"] + (qw if shape.bias else 0), 0, 0)
         mlp = (w["fc1"], w["fc2"], f1 if shape.bias else 0)
         for j in range(3):
             for slot in (0, 1):
-                v = max(attn[j], mlp[j]) if p >= 3 else (attn[j] if slot == 1 else mlp[j])
+                v = max(attn[j], mlp[j] if (slot == 0 or p >= 3) else 0)
                 if v:
                     out[f"paradyse:weight{j}_{slot}"] = v / p * e
     dt = _DTYPE_NAME[shape.dtype]

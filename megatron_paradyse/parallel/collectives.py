@@ -88,25 +88,29 @@ def scatter_grad(full_grad: torch.Tensor, shard_dim: int, group) -> torch.Tensor
     return g if shard_dim == 0 else g.t()
 
 
-def broadcast_start(tensors: list, src: int, group, names: list):
-    """Post async broadcasts of group rank ``src``'s ``tensors``; returns (tensors, works).
+def broadcast_flat_start(tensors: list, src: int, group, name: str):
+    """Post one async broadcast of group rank ``src``'s ``tensors`` (one dtype) packed in one flat
+    buffer, the pooled buffer ``name``; returns ``(views of the buffer shaped as tensors, works)``.
 
-    Non-owners receive into the pooled buffers ``names``; the owner sends straight from its
-    own tensors (parameters included: a broadcast only reads them). :func:`wait` the works
-    before reading the returned tensors. The pair of :func:`reduce_to`.
+    Every rank, the owner included, uses the pool buffer (the owner packs its tensors into it:
+    one copy of its own shards), so the group pays one launch and one latency instead of one
+    per tensor. :func:`wait` the works before reading the views. The pair of
+    :func:`reduce_scatter_flat`.
     """
     rank, _, ranks = group_info(group)
-    out, works = [], []
-    for t, name in zip(tensors, names):
-        buf = t if rank == src else pool_buffer(name, t.shape, t.dtype, t.device)
-        works.append(dist.broadcast(buf, src=ranks[src], group=group, async_op=True))
-        out.append(buf)
-    return out, works
+    dtype, device = tensors[0].dtype, tensors[0].device
+    if any(t.dtype != dtype for t in tensors):
+        raise TypeError(f"broadcast_flat_start: one dtype per flat buffer, got {[t.dtype for t in tensors]}")
+    sizes = [t.numel() for t in tensors]
+    buf = pool_buffer(name, (sum(sizes),), dtype, device)
+    if rank == src:
+        torch.cat([t.detach().reshape(-1) for t in tensors], out=buf)
+    work = dist.broadcast(buf, src=ranks[src], group=group, async_op=True)
+    views = [v.view(t.shape) for v, t in zip(buf.split(sizes), tensors)]
+    return views, [work]
 
 
-def reduce_to(tensor: torch.Tensor, dst: int, group) -> torch.Tensor | None:
-    """Sum ``tensor`` over the group onto group rank ``dst``; returns the sum there, else None."""
-    rank, _, ranks = group_info(group)
-    tensor = tensor.contiguous()
-    dist.reduce(tensor, dst=ranks[dst], group=group)
-    return tensor if rank == dst else None
+def reduce_scatter_flat(rows: torch.Tensor, group) -> torch.Tensor:
+    """Sum ``rows`` ``[p, n]`` over the group; this rank's row, a fresh ``[n]`` tensor (one
+    reduce-scatter where a reduce per row's owner would take p collectives)."""
+    return reduce_scatter_dim0(rows.reshape(-1), group)

@@ -13,7 +13,7 @@ import copy
 
 import torch
 
-from . import context, groups, prefetch, recompute, strategies
+from . import context, grad_order, groups, prefetch, recompute, strategies
 from .packing import documents_from, pad_pack
 from .plan_check import PlanMismatchError, verify_plans
 from .plans import normalize_plan, split_entry
@@ -53,6 +53,7 @@ def install() -> None:
     TransformerLayer.forward = _layer_forward
     recompute.install()
     groups.install()  # the weight communicators, created now or with megatron's parallel state
+    grad_order.install()  # DDP's overlapped gradient reductions in bucket order on every replica
 
 
 def uninstall() -> None:
@@ -73,6 +74,7 @@ def uninstall() -> None:
     TransformerLayer.forward = _ORIGINAL.pop("layer")
     recompute.uninstall()
     groups.uninstall()
+    grad_order.uninstall()
     delattr(SelfAttention, STOCK_FORWARD)
     delattr(MLP, STOCK_FORWARD)
 

@@ -8,6 +8,8 @@ its own: the *twin* of each tensor-parallel group, created once, by every rank o
 in the same order (:func:`create`). That happens when megatron's parallel state is initialised
 while the plugin is installed (:func:`install` wraps ``initialize_model_parallel``), or at
 ``install()`` if it already is: never inside a layer, where a pipeline stage's ranks alone arrive.
+Right after, every group's communicator is created (``communicators.create_all``), before the
+planner measures the memory budget.
 
 A group without a twin (a world of torch's fake backend, a group megatron did not make, a
 size-1 group) carries its own weight traffic (:func:`weight_group`): correct, not overlapped.
@@ -20,8 +22,10 @@ import torch
 import torch.distributed as dist
 
 from ..device import current as current_device
+from . import communicators
 
-_STATE = {"world": None, "twins": {}}  # twins: tuple of global ranks -> group (None: not a member)
+_STATE = {"world": None, "twins": {}, "created": None}  # twins: tuple of global ranks -> group
+# (None: not a member); created: communicators.create_all's report of the last initialisation
 _ORIGINAL: dict = {}
 
 
@@ -61,6 +65,12 @@ def _all_groups(mine: list) -> list:
     return sorted({tuple(r) for r in rows})
 
 
+def created():
+    """:class:`~.communicators.Created` of the last ``initialize_model_parallel`` made while
+    the plugin was installed (None before one)."""
+    return _STATE["created"]
+
+
 def _world():
     return dist.group.WORLD if dist.is_initialized() else None
 
@@ -78,6 +88,7 @@ def install() -> None:
         def initialize_model_parallel(*args, **kwargs):
             out = original(*args, **kwargs)
             create()
+            _STATE["created"] = communicators.create_all()  # before any budget is measured
             return out
 
         parallel_state.initialize_model_parallel = initialize_model_parallel

@@ -7,6 +7,7 @@ with its traceback; a hung world is killed at the deadline instead of hanging it
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib
 import os
 import pickle
@@ -23,6 +24,7 @@ import torch.multiprocessing as tmp
 from ..cpu_compat import RANK_ENV
 from ..device import select
 from ..launch import WorldError, process_env, run_ranks  # noqa: F401  (WorldError re-exported)
+from . import trace as trace_mod
 
 
 FAKE_CUDA_ENV = "PARADYSE_FAKE_CUDA_AVAILABLE"
@@ -45,7 +47,7 @@ def fake_cuda_available() -> None:
 
 
 def run_world(fn, world_size: int, *args, timeout: float = 300.0, env: dict | None = None,
-              grace: float = 5.0, **kwargs) -> list:
+              grace: float = 5.0, trace: bool = False, traces: list | None = None, **kwargs) -> list:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks
     (``megatron_paradyse.launch.run_ranks``, with :func:`fake_cuda_available` first in each).
 
@@ -53,9 +55,41 @@ def run_world(fn, world_size: int, *args, timeout: float = 300.0, env: dict | No
     :class:`WorldError` with every failing rank's traceback if a rank raises, and with the
     list of silent ranks if the world does not finish within ``timeout`` seconds. Once one
     rank fails, the others get ``grace`` seconds to report before they are killed.
+
+    ``trace=True`` (or a ``traces`` list): every rank records the collectives and
+    point-to-point operations it posts (:mod:`.trace`), and NCCL's ordering rule is checked on
+    the records (:func:`.trace.check` raises :class:`~.trace.TraceError`); ``traces`` receives
+    the records, one list of :class:`~.trace.Op` per rank.
     """
+    if trace or traces is not None:
+        return _traced_world(fn, world_size, args, kwargs, traces, timeout=timeout, env=env, grace=grace)
     return run_ranks(fn, world_size, *args, timeout=timeout, env=env, grace=grace,
                      setup=fake_cuda_available, start_method=_forkserver(), **kwargs)
+
+
+def _traced_world(fn, world_size, args, kwargs, traces, **opts) -> list:
+    """:func:`run_world` with every rank's posted operations recorded and checked. A world that
+    fails or hangs is checked on what its ranks posted before they stopped: a difference there
+    (the likely cause of the hang) is raised as :class:`~.trace.TraceError`, the world's own
+    error attached."""
+    with tempfile.TemporaryDirectory(prefix="paradyse_trace_") as folder:
+        try:
+            got = run_ranks(functools.partial(trace_mod.traced, fn, folder), world_size, *args,
+                            setup=fake_cuda_available, start_method=_forkserver(), **opts, **kwargs)
+        except WorldError as e:
+            partial = [trace_mod.read(trace_mod.rank_path(folder, r)) for r in range(world_size)]
+            if traces is not None:
+                traces[:] = partial
+            try:
+                trace_mod.check(partial, partial=True)
+            except trace_mod.TraceError as bad:
+                raise trace_mod.TraceError(f"{bad}\n(the world failed: {str(e)[-2000:]})") from e
+            raise
+    records = [ops for _, ops in got]
+    if traces is not None:
+        traces[:] = records
+    trace_mod.check(records)
+    return [out for out, _ in got]
 
 
 # what every test world imports: the fork server imports it once, each rank is a fork of it

@@ -159,7 +159,13 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
                    help="always on: the loss is summed over real tokens and divided by the step's "
                         "real-token count, so padding never changes loss or gradient")
     g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="launch each gradient bucket's data-parallel reduction as soon as its "
+                        "gradients are ready (megatron's DDP); with --paradyse every replica "
+                        "launches them in bucket order whatever its plans")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="parameters per gradient bucket with --overlap-grad-reduce (Megatron-LM's "
+                        "flag; default megatron's: max(40M, 1M x data-parallel size))")
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="overlap the distributed optimizer's parameter all-gather with the next "
                         "forward (Megatron-LM's flag; needs --use-distributed-optimizer and "
@@ -501,8 +507,8 @@ def _check_backend(args) -> None:
     if args.use_distributed_optimizer and on_cpu:
         _err("--use-distributed-optimizer needs CUDA tensors (megatron's type check); on CPU the "
              "plain optimizer is used: drop the flag")
-    if args.overlap_grad_reduce and on_cpu:
-        _err("--overlap-grad-reduce needs CUDA streams; drop it on CPU")
+    if args.ddp_bucket_size is not None and args.ddp_bucket_size < 1:
+        _err(f"--ddp-bucket-size must be at least 1, got {args.ddp_bucket_size}")
     if args.use_distributed_optimizer and args.load and not args.no_load_optim and not _apex_or_te_adam():
         _err("--load with --use-distributed-optimizer needs apex or Transformer Engine: without them "
              "megatron-core's DistributedOptimizer cannot build the state to load into before its "

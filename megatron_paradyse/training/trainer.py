@@ -39,7 +39,7 @@ from ..device import select as select_device
 from ..device import synchronize
 from ..memory import PeakMemory, static_bytes
 from ..model import build_gpt_from_args
-from ..parallel import prefetch
+from ..parallel import groups, prefetch
 from ..parallel.buffers import release_pool
 from ..paths import shown
 from ..parallel.dispatch import install
@@ -178,6 +178,9 @@ class Trainer:
         self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()
         self.cp_size = parallel_state.get_context_parallel_world_size()
         self.cp_group = parallel_state.get_context_parallel_group() if self.cp_size > 1 else None
+        made = groups.created() if args.paradyse else None
+        if made is not None:
+            log.info(f"> {made.describe()}")
 
     def _build_model_and_optimizer(self):
         """The stock GPT in megatron-core's DDP, its optimizer and scheduler, the grad hooks."""
@@ -193,6 +196,7 @@ class Trainer:
             overlap_grad_reduce=args.overlap_grad_reduce,
             use_distributed_optimizer=args.use_distributed_optimizer,
             overlap_param_gather=args.overlap_param_gather,
+            bucket_size=args.ddp_bucket_size,
         )
         self.model = DistributedDataParallel(config=self.config, ddp_config=ddp_config,
                                              module=build_model(args, self.config))
@@ -526,11 +530,15 @@ def init_distributed(args) -> None:
     os.environ.setdefault("MASTER_PORT", "29500")
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
-    select_device(args.distributed_backend)  # nccl: this rank's GPU, set before NCCL starts; gloo: CPU
-    if args.distributed_backend == "gloo":
+    dev = select_device(args.distributed_backend)  # nccl: this rank's GPU, set before NCCL starts; gloo: CPU
+    if dev.type == "cpu":
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    # device_id (NCCL): the default communicator is created now and every later group is split
+    # from it (ncclCommSplit), sharing its resources; parallel/communicators.py creates them all
+    # before the budget is measured
     dist.init_process_group(args.distributed_backend,
-                            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+                            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
+                            device_id=dev if dev.type == "cuda" else None)
 
 
 PROG = "pretrain_gpt_paradyse.py"

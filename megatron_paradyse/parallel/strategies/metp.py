@@ -49,7 +49,7 @@ import torch
 
 from .. import context
 from ..buffers import weight_slot
-from ..collectives import broadcast_start, reduce_to, wait
+from ..collectives import broadcast_flat_start, reduce_scatter_flat, wait
 from ..groups import weight_group
 from ..ring_comm import GradRing, ring_stream
 from .base import (Strategy, apply_activation, apply_rope, bias_of, from_bhsd, geometry, rope_freqs,
@@ -70,10 +70,10 @@ def _flat(t):
 
 
 def _group_weights(shards, src, group):
-    """Post the broadcasts of group rank ``src``'s ``shards`` into pool slot ``src % 2``, on the
-    weight communicator (``groups.weight_group``: not behind the ring attention's hops)."""
-    names = [weight_slot(k, src % 2) for k in range(len(shards))]
-    return broadcast_start(shards, src, weight_group(group), names)
+    """Post the broadcast of group rank ``src``'s ``shards``, packed in one flat buffer in pool
+    slot ``src % 2``, on the weight communicator (``groups.weight_group``: not behind the ring
+    attention's hops): one collective per head group."""
+    return broadcast_flat_start(shards, src, weight_group(group), weight_slot(0, src % 2))
 
 
 def _group_weight_stream(shards, group, p):
@@ -140,29 +140,31 @@ class METPAttention(torch.autograd.Function):
         geo = ctx.geo
         dx = torch.zeros(x.shape, dtype=_ACC, device=x.device)
         x2, dout2 = _flat(x), _flat(dout)
-        mine = (None, None, None)
         shards = _attn_shards(w_qkv, b_qkv, w_proj)
+        sizes = [w.numel() for w in shards]  # every group's shards have these shapes
+        # row i: head group i's weight gradients (partial sums over this rank's tokens), flat in
+        # the broadcast's order; one reduce-scatter hands each owner the sum of its row
+        rows = torch.empty((geo.p, sum(sizes)), dtype=_ACC, device=x.device)
         for i, (wq, wp, *bq) in _group_weight_stream(shards, geo.group, geo.p):
             bq = bq[0] if bq else None
             mixed = _group_qkv(x, wq, bq).detach().requires_grad_(True)  # recomputed
             with torch.enable_grad():
                 attn = _group_attention(mixed, geo, ctx.qf, ctx.kf, ctx.config, ctx.span)
-            dwp = dout2.t().matmul(_flat(attn.detach())).to(_ACC)
+            row = rows[i].split(sizes)  # this group's dW_qkv, dW_proj (and db_qkv) slots
+            row[1].view(wp.shape).copy_(dout2.t().matmul(_flat(attn.detach())))
             (dmixed,) = torch.autograd.grad(attn, mixed, dout.matmul(wp))
             del attn
             dx += dmixed.matmul(wq)
             dm2 = _flat(dmixed)
-            dbq = dm2.sum(0, dtype=_ACC) if bq is not None else None
-            grads = (dm2.t().matmul(x2).to(_ACC), dbq, dwp)
-            # each weight gradient is a partial sum over this rank's tokens: sum it onto the owner
-            got = tuple(reduce_to(g, i, geo.group) if g is not None else None for g in grads)
-            if i == geo.rank:
-                mine = got
+            row[0].view(wq.shape).copy_(dm2.t().matmul(x2))
+            if bq is not None:
+                torch.sum(dm2, 0, dtype=_ACC, out=row[2])
+        mine = reduce_scatter_flat(rows, geo.group).split(sizes)
+        del rows
         mg_qkv, mg_proj = ctx.main_grads
-        dwq, dbq, dwp = mine
-        dwq = weight_grad(w_qkv, dwq, mg_qkv, x.dtype)
-        dwp = weight_grad(w_proj, dwp, mg_proj, x.dtype)
-        dbq = dbq.to(b_qkv.dtype) if dbq is not None else None
+        dwq = weight_grad(w_qkv, mine[0].view(w_qkv.shape), mg_qkv, x.dtype)
+        dwp = weight_grad(w_proj, mine[1].view(w_proj.shape), mg_proj, x.dtype)
+        dbq = mine[2].view(b_qkv.shape).to(b_qkv.dtype) if b_qkv is not None else None
         return dx.to(x.dtype), dwq, dbq, dwp, None, None, None, None, None, None
 
 

@@ -4,6 +4,8 @@ and their checks), ``pretrain`` (the forward step and datasets providers),
 ``compile_helpers`` where the compiled module ships; installed and removed together."""
 from __future__ import annotations
 
+import torch
+
 from ...parallel import prefetch
 from ...parallel.dispatch import install
 from ..arguments import ArgumentError
@@ -97,6 +99,21 @@ def _prebuilt_dataset_helpers() -> None:
     dutils.compile_helpers = compile_helpers
 
 
+def _wrap_init_process_group(orig):
+    """``torch.distributed.init_process_group`` with this rank's GPU as ``device_id`` under NCCL
+    (Megatron-LM computes it but does not pass it): the default communicator is created at once
+    and megatron's groups are split from it, sharing its resources (``parallel/communicators.py``
+    then creates them all, before the budget is measured)."""
+    def init_process_group(*args, **kwargs):
+        backend = kwargs.get("backend", args[0] if args else None)
+        if str(backend).startswith("nccl") and kwargs.get("device_id") is None and torch.cuda.is_available():
+            kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
+        return orig(*args, **kwargs)
+
+    init_process_group._paradyse = True
+    return init_process_group
+
+
 def install_hooks() -> None:
     """Install the hooks into ``megatron.training`` (idempotent). Needs ``megatron.training``."""
     if _HOOKS:
@@ -118,6 +135,8 @@ def install_hooks() -> None:
         mod.pretrain = new
     # pipeline stages: the schedule's micro-batches read ahead, their p2p shapes (schedule.py)
     _HOOKS[(training, "get_forward_backward_func")] = training.get_forward_backward_func
+    _HOOKS[(torch.distributed, "init_process_group")] = torch.distributed.init_process_group
+    torch.distributed.init_process_group = _wrap_init_process_group(torch.distributed.init_process_group)
     training.get_forward_backward_func = wrap_get_forward_backward_func(training.get_forward_backward_func)
 
 
