@@ -114,6 +114,19 @@ def is_cpu() -> bool:
     return current().type == "cpu"
 
 
+def copy_to(host: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on ``device`` without stalling the host: on CUDA staged in pinned memory and
+    copied with ``non_blocking=True`` (a copy from pageable memory waits for the stream to
+    drain; torch's caching host allocator keeps the pinned buffer until the copy has run),
+    other devices non-blocking, the CPU the tensor itself."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cpu" or host.device == device:
+        return host
+    if device.type == "cuda" and host.device.type == "cpu":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 def synchronize() -> None:
     """Wait for this process's device work (a no-op on the CPU)."""
     dev = current()

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from .. import paths
+from ..device import copy_to
 from ..errors import UserError
 from ..parallel.packing import PackShape
 from .preprocess import read_meta
@@ -328,6 +329,7 @@ class MicroBatch:
     lengths: tuple
     plan: tuple | None = None  # set by hooks.PlannedIterator: one strategy name per layer
     cu_seqlens: tuple | None = None  # a pack's document boundaries (0, ..., T) (packing.pack_documents)
+    choice: object = None  # the planner's choice for it (its predicted seconds and peak), if planned
 
     @property
     def seq_length(self) -> int:
@@ -353,9 +355,10 @@ class MicroBatch:
         return PackShape(tuple(b - a for a, b in zip(c, c[1:])))
 
     def to(self, device) -> "MicroBatch":
+        """On ``device``, copied without stalling the host (pinned and non-blocking on CUDA)."""
         return dataclasses.replace(
-            self, tokens=self.tokens.to(device), labels=self.labels.to(device),
-            loss_mask=self.loss_mask.to(device), position_ids=self.position_ids.to(device))
+            self, tokens=copy_to(self.tokens, device), labels=copy_to(self.labels, device),
+            loss_mask=copy_to(self.loss_mask, device), position_ids=copy_to(self.position_ids, device))
 
 
 def padded_length(length: int, multiple: int) -> int:

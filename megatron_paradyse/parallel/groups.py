@@ -24,8 +24,9 @@ import torch.distributed as dist
 from ..device import current as current_device
 from . import communicators
 
-_STATE = {"world": None, "twins": {}, "created": None}  # twins: tuple of global ranks -> group
-# (None: not a member); created: communicators.create_all's report of the last initialisation
+_STATE = {"world": None, "twins": {}, "created": None, "host": None}  # twins: tuple of global ranks -> group
+# (None: not a member); created: communicators.create_all's report of the last initialisation;
+# host: a gloo group over the world under NCCL (host_group)
 _ORIGINAL: dict = {}
 
 
@@ -46,7 +47,9 @@ def create() -> None:
     if not parallel_state.model_parallel_is_initialized():
         return
     if _STATE["world"] is not _world():
-        _STATE.update(world=_world(), twins={})
+        _STATE.update(world=_world(), twins={}, host=None)
+        if dist.get_backend() == "nccl":  # every rank, at the same point
+            _STATE["host"] = dist.new_group(backend="gloo")
     mine = dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group())
     for ranks in _all_groups(mine):
         if ranks in _STATE["twins"] or len(ranks) < 2:
@@ -63,6 +66,13 @@ def _all_groups(mine: list) -> list:
     dist.all_gather_into_tensor(out, mine_t)
     rows = out.view(-1, len(mine)).tolist()
     return sorted({tuple(r) for r in rows})
+
+
+def host_group():
+    """A gloo group over the whole world where the world runs NCCL (else None: the world's own
+    group is already on the host). Host metadata (the plan check) travels on it with CPU
+    tensors: no copy to or from the device, so no wait for the kernels queued before it."""
+    return _STATE["host"] if _STATE["world"] is _world() else None
 
 
 def created():

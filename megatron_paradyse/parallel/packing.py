@@ -17,6 +17,8 @@ import dataclasses
 
 import torch
 
+from ..device import copy_to
+
 
 @dataclasses.dataclass(frozen=True)
 class PackShape:
@@ -53,6 +55,14 @@ class PackShape:
 
     def __int__(self) -> int:
         return self.tokens
+
+
+def to_device(values, dtype, device) -> torch.Tensor:
+    """Host numbers ``values`` as a ``dtype`` tensor on ``device``, without stalling the host
+    (``device.copy_to``: pinned and non-blocking on CUDA; a pageable
+    ``torch.tensor(..., device="cuda")`` waits for the stream to drain). Every per-micro-batch
+    tensor built from host values goes through here."""
+    return copy_to(torch.tensor(values, dtype=dtype), device)
 
 
 def seq_tokens(s) -> int:
@@ -117,13 +127,12 @@ class Documents:
     def positions(self, ranges, device=None) -> torch.Tensor:
         """In-document positions (RoPE's) of the tokens ``ranges`` (``(start, stop)`` pairs) hold."""
         ranges = tuple(tuple(r) for r in ranges)
-        return self.on_device(("positions", ranges), device, lambda dev: torch.tensor(
-            self._positions(ranges), dtype=torch.long, device=dev))
+        return self.on_device(("positions", ranges), device, lambda dev: to_device(
+            self._positions(ranges), torch.long, dev))
 
     def cu_seqlens(self, device=None) -> torch.Tensor:
         """The boundaries as variable-length kernels take them: int32, contiguous, on ``device``."""
-        return self.on_device("cu_seqlens", device, lambda dev: torch.tensor(
-            self.bounds, dtype=torch.int32, device=dev))
+        return self.on_device("cu_seqlens", device, lambda dev: to_device(self.bounds, torch.int32, dev))
 
 
 def check_cu_seqlens(cu, total: int, where: str = "packed_seq_params") -> tuple:
@@ -148,6 +157,14 @@ def check_cu_seqlens(cu, total: int, where: str = "packed_seq_params") -> tuple:
 
 
 _DOCS_ATTR = "_paradyse_documents"
+
+
+def attach_documents(params, bounds) -> None:
+    """Hand ``params`` (megatron's ``PackedSeqParams``) its boundaries as host values, so that
+    :func:`documents_from` reads them from here and never copies ``cu_seqlens`` back from the
+    device (a device-to-host sync per micro-batch). ``bounds``: the boundaries its
+    ``cu_seqlens_q`` / ``cu_seqlens_kv`` hold; the caller built those tensors from them."""
+    setattr(params, _DOCS_ATTR, (Documents(tuple(int(b) for b in bounds)), _inputs(params)))
 
 
 def documents_from(params, total: int) -> Documents:
@@ -204,9 +221,11 @@ def pad_pack(params, total: int, p: int):
     pad = (-total) % p
     if pad == 0:
         return params, 0
-    bounds = torch.tensor(docs.bounds + (total + pad,), dtype=torch.int32,
-                          device=params.cu_seqlens_q.device if torch.is_tensor(params.cu_seqlens_q) else None)
+    host = docs.bounds + (total + pad,)
+    cu = params.cu_seqlens_q
+    bounds = to_device(host, torch.int32, cu.device) if torch.is_tensor(cu) else torch.tensor(host, dtype=torch.int32)
     longest = max(docs.max_length, pad)
     new = dataclasses.replace(params, cu_seqlens_q=bounds, cu_seqlens_kv=bounds, cu_seqlens_q_padded=None,
                               cu_seqlens_kv_padded=None, max_seqlen_q=longest, max_seqlen_kv=longest)
+    attach_documents(new, host)  # the padded pack's boundaries stay on the host too
     return new, pad

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..device import current
+from .groups import host_group
 from .plans import describe, plan_hash
 
 
@@ -48,8 +49,10 @@ def verify_plans(step: int, entries: list, num_expected: int, group_index: int, 
         vec[base + 2 * i] = h
         vec[base + 2 * i + 1] = -h
     vec[-1] = 1 if local_error else 0
+    if group is None and host_group() is not None:
+        group = host_group()  # host values on a host communicator: no device sync
     if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dev = collective_device()
+        dev = torch.device("cpu") if dist.get_backend(group) == "gloo" else collective_device()
         t = vec.to(dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         vec = t.cpu()

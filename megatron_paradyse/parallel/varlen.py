@@ -21,6 +21,7 @@ import torch
 from . import attention_kernels as K
 from . import kernel_select
 from .attention_kernels import attn_backward, attn_forward, causal_attention, dense, expand_kv, reduce_kv
+from .packing import to_device
 
 aten = torch.ops.aten
 
@@ -92,7 +93,7 @@ def _lse_rows(docs, device, width: int):
     flattened over (doc, row): ``doc * width + offset in doc``."""
     def build(dev):
         rows = [d * width + j for d, n in enumerate(docs.lengths) for j in range(n)]
-        return torch.tensor(rows, dtype=torch.long, device=dev)
+        return to_device(rows, torch.long, dev)
     return docs.on_device(("lse_rows", width), device, build)
 
 

@@ -75,6 +75,11 @@ def add_paradyse_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="Gather the ulysses/ring/colossal layers' weights where they are used, blocking "
                         "(default: each gather is posted before the linear that precedes its use, "
                         "holding one more gathered weight: megatron_paradyse.parallel.prefetch).")
+    g.add_argument("--paradyse-no-read-ahead", action="store_true",
+                   help="Read, plan and check each step's micro-batches at the step's start (default: "
+                        "the plugin trainer does it for step k+1 once step k's forward and backward "
+                        "are queued, before its optimizer step, so that on a GPU this host work "
+                        "overlaps the kernels; the plans then use the refinement of step k-1)")
     g.add_argument("--paradyse-trainer", choices=("auto", "core", "megatron"), default="core",
                    help="pretrain_gpt_paradyse.py: 'core' (default) = the megatron-core training "
                         "loop of megatron_paradyse.training; 'megatron' = Megatron-LM's pretrain() "

@@ -8,6 +8,7 @@ import torch
 from ..parallel.buffers import release_pool
 from ..parallel.context import split_for_cp
 from ..parallel.dispatch import set_plan
+from ..parallel.packing import attach_documents, to_device
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -59,10 +60,15 @@ def cp_chunks(cp: int, *tensors):
 
 
 def packed_seq_params(cu_seqlens, device):
-    """megatron's ``PackedSeqParams`` (THD) of a pack's document boundaries ``(0, ..., T)``."""
+    """megatron's ``PackedSeqParams`` (THD) of a pack's document boundaries ``(0, ..., T)``
+    (host values): ``cu_seqlens`` copied to the device without a host stall, and the host
+    boundaries handed to the plugin with it (``packing.attach_documents``), so nothing reads
+    them back from the device."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=device)
+    cu = to_device(cu_seqlens, torch.int32, device)
     longest = max(b - a for a, b in zip(cu_seqlens, cu_seqlens[1:]))
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                           max_seqlen_q=longest, max_seqlen_kv=longest)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=longest, max_seqlen_kv=longest)
+    attach_documents(params, cu_seqlens)
+    return params

@@ -43,7 +43,8 @@ class PlannedIterator:
         self._buffer = collections.deque()
         self.current: list = []  # the micro-batches of the step being run
         self.last_check_seconds = 0.0
-
+        self._ahead = None  # the next step, read, planned and checked ahead (read_ahead)
+        self.critical_seconds = 0.0  # the last step's reading and planning at its start
     def num_microbatches(self) -> int:
         """This group's micro-batches at the next step (packed steps differ per group)."""
         if self.counts is not None:
@@ -58,9 +59,29 @@ class PlannedIterator:
         return self
 
     def prefetch(self) -> list:
-        """Read, plan and verify the next step's micro-batches (no-op if already done)."""
+        """Read, plan and verify the next step's micro-batches (no-op if already done): the
+        ones :meth:`read_ahead` prepared while the previous step ran, else now."""
         if self._buffer:
             return self.current
+        t0 = time.perf_counter()
+        items, step_plan = self._ahead if self._ahead is not None else self._read()
+        self._ahead = None
+        self.last_step_plan = step_plan
+        self.current = items
+        self._buffer.extend(items)
+        self.critical_seconds = time.perf_counter() - t0
+        return items
+
+    def read_ahead(self) -> None:
+        """Read, plan and verify the step after the one running (the trainer calls it once the
+        running step's kernels are queued, so that on a GPU this host work overlaps them)."""
+        if self._ahead is None and not self._buffer:
+            self._ahead = self._read()
+
+    def _read(self) -> tuple:
+        """The next step's ``(micro-batches, step plan)``, read, planned and verified; each
+        micro-batch keeps its planner's choice (``mb.choice``: what was predicted for it)."""
+        step_plan = None
         n = self.num_microbatches()
         items, error, mistake = [], None, None
         try:
@@ -72,9 +93,10 @@ class PlannedIterator:
                         plan = tuple(plan)
                         validate_names(plan)
                     mb.plan = plan
+                    mb.choice = getattr(self.plan_fn, "choices", {}).get(i)
                 items.append(mb)
             if self.step_plan_fn is not None:
-                items = self._plan_step(items)
+                items, step_plan = self._plan_step(items)
         except StopIteration:
             error = f"the data iterator ran out after {len(items)} of {n} micro-batches"
         except UserError as e:  # a budget nothing fits: the one line, after the ranks agree
@@ -96,18 +118,17 @@ class PlannedIterator:
                 raise mistake from None
             raise
         self.last_check_seconds = time.perf_counter() - t0
-        self.current = items
-        self._buffer.extend(items)
         self.step += 1
-        return items
+        return items, step_plan
 
-    def _plan_step(self, items: list) -> list:
-        """The step's micro-batches in the step planner's run order, each with its plan."""
-        order, plans, self.last_step_plan = self.step_plan_fn(items, self.step)
+    def _plan_step(self, items: list) -> tuple:
+        """The step's micro-batches in the step planner's run order, each with its plan, and
+        the step plan."""
+        order, plans, step_plan = self.step_plan_fn(items, self.step)
         for i in order:
             items[i].plan = tuple(plans[i])
             validate_names(items[i].plan)
-        return [items[i] for i in order]
+        return [items[i] for i in order], step_plan
 
     def __next__(self):
         if not self._buffer:

@@ -122,6 +122,7 @@ class Trainer:
         self.plan_fn = plan_fn
         self.history: list = []
         self.iteration = 0
+        self._read_ahead_until = 0  # train() reads each step ahead up to its last iteration
         self._setup()
 
     # ------------------------------------------------------------------ setup
@@ -311,7 +312,7 @@ class Trainer:
         the CPU tracker when untracked ones exist) and this rank's ``measured`` peak (None: not
         measured this step); the text for the log line without a report."""
         planner = self.planner
-        choices = [self._planner_fn.choices.get(i) for i in range(len(self.data_iterator.current))]
+        choices = [mb.choice for mb in self.data_iterator.current]
         pred_s = sum(c.seconds for c in choices if c is not None) + planner.update_seconds()
         pred_m = max((c.peak_bytes for c in choices if c is not None), default=0.0)
         ref = planner.refinement
@@ -367,6 +368,8 @@ class Trainer:
         if args.paradyse:
             release_pool()  # nothing of the pool outlives the step (see forward_step)
             pipeline.clear()
+            if self.iteration + 1 < self._read_ahead_until and not args.paradyse_no_read_ahead:
+                self.data_iterator.read_ahead()  # step k+1's host work while step k's kernels run
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=args.global_batch_size)
@@ -405,6 +408,7 @@ class Trainer:
         log.info(f"> training {describe_setup(args, custom_plan=self.plan_fn is not None, planner=self.planner)} "
                  f"from iteration {self.iteration} to {end}")
         report = self._run_report()
+        self._read_ahead_until = end
         while self.iteration < end:
             stats, extra = self.measured_step(report)
             window.append(stats)

@@ -143,8 +143,7 @@ class _LoggedPlannedIterator(PlannedIterator):
         if sp is not None:
             peaks = "/".join(f"{p / MiB:.1f}" for p in sp.stage_peaks)
             return f" | pred: {sp.seconds:.3f} s, stage peaks {peaks} MiB"
-        choices = getattr(self.plan_fn, "choices", None)
-        got = [c for c in (choices.get(i) for i in range(len(items))) if c is not None] if choices else []
+        got = [mb.choice for mb in items if getattr(mb, "choice", None) is not None]
         if not got:
             return ""
         update = self.plan_fn.planner.update_seconds()  # once per step
