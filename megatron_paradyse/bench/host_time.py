@@ -4,6 +4,7 @@ outside the kernels, per micro-batch and per layer.
     python -m megatron_paradyse.bench.host_time                       # 64K tokens per rank, p = 1
     python -m megatron_paradyse.bench.host_time --p 1,2 --json runs/host_time.json
     python -m megatron_paradyse.bench.host_time --device cuda --bf16   # on a GPU (p = 1)
+    python -m megatron_paradyse.bench.host_time --p 2 --skip-world --steps   # a step's own host work
 
 Two tables, each cell the median over ``--repeats`` after ``--warmup``, every repeat a new pack
 (the same lengths shuffled: what the caches of one micro-batch cannot reuse for the next):
@@ -18,6 +19,11 @@ Two tables, each cell the median over ``--repeats`` after ``--warmup``, every re
 
 A step whose analytic layer memory exceeds ``--max-gib`` (colossal's score rows at long packs)
 is skipped and said so. Layout code that is not there (it is being reworked) prints ``n/a``.
+
+``--steps`` adds a third: the planner's trainer on packs (CPU ranks, TP = p), per step the host
+work at the step's start (reading, planning and checking its micro-batches: on a GPU the device
+idles through it) with that work done at the start, and read ahead while the step before runs
+(``--paradyse-no-read-ahead`` off, the default).
 """
 from __future__ import annotations
 
@@ -237,6 +243,52 @@ def world_rows(cfg: HostConfig, p: int) -> dict:
     return run_ranks(layer_world, p, cfg, p, timeout=3000, env=QUIET)[0]
 
 
+# ---- a training step's own host work: reading, planning, the plan check
+
+
+STEP_ARGV = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "1024",
+             "--max-position-embeddings", "1024", "--vocab-size", "128", "--micro-batch-size", "1",
+             "--global-batch-size", "8", "--lr", "1e-3", "--attention-dropout", "0", "--hidden-dropout", "0",
+             "--position-embedding-type", "rope", "--mock-data", "--paradyse-mock-min-length", "64",
+             "--log-interval", "1000", "--sequence-parallel", "--paradyse", "--paradyse-memory-budget", "1",
+             "--paradyse-pack", "balanced", "--paradyse-pack-tokens", "1024"]
+
+
+def step_world(rank: int, world: int, cfg: HostConfig, read_ahead: bool) -> dict:
+    """The planner's trainer at TP = ``world`` on packs: per step, the host work at the step's
+    start (reading, planning and checking its micro-batches before the first forward: the GPU
+    idles through it) and the host work read ahead while the step before ran."""
+    from ..training import arguments, trainer as training
+
+    steps = cfg.warmup + cfg.repeats
+    argv = STEP_ARGV + ["--tensor-model-parallel-size", str(world), "--train-iters", str(steps),
+                        "--seed", str(cfg.seed)] + ([] if read_ahead else ["--paradyse-no-read-ahead"])
+    tr = training.Trainer(arguments.parse_args(argv, world_size=world))
+    tr._read_ahead_until = steps
+    start, ahead = [], []
+    for _ in range(steps):
+        tr.train_step()
+        start.append(tr.data_iterator.critical_seconds * 1e3)
+        ahead.append(tr.data_iterator.ahead_seconds * 1e3 if read_ahead else 0.0)
+        tr.data_iterator.ahead_seconds = 0.0
+    w = cfg.warmup
+    return {"at start": statistics.median(start[w:]), "read ahead": statistics.median(ahead[w:])}
+
+
+def step_rows(cfg: HostConfig, p: int) -> dict:
+    """``{"read at the step's start" | "read ahead": {"at start", "read ahead"} ms}`` on ``p`` gloo ranks."""
+    out = {}
+    for label, on in (("read at the step's start", False), ("read ahead", True)):
+        out[label] = run_ranks(step_world, p, cfg, on, timeout=3000, env=QUIET)[0]
+    return out
+
+
+def step_table(steps: dict) -> str:
+    out = [f"{'a step (planner, packs)':<28} {'ms at its start':>16} {'ms read ahead':>14}"]
+    out += [f"{label:<28} {v['at start']:>16.1f} {v['read ahead']:>14.1f}" for label, v in steps.items()]
+    return "\n".join(out)
+
+
 # ---- report
 
 
@@ -300,6 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--bf16", action="store_true", help="bf16 model (GPU)")
     ap.add_argument("--max-gib", type=float, default=d.max_gib, help="skip a strategy whose analytic layer memory is over this")
     ap.add_argument("--skip-world", action="store_true", help="the layout table only")
+    ap.add_argument("--steps", action="store_true",
+                    help="also time a training step's own host work (reading, planning, the plan "
+                         "check) at its start, read at the start and read ahead (CPU ranks)")
     ap.add_argument("--json", default=None, help="also write every number here")
     return ap
 
@@ -345,8 +400,10 @@ def main(argv=None) -> int:
     for p in cfg.ps:
         layout = layout_rows(cfg, p)
         world = {} if a.skip_world else world_rows(cfg, p)
-        result["p"][p] = {"layout": layout, "world": world}
+        steps = step_rows(cfg, p) if a.steps else {}
+        result["p"][p] = {"layout": layout, "world": world, "steps": steps}
         parts = [header(cfg, p), layout_table(layout)] + ([world_table(cfg, p, world)] if world else [])
+        parts += [step_table(steps)] if steps else []
         print("\n\n".join(parts) + "\n", flush=True)
     if a.json:
         with open(a.json, "w") as f:

@@ -45,6 +45,7 @@ class PlannedIterator:
         self.last_check_seconds = 0.0
         self._ahead = None  # the next step, read, planned and checked ahead (read_ahead)
         self.critical_seconds = 0.0  # the last step's reading and planning at its start
+        self.ahead_seconds = 0.0  # the last read_ahead's (host work overlapping the step before)
     def num_microbatches(self) -> int:
         """This group's micro-batches at the next step (packed steps differ per group)."""
         if self.counts is not None:
@@ -76,7 +77,9 @@ class PlannedIterator:
         """Read, plan and verify the step after the one running (the trainer calls it once the
         running step's kernels are queued, so that on a GPU this host work overlaps them)."""
         if self._ahead is None and not self._buffer:
+            t0 = time.perf_counter()
             self._ahead = self._read()
+            self.ahead_seconds = time.perf_counter() - t0
 
     def _read(self) -> tuple:
         """The next step's ``(micro-batches, step plan)``, read, planned and verified; each
