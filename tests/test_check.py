@@ -21,7 +21,7 @@ def test_the_short_cpu_form_passes_every_section(tmp_path):
     by = {}
     for x in lines:
         by.setdefault(x["section"], []).append(x)
-    assert set(by) == {"env", "kernels", "exactness", "timing", "profile", "training"}, res.stdout[-3000:]
+    assert set(by) == {"env", "comm", "kernels", "exactness", "timing", "profile", "training"}, res.stdout[-3000:]
     # five strategies and three mixed plans in fp32 (one recomputes layers); the mixes together
     # use every strategy
     exact = [x for x in by["exactness"] if x["name"].startswith("fp32")]
@@ -37,6 +37,10 @@ def test_the_short_cpu_form_passes_every_section(tmp_path):
     assert len(timed) == 5 * 3 and all(v > 0 for x in timed for v in x["data"]["ms"].values())
     assert by["timing"][-1]["name"] == "measurements" and any("pack" in x["name"] for x in timed)
     assert by["training"][0]["data"]["rows"] and "over" in by["training"][0]["detail"]
+    # the comm section: every path against the host's values, two replicas' buckets in one order
+    comm = {x["name"]: x for x in by["comm"]}
+    assert comm["communicators"]["data"]["groups"] > 0
+    assert [x["status"] for x in by["comm"] if x["name"] != "communicators"] == ["PASS"] * 6, by["comm"]
     assert "passed" in res.stdout and str(out) in res.stdout
 
 

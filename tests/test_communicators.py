@@ -25,7 +25,7 @@ ARGV = [
 
 def _world(rank, world, extra):
     from megatron_paradyse.parallel import communicators, groups
-    from megatron_paradyse.testing import trace
+    from megatron_paradyse import trace
     from megatron_paradyse.training import arguments, trainer as training
 
     args = arguments.parse_args(ARGV + list(extra), world_size=world)
@@ -50,6 +50,6 @@ def test_every_group_is_created_before_the_first_step(extra):
             first.setdefault(op.group, (i, op))
         used_in_steps = {op.group for op in r["ops"][r["warmed"]:] if len(op.members) > 1}
         assert used_in_steps and used_in_steps <= r["mine"], (rank, used_in_steps - r["mine"])
-        for g in used_in_steps:
+        for g in used_in_steps:  # first used at start-up, by a collective of every member
             i, op = first[g]
-            assert i < r["warmed"] and op.op == "allreduce" and op.numel == 1, (rank, g, op)
+            assert i < r["warmed"] and op.op not in ("send", "recv"), (rank, g, op)

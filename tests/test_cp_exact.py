@@ -146,8 +146,11 @@ def run_cp(rank, world, cases):
         spec = T.TinyGPT(**spec_kw)
         model = T.build_gpt(spec, world // cp, context_parallel_size=cp)
         out = []
+        sent = []  # the decoder's output shape: what a pipeline stage would send
+        hook = model.decoder.register_forward_hook(lambda m, i, o: sent.append(list(o.shape)))
         for plan, kind, shape, seed in passes:
             model.zero_grad(set_to_none=True)
+            sent.clear()
             if world > 1:
                 plan = mp.set_plan(model, plan)
             if kind == "rows" and world == 1:
@@ -159,7 +162,9 @@ def run_cp(rank, world, cases):
             else:
                 loss, logits = _pack_pass(model, spec, plan, shape, seed)
             T.allreduce_sequence_parallel_grads(model)
-            out.append({"loss": loss, "logits": logits, "grads": T.gather_full(model, "grad", gated_fc1=spec.swiglu)})
+            out.append({"loss": loss, "logits": logits, "grads": T.gather_full(model, "grad", gated_fc1=spec.swiglu),
+                        "shape": (sent[:1], _expected_shape(kind, shape, spec, world))})
+        hook.remove()
         results.append(out)
     if world > 1:  # a layer left to stock code refuses to attend within its CP rank only
         mp.set_plan(model, None)
@@ -168,6 +173,22 @@ def run_cp(rank, world, cases):
         except NotImplementedError as e:
             results.append(str(e))
     return results if rank == 0 else results[-1:]
+
+
+def _expected_shape(kind, shape, spec, world):
+    """``training/pipeline.micro_batch_shape`` of the pass's micro-batch on a CP rank: the p2p
+    shape a pipeline stage would receive, to equal what the decoder put out."""
+    import torch
+
+    from megatron_paradyse.data.datasets import MicroBatch
+    from megatron_paradyse.training import pipeline
+
+    cp = C if world > 1 else 1
+    b, s = shape if kind == "rows" else (1, sum(shape))
+    bounds = None if kind == "rows" else tuple([0] + [sum(shape[:i + 1]) for i in range(len(shape))])
+    z = torch.zeros(b, s, dtype=torch.long)
+    mb = MicroBatch(z, z, z.float(), z, (s,) * b, cu_seqlens=bounds)
+    return pipeline.micro_batch_shape(mb, spec.hidden_size, world // cp, world > 1, cp)
 
 
 def _usable(spec_kw):
@@ -204,6 +225,8 @@ def test_every_strategy_and_mixed_plans_under_cp_match_stock_tp1():
     for (spec_kw, passes), ref_case, got_case in zip(cases, ref, got):
         for (plan, kind, shape, _), r, g in zip(passes, ref_case, got_case):
             label = f"{spec_kw} {plan} {kind} {shape}"
+            sent, expected = g["shape"]
+            assert sent == [expected], f"{label}: the decoder put out {sent}, a stage would receive {expected}"
             if kind == "rows":
                 errs = assert_exact(g, r, label)
             else:

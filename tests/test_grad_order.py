@@ -4,7 +4,7 @@ Two replicas (TP = 1 x DP = 2, and p = 2 x DP = 2) train with ``--overlap-grad-r
 bucket size small enough that fc1 and fc2 fall in different buckets; replica 0's last
 micro-batch of a step runs ``metp`` (all of a layer's weight gradients from one autograd
 node), replica 1's ``tp_sp`` (fc2's long before fc1's), recompute on some steps. Every rank's
-posted collectives are recorded (``testing/trace.py``) and NCCL's ordering rule is checked:
+posted collectives are recorded (``megatron_paradyse/trace.py``) and NCCL's ordering rule is checked:
 each group's sequence the same on all members. Without the ordering the data-parallel group's
 sequences differ (the control world below); with it they agree, and the losses and
 parameters equal stock megatron's DDP without overlap.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_paradyse.testing import trace
+from megatron_paradyse import trace
 from megatron_paradyse.testing.spawn import run_world
 
 from .test_training import _param_rel

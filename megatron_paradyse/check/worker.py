@@ -24,10 +24,10 @@ from ..parallel import attention_kernels as K
 from ..parallel import kernel_select
 from ..parallel.kernel_check import kernel_choices, kernel_families, packed_selfcheck, ring_blocks_selfcheck
 from ..units import GiB
-from . import exactness, profile, timing, training
+from . import comm, exactness, profile, timing, training
 from .results import INFO, SKIP, Line, to_json
 
-SECTIONS = ("env", "kernels", "exactness", "timing", "profile", "training")
+SECTIONS = ("env", "comm", "kernels", "exactness", "timing", "profile", "training")
 
 
 @dataclasses.dataclass
@@ -117,6 +117,8 @@ def run(opts, model_argv: list, model_args, notes: list) -> list:
     on_gpu = opts.backend == "nccl"
     if "env" in opts.sections:
         emit(env_lines(opts, notes, model_args))
+    if "comm" in opts.sections:
+        emit(comm.run(opts))
     if "kernels" in opts.sections:
         emit(kernel_lines([torch.float32, torch.bfloat16] if on_gpu else [torch.float32]))
     if "exactness" in opts.sections:

@@ -24,7 +24,7 @@ import torch.multiprocessing as tmp
 from ..cpu_compat import RANK_ENV
 from ..device import select
 from ..launch import WorldError, process_env, run_ranks  # noqa: F401  (WorldError re-exported)
-from . import trace as trace_mod
+from .. import trace as trace_mod
 
 
 FAKE_CUDA_ENV = "PARADYSE_FAKE_CUDA_AVAILABLE"
@@ -57,9 +57,9 @@ def run_world(fn, world_size: int, *args, timeout: float = 300.0, env: dict | No
     rank fails, the others get ``grace`` seconds to report before they are killed.
 
     ``trace=True`` (or a ``traces`` list): every rank records the collectives and
-    point-to-point operations it posts (:mod:`.trace`), and NCCL's ordering rule is checked on
-    the records (:func:`.trace.check` raises :class:`~.trace.TraceError`); ``traces`` receives
-    the records, one list of :class:`~.trace.Op` per rank.
+    point-to-point operations it posts (:mod:`megatron_paradyse.trace`), and NCCL's ordering rule is checked on
+    the records (:func:`megatron_paradyse.trace.check` raises :class:`~megatron_paradyse.trace.TraceError`); ``traces`` receives
+    the records, one list of :class:`~megatron_paradyse.trace.Op` per rank.
     """
     if trace or traces is not None:
         return _traced_world(fn, world_size, args, kwargs, traces, timeout=timeout, env=env, grace=grace)
@@ -70,7 +70,7 @@ def run_world(fn, world_size: int, *args, timeout: float = 300.0, env: dict | No
 def _traced_world(fn, world_size, args, kwargs, traces, **opts) -> list:
     """:func:`run_world` with every rank's posted operations recorded and checked. A world that
     fails or hangs is checked on what its ranks posted before they stopped: a difference there
-    (the likely cause of the hang) is raised as :class:`~.trace.TraceError`, the world's own
+    (the likely cause of the hang) is raised as :class:`~megatron_paradyse.trace.TraceError`, the world's own
     error attached."""
     with tempfile.TemporaryDirectory(prefix="paradyse_trace_") as folder:
         try:

@@ -28,8 +28,14 @@ def _on(t, device_type: str) -> bool:
 def _where() -> str:
     frames = [f for f in traceback.extract_stack()[:-3]
               if "megatron_paradyse" in f.filename or "megatron/core" in f.filename]
-    return " <- ".join(f"{f.filename.split('site-packages/')[-1].split('/work/main/')[-1]}:{f.lineno} {f.name}"
-                       for f in reversed(frames[-3:]))
+    return " <- ".join(f"{_short(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames[-3:]))
+
+
+def _short(path: str) -> str:
+    for root in ("megatron_paradyse/", "megatron/core/"):
+        if root in path:
+            return root + path.rsplit(root, 1)[1]
+    return path
 
 
 class SyncCounter(TorchDispatchMode):

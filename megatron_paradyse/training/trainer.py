@@ -355,7 +355,8 @@ class Trainer:
         micro = self.data_iterator.prefetch()
         if args.paradyse and self.pp_size > 1:
             pipeline.expect([pipeline.micro_batch_shape(mb, args.hidden_size, args.tensor_model_parallel_size,
-                                                        self.config.sequence_parallel) for mb in micro])
+                                                        self.config.sequence_parallel, self.cp_size)
+                             for mb in micro])
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         fwd_bwd = get_forward_backward_func()

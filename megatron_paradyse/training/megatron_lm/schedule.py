@@ -79,7 +79,8 @@ def _plan_step(kwargs) -> None:
     micro = prefetch_step(data, model, kwargs["num_microbatches"])
     args = get_args()
     pipeline.expect([pipeline.micro_batch_shape(mb, args.hidden_size, args.tensor_model_parallel_size,
-                                                args.sequence_parallel) for mb in micro])
+                                                args.sequence_parallel, int(args.context_parallel_size or 1))
+                     for mb in micro])
     if not _SAID[0]:
         _SAID[0] = True
         log.info(" [paradyse] %d pipeline stages (1F1B): each transfer has its micro-batch's shape, "

@@ -34,7 +34,9 @@ _METHODS = {
     "allgather_coalesced": "all", "all_gather_single_coalesced": "all",
     "reduce_scatter": "all", "_reduce_scatter_base": "all", "reduce_scatter_tensor_coalesced": "all",
     "reduce_scatter_single_coalesced": "all",
-    "alltoall_base": "none", "alltoall": "none", "barrier": "none", "monitored_barrier": "none",
+    "all_gather_single": "all", "reduce_scatter_single": "all",  # torch 2.13's *_tensor collectives
+    "alltoall_base": "none", "alltoall": "none", "all_to_all_single": "none",
+    "barrier": "none", "monitored_barrier": "none",
     "gather": "none", "scatter": "none",  # the root passes a list of every rank's buffer
     "send": "p2p", "recv": "p2p",
 }
@@ -123,7 +125,8 @@ class Recorder:
             fn = getattr(ProcessGroup, method, None)
             if fn is None:
                 continue
-            self._saved[method] = fn
+            # the class's own entry (pybind's instancemethod), restored as it was on exit
+            self._saved[method] = ProcessGroup.__dict__.get(method, fn)
 
             def wrapper(pg, *args, _fn=fn, _m=method, **kwargs):
                 self._record(pg, _m, args)
