@@ -111,3 +111,40 @@ def test_without_the_order_the_replicas_differ():
     replicas different sequences on the data-parallel group, which the trace check reports."""
     with pytest.raises(trace.TraceError, match="collective .* differs|posts .* collectives"):
         run_world(_world, 2, 1, False, timeout=300, trace=True)
+
+
+def _ddp_world(rank, world, use_distributed_optimizer):
+    """megatron's DDP built directly (no optimizer) with ``use_distributed_optimizer``: its
+    buckets reduce-scatter (the distributed optimizer's path, whose optimizer megatron-core
+    refuses on CPU tensors). TP = 1, one replica per rank; replica 0 runs metp, the other
+    tp_sp; three steps, then the reduced gradients."""
+    import torch
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    import megatron_paradyse as mp
+    from megatron_paradyse.testing import models as T
+
+    T.init_megatron(1)
+    mp.install()
+    spec = T.TinyGPT(num_layers=2, hidden_size=64, num_attention_heads=4)
+    cfg = DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=4000,
+                                        use_distributed_optimizer=use_distributed_optimizer)
+    module = T.build_gpt(spec, 1)
+    model = DistributedDataParallel(module.config, cfg, module)
+    buckets = len(model.bucket_groups)
+    for step in range(3):
+        model.zero_grad_buffer()
+        mp.set_plan(model, "metp" if rank == 0 else "tp_sp")
+        loss, _ = T.forward_backward(model.module, *T.make_batch(spec, 1, 32, seed=10 * step + rank))
+        model.finish_grad_sync()
+    grads = torch.cat([b.grad_data.view(-1) for b in model.buffers])
+    mp.uninstall()
+    return buckets, grads
+
+
+@pytest.mark.parametrize("distopt", [False, True], ids=["all-reduce", "reduce-scatter"])
+def test_bucket_order_with_the_distributed_optimizers_reduce_scatter(distopt):
+    got = run_world(_ddp_world, 2, distopt, timeout=300, trace=True)
+    assert got[0][0] >= 4
+    if not distopt:  # all-reduced: both replicas hold the same summed gradients
+        assert bool((got[0][1] == got[1][1]).all())
