@@ -333,7 +333,8 @@ def comm_ops(strategy: str, shape: ModelShape, s: int, b: int) -> list:
     elif strategy == "metp":
         attn_shard = (w[0] + w[1]) / p
         mlp_shard = (w[2] + w[3]) / p
-        ops += [("broadcast", attn_shard, 2 * p), ("reduce", attn_shard * 4 / e, p),
+        # per head group one flat broadcast (fwd, bwd); the weight gradients' rows in one reduce-scatter
+        ops += [("broadcast", attn_shard, 2 * p), ("reducescatter", p * attn_shard * 4 / e, 1),
                 ("p2p", 2 * t * kv / p * e, 3 * p * (p - 1)), ("p2p", 2 * t * kv / p * 4, p * p),
                 ("p2p", mlp_shard, 2 * (p - 1)), ("p2p", mlp_shard * 4 / e, p)]
     return ops

@@ -7,17 +7,18 @@ the one arriving), never the gathered matrix.
 
 Attention, forward: for each head group ``i = 0..p-1`` (the heads whose ``linear_qkv`` and
 ``linear_proj`` shards group rank ``i`` owns), rank ``i`` broadcasts those two shards (and its
-QKV bias shard); the next group's broadcast is posted before this group's compute
-(double-buffered), on a communicator of its own (``groups.weight_group``: the switching group's
-twin, so NCCL does not queue it behind the ring attention's hops). Every rank computes the QKV
-of its own tokens for group ``i``'s heads, applies RoPE at the tokens' global positions, runs
-causal ring attention over the group's
-heads (:class:`~.ring.RingAttention`; the layer's tokens are re-laid out to the balanced
-split of ``zigzag.py`` before the attention and back after it) and adds ``ctx_i W_proj_i^T`` to
-its output. Backward: the same broadcasts in the same order; per group the QKV, RoPE and
-ring attention are recomputed (activation-checkpoint style) and differentiated, each weight
-gradient (a partial sum over this rank's tokens) is reduced onto its owner, and the input
-gradient ``dmixed_i W_qkv_i`` is accumulated locally.
+QKV bias shard) packed in one flat buffer; the next group's broadcast is posted before this
+group's compute (double-buffered), on a communicator of its own (``groups.weight_group``: the
+switching group's twin, so NCCL does not queue it behind the ring attention's hops). Every
+rank computes the QKV of its own tokens for group ``i``'s heads, applies RoPE at the tokens'
+global positions, runs causal ring attention over the group's heads
+(:class:`~.ring.RingAttention`; the layer's tokens are re-laid out to the balanced split of
+``zigzag.py`` before the attention and back after it) and adds ``ctx_i W_proj_i^T`` to its
+output. Backward: the same broadcasts in the same order; per group the QKV, RoPE and ring
+attention are recomputed (activation-checkpoint style) and differentiated, each weight gradient
+(a partial sum over this rank's tokens) goes into row ``i`` of a ``[p, shard]`` fp32 buffer, and
+one reduce-scatter hands each owner the sum of its row; the input gradient ``dmixed_i W_qkv_i``
+is accumulated locally.
 
 MLP, forward: the ``linear_fc1`` shards (``[gate_r; up_r]`` when gated, plus bias) and
 ``linear_fc2`` shards rotate around the ring (double-buffered, the next shard in flight
@@ -28,19 +29,20 @@ recomputed, and the weight gradients travel one hop behind their shard as accumu
 (each rank adds its tokens' contribution); a last hop hands each owner its complete
 gradient (``ring_comm.ring_stream`` and ``ring_comm.GradRing``, as ``ring`` does for dK/dV).
 
-Collectives per layer, with ``k`` = 2 or 3 attention shards (W_qkv, W_proj, b_qkv if any):
-forward ``k*p`` broadcasts and ``p`` ring attentions (``p-1`` K/V hops each); backward the
-same broadcasts, ``p`` ring attentions recomputed and differentiated, and ``k*p`` reduces.
-MLP: ``p-1`` hops of (W1, W2, b1 if any) forward; backward ``p-1`` weight hops and ``p``
-gradient hops. The attention's re-layout: one partner swap of half the local tokens before
-and one after, forward and backward. The next group's broadcast and the next shard's hop are in flight while the
+Collectives per layer: forward ``p`` flat broadcasts and ``p`` ring attentions (``p-1`` K/V
+hops each); backward the same broadcasts, ``p`` ring attentions recomputed and differentiated,
+and one reduce-scatter (``tests/test_metp_collectives.py`` counts them). MLP: ``p-1`` hops of
+(W1, W2, b1 if any) forward; backward ``p-1`` weight hops and ``p`` gradient hops. The
+attention's re-layout: one partner swap of half the local tokens before and one after, forward
+and backward. The next group's broadcast and the next shard's hop are in flight while the
 current one computes.
 Memory: autograd saves only the layer input ``[s/p, b, h]`` and the rank's own shards
 (parameters, no copy): no other rank's weight, no QKV, no intermediate. Transient: two
 other ranks' shards of a matrix at a time (one in use, one arriving), in two pool slots
 that attention and MLP share; one head group's QKV ``[s/p, b, 3h/p]`` (with GQA less) and
 its ring state, or one shard's intermediate ``[s/p, b, ffn/p]``; in backward two fp32
-gradient accumulators per travelling MLP shard. Sums over shards and ranks (outputs, input
+gradient accumulators per travelling MLP shard, and the attention's ``[p, shard]`` fp32
+gradient rows (the layer's whole attention weights in fp32). Sums over shards and ranks (outputs, input
 and weight gradients) are accumulated in fp32.
 """
 from __future__ import annotations
