@@ -122,9 +122,17 @@ def copy_to(host: torch.Tensor, device) -> torch.Tensor:
     device = torch.device(device) if device is not None else torch.device("cpu")
     if device.type == "cpu" or host.device == device:
         return host
+    if _fake(host):  # FakeTensorMode (tests): no values to copy, only the device, dtype and shape
+        return torch.empty(host.shape, dtype=host.dtype, device=device)
     if device.type == "cuda" and host.device.type == "cpu":
         host = host.pin_memory()
     return host.to(device, non_blocking=True)
+
+
+def _fake(t) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
 
 
 def synchronize() -> None:
