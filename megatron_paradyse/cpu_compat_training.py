@@ -44,9 +44,11 @@ naming the functions that need it:
     ``device="cuda"``: on a GPU from the CUDA generator, here (``device`` shim) from the CPU
     one, which ``--use-cpu-initialization`` then initialises the weights from, so the
     initial weights would depend on the warmup's shapes (runs at different
-    ``--context-parallel-size`` would start from different weights). Needed by
-    ``training.pretrain()`` (``set_jit_fusion_options``, before the model is built). Both
-    versions.
+    ``--context-parallel-size`` would start from different weights). It also runs eagerly
+    (``torch._dynamo`` off for its duration): megatron's fused functions are ``torch.compile``'d,
+    and compiling them for a warmup whose point is CUDA's JIT took about 8 s of CPU per rank
+    (a later use with fusion on still compiles). Needed by ``training.pretrain()``
+    (``set_jit_fusion_options``, before the model is built). Both versions.
 ``device_arch``
     ``utils.get_device_arch_version`` (also the copy in ``arguments``) returns 0 instead of
     querying CUDA device 0, and ``CUDA_DEVICE_MAX_CONNECTIONS`` defaults to ``1`` (it means
@@ -199,8 +201,15 @@ def _jit_warmup():
         return
 
     def _warmup_jit_function(*args, **kwargs):
-        with torch.random.fork_rng(devices=[]):
-            return orig(*args, **kwargs)
+        import torch._dynamo
+
+        was = torch._dynamo.config.disable
+        torch._dynamo.config.disable = True  # eager: nothing to warm up on the CPU
+        try:
+            with torch.random.fork_rng(devices=[]):
+                return orig(*args, **kwargs)
+        finally:
+            torch._dynamo.config.disable = was
 
     _warmup_jit_function._paradyse = True
     initialize._warmup_jit_function = _warmup_jit_function

@@ -160,7 +160,9 @@ def _ckpt_at(src: str, iteration: int) -> str:
 def run(name: str, nproc: int = 2) -> Run:
     """One run per configuration, shared by the tests."""
     data = ["--mock-data", "--paradyse-document-data"]
-    para = ["--paradyse", "--paradyse-plan", PLAN]
+    # the ParaDySe run recomputes: megatron's block recompute of layer 0 and plan entries ':rc'
+    # (test_recompute_in_megatron_lm_pretrain); the pipeline and CP runs use PLAN without it
+    para = ["--paradyse", "--paradyse-plan", RC_PLAN] + BLOCK
     save = lambda tag: ["--save", os.path.join(_TMP, f"{tag}{nproc}"), "--save-interval", str(SAVE_AT)]  # noqa: E731
     if name == "stock":
         args = data + (save("stock") if FULL else [])  # its checkpoint: FULL only
@@ -226,7 +228,7 @@ def test_stock_and_paradyse_losses_equal():
     lengths = {int(s) for lens, _ in para.plans.values() for s in lens.split(",")}
     assert len(lengths) >= 5 and all(s % 2 == 0 for s in lengths), lengths
     # Megatron-LM parsed the plugin's flags with its own (argparse would refuse a collision)
-    assert re.search(r"paradyse_plan \.+ " + re.escape(PLAN), para.out)
+    assert re.search(r"paradyse_plan \.+ " + re.escape(RC_PLAN), para.out)
 
 
 @full
@@ -271,9 +273,7 @@ def test_recompute_in_megatron_lm_pretrain():
     """Megatron-LM's --recompute-* flags (block: megatron recomputes layer 0) with a plan whose
     entries recompute other layers (':rc'): the losses equal stock Megatron-LM's (recompute
     changes no number; the same flags on stock are the FULL check below)."""
-    stock = run("stock").check()
-    got = launch(model_flags(2) + ["--mock-data", "--paradyse-document-data", "--paradyse",
-                                   "--paradyse-plan", RC_PLAN] + BLOCK).check()
+    stock, got = run("stock").check(), run("paradyse").check()  # the ParaDySe run is this one
     _assert_close(got.losses, stock.losses, range(1, ITERS + 1), "--paradyse with recompute vs stock Megatron-LM")
     plans = {p for _, line in got.plans.values() for p in line.split(",")}
     assert any(":rc" in p for p in plans), plans
