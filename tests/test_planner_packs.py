@@ -166,3 +166,54 @@ def test_trainer_hook_plans_a_packed_micro_batch_on_its_documents():
     tight = make_plan_fn(build_planner("optimal", cm, cm.static_bytes() * 1.01), on_no_fit="truncate")
     with pytest.raises(NoFitError, match="never truncated"):
         tight(mb, 0, 1)
+
+
+# ---- packs and plans chosen together: never predicted behind a uniform packed plan -----------
+
+def _uniform_total(cm, packs, entry, limit, update):
+    """Predicted seconds of ``entry`` on every layer over ``packs`` (one step each), or None when a
+    pack does not fit ``limit`` with it."""
+    total = 0.0
+    for pack in packs:
+        c = cm.step((entry,) * cm.num_layers, PackShape(pack), 1)
+        if c.peak_bytes > limit:
+            return None
+        total += c.seconds + update
+    return total
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_packs_and_plans_together_never_predicted_behind_a_uniform_packed_plan(seed):
+    """Random corpora (log-normal lengths) and budgets, the shipped fitted model of the demo shape:
+    the balanced packing with the optimal planner's cost and fit (each pack a step, as in the
+    benchmark: an optimizer update each) is predicted no slower than any uniform plan, plain
+    or recomputed, on the greedy token-cap packs a static system runs, where that plan fits
+    every pack within the planner's limit."""
+    from megatron_paradyse.data import PackScheduler, make_pack_fns
+    from megatron_paradyse.parallel.plans import make_entry
+
+    rng = random.Random(100 + seed)
+    cm = build_cost_model(demo_shape(2 + 2 * (seed % 2)))
+    lengths = [max(8, min(2000, int(rng.lognormvariate(5.0, 1.2)))) for _ in range(rng.randrange(12, 28))]
+    cap = 2048
+    tp_peaks = [cm.step(("tp_sp",) * cm.num_layers, PackShape((d,)), 1).peak_bytes for d in (256, 1024, 2048)]
+    compared = 0
+    for budget in (tp_peaks[0] * 1.3, tp_peaks[1], tp_peaks[2] * 1.2):
+        pl = build_planner("optimal", cm, budget)
+        update = pl.update_seconds()
+        if not all(pl.choose(PackShape((d,)), 1).fits for d in lengths):
+            continue
+        cost_fn, fits_fn = make_pack_fns(pl, per_pack_seconds=update)
+        mine = PackScheduler(lambda g: lengths[g], len(lengths), 1, token_cap=cap, mode="balanced",
+                             cost_fn=cost_fn, fits_fn=fits_fn).step_packs(0)[0]
+        ours = sum(cost_fn(tuple(lengths[g] for g in p)) for p in mine)
+        assert all(fits_fn(tuple(lengths[g] for g in p)) for p in mine)
+        greedy = PackScheduler(lambda g: lengths[g], len(lengths), 1, token_cap=cap, mode="greedy").step_packs(0)[0]
+        greedy = [tuple(lengths[g] for g in p) for p in greedy]
+        for st in cm.strategies:
+            for rc in (False, True):
+                theirs = _uniform_total(cm, greedy, make_entry(st, rc), pl.limit, update)
+                if theirs is not None:
+                    compared += 1
+                    assert ours <= theirs * (1 + 1e-9), (budget, st, rc, ours, theirs)
+    assert compared > 0

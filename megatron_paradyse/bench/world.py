@@ -232,8 +232,8 @@ def _packed_steps(spec, docs, dataset, cfg, args, mult) -> list:
     static strategy, balanced packing with the planner's fit and cost for a planner)."""
     lengths = [dataset.length(g) for g in docs]
     cost_fn = fits_fn = None
-    if spec.pack_mode == "balanced":
-        cost_fn, fits_fn = pdata.make_pack_fns(spec.planner)
+    if spec.pack_mode == "balanced":  # every pack a step of its own: each pays an optimizer update
+        cost_fn, fits_fn = pdata.make_pack_fns(spec.planner, per_pack_seconds=spec.planner.update_seconds())
     sched = pdata.PackScheduler(lambda i: lengths[i], len(docs), 1, token_cap=cfg.pack_tokens or args.seq_length,
                                 seed=args.seed, mode=spec.pack_mode, cost_fn=cost_fn, fits_fn=fits_fn)
     return [pdata.pack_documents([dataset[docs[i]] for i in pack], mult) for pack in sched.step_packs(0)[0]]

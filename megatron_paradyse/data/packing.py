@@ -29,7 +29,11 @@ The two modes:
 * ``"greedy"``: what a Megatron user runs today with a token-cap packer: documents in stream
   order, first-fit into packs, packs dealt round-robin to the replicas. Balances nothing.
 * ``"balanced"``: the replicas' *predicted step times* (the sum of ``cost_fn`` over their packs)
-  are balanced, not their token counts. (1) Documents sorted by cost, most expensive first
+  are balanced, not their token counts. The greedy packing under the same rules is a candidate
+  too, and the step keeps whichever has the lower predicted time (the most loaded replica's,
+  then the total): with a planner's cost, packs and plans chosen together are never predicted
+  slower than the greedy packs any fitting uniform plan would run (the planner's plan of a pack
+  is at most that plan's time). (1) Documents sorted by cost, most expensive first
   (ties by stream index), each into the pack where joining saves the most predicted time
   (ties: the fullest), or a pack of its own where joining saves nothing: few packs, since
   every pack has a fixed cost, but no pack so large that its plan is slower than two packs'; (2) packs to replicas
@@ -76,10 +80,13 @@ def _always_fits(lengths: tuple) -> bool:
     return True
 
 
-def make_pack_fns(planner, micro_batch_size: int = 1, cache_size: int = 1 << 16) -> tuple:
+def make_pack_fns(planner, micro_batch_size: int = 1, cache_size: int = 1 << 16,
+                  per_pack_seconds: float = 0.0) -> tuple:
     """``(cost_fn, fits_fn)`` from a planner: the seconds and fit of
     ``planner.choose(PackShape(lengths), micro_batch_size)`` (``choose`` touches no hysteresis
-    state; ``plan`` is used by a planner without it). One cached call per lengths tuple."""
+    state; ``plan`` is used by a planner without it). One cached call per lengths tuple.
+    ``per_pack_seconds``: added to every pack's seconds, where each pack is a step of its own
+    (the benchmark's packed systems: every pack pays an optimizer update)."""
     query = getattr(planner, "choose", None) or planner.plan
 
     @functools.lru_cache(maxsize=cache_size)
@@ -87,7 +94,7 @@ def make_pack_fns(planner, micro_batch_size: int = 1, cache_size: int = 1 << 16)
         return query(PackShape(lengths), int(micro_batch_size))
 
     def cost_fn(lengths: tuple) -> float:
-        return float(choice(tuple(int(d) for d in lengths)).seconds)
+        return float(choice(tuple(int(d) for d in lengths)).seconds) + per_pack_seconds
 
     def fits_fn(lengths: tuple) -> bool:
         return bool(choice(tuple(int(d) for d in lengths)).fits)
@@ -291,9 +298,18 @@ def local_search(P: _Packer, reps: list, iters: int) -> list:
 
 
 def balanced_step(P: _Packer, gs: list, dp_size: int, iters: int) -> list:
-    """Best-fit packs, longest-processing-time to replicas, local search (module docstring)."""
+    """The better by predicted time of (a) best-fit packs, longest-processing-time to replicas,
+    local search, and (b) the greedy token-cap packs under the same rules (module docstring)."""
     packs = _split_until(_best_fit(P, gs), dp_size)
-    return local_search(P, _lpt(P, packs, dp_size), iters)
+    searched = local_search(P, _lpt(P, packs, dp_size), iters)
+    return min((searched, greedy_step(P, gs, dp_size)), key=lambda reps: _step_key(P, reps))
+
+
+def _step_key(P: _Packer, reps: list) -> tuple:
+    """What a step's packing is judged by: the most loaded replica's predicted time, then the
+    total, then the number of packs."""
+    loads = [P.load(r) for r in reps]
+    return (max(loads), sum(loads), sum(len(r) for r in reps))
 
 
 # --------------------------------------------------------------------------- scheduler
