@@ -157,6 +157,7 @@ def main(argv=None) -> int:
     pngs = report.plot(result, a.out)
     if a.pp == 1:
         print(report.table(result["summary"], budget))
+        print(report.kinds_table(result["summary"]))
     else:
         print(report.pipeline_table(result["summary"], result["stage_summary"], budget))
     for k, v in result["headline"].items():

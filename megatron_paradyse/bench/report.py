@@ -47,6 +47,7 @@ def summarize(records: dict, budget: float) -> dict:
         predm = [(r["predicted_peak_bytes"], r["peak_bytes"]) for r in done if r.get("predicted_peak_bytes")]
         out[name] = dict(
             steps=len(recs), total_seconds=secs if not missing else None, tokens=toks,
+            worst_over_mib=max((r["peak_bytes"] - budget for r in over), default=0) / MiB,
             tokens_per_second=toks / secs if secs and not missing else None,
             steps_over_budget=len(over) + missing, steps_without_a_fitting_plan=missing,
             all_steps_fit=not over and not missing,
@@ -77,6 +78,7 @@ def headline(summary: dict, search: dict | None) -> dict:
             h[f"{pl}_vs_oracle"] = s["total_seconds"] / summary["oracle"]["total_seconds"]
         h[f"{pl}_all_steps_fit"] = s["all_steps_fit"]
     h.update(packed_headline(summary))
+    h.update({k: v for k, v in honest_headline(summary).items() if k != "static_kinds"})
     if search:
         longest = {n: v["longest_fitting"] for n, v in search.items()}
         h["longest_fitting"] = longest
@@ -89,6 +91,79 @@ def headline(summary: dict, search: dict | None) -> dict:
                 top = max(static, key=static.get)
                 h[f"{pl}_longest_vs_longest_static"] = (top, longest[pl] / static[top])
     return h
+
+
+# The kinds of static system a Megatron user runs: one strategy on every layer, plain, with every
+# layer recomputed, packed, packed and recomputed (stock megatron-core with the plain and +rc ones)
+KINDS = {"plain": ("stock",) + STATIC, "+rc": ("stock+rc",) + tuple(f"{x}+rc" for x in STATIC),
+         "+pack": tuple(f"{x}+pack" for x in STATIC), "+rc+pack": tuple(f"{x}+rc+pack" for x in STATIC)}
+PLANNERS = ("paradyse_heuristic", "paradyse_optimal", "paradyse_heuristic+pack", "paradyse_optimal+pack")
+
+
+def _fastest(summary: dict, names) -> str | None:
+    names = [n for n in names if summary.get(n, {}).get("tokens_per_second")]
+    return max(names, key=lambda n: summary[n]["tokens_per_second"]) if names else None
+
+
+def static_kinds(summary: dict) -> dict:
+    """Per kind of static system (:data:`KINDS`) that ran: the fastest whose steps all fit and the
+    fastest fitting or not (tokens/s of the same documents), with how often and by how much the
+    latter misses the budget."""
+    out = {}
+    for kind, names in KINDS.items():
+        ran = [n for n in names if n in summary]
+        if not ran:
+            continue
+        fit = _fastest(summary, [n for n in ran if summary[n]["all_steps_fit"]])
+        top = _fastest(summary, ran)
+        s = summary.get(top, {})
+        out[kind] = dict(fastest_fitting=fit,
+                         fastest_fitting_tokens_per_s=summary[fit]["tokens_per_second"] if fit else None,
+                         fastest=top, fastest_tokens_per_s=s.get("tokens_per_second"),
+                         fastest_steps_over=s.get("steps_over_budget"), fastest_steps=s.get("steps"),
+                         fastest_worst_over_mib=s.get("worst_over_mib"))
+    return out
+
+
+def honest_headline(summary: dict) -> dict:
+    """Each planner's tokens/s against the fastest static of any kind whose steps all fit (the
+    headline) and against the fastest static of any kind, fitting or not (beside it)."""
+    kinds = static_kinds(summary)
+    fit = _fastest(summary, [k["fastest_fitting"] for k in kinds.values() if k["fastest_fitting"]])
+    top = _fastest(summary, [k["fastest"] for k in kinds.values() if k["fastest"]])
+    h = {"static_kinds": kinds, "fastest_fitting_static": fit, "fastest_static": top}
+    for pl in PLANNERS:
+        tps = summary.get(pl, {}).get("tokens_per_second")
+        if not tps:
+            continue
+        h[f"{pl}_all_steps_fit"] = summary[pl]["all_steps_fit"]
+        if fit:
+            h[f"{pl}_vs_fastest_fitting_static"] = tps / summary[fit]["tokens_per_second"]
+        if top:
+            h[f"{pl}_vs_fastest_static"] = tps / summary[top]["tokens_per_second"]
+    return h
+
+
+def kinds_table(summary: dict) -> str:
+    """The fastest static of every kind beside each planner: tokens/s, and for a static that
+    misses the budget how often and by how much."""
+    h = honest_headline(summary)
+    lines = [f"{'kind':10s} {'fastest fitting':22s} {'tok/s':>7s}   {'fastest':22s} {'tok/s':>7s} {'misses':>14s}"]
+    for kind, k in h["static_kinds"].items():
+        ff = k["fastest_fitting"] or "-"
+        ft = f"{k['fastest_fitting_tokens_per_s']:.0f}" if k["fastest_fitting_tokens_per_s"] else "-"
+        miss = (f"{k['fastest_steps_over']}/{k['fastest_steps']}, +{k['fastest_worst_over_mib']:.1f} MiB"
+                if k["fastest_steps_over"] else "none")
+        at = f"{k['fastest_tokens_per_s']:.0f}" if k["fastest_tokens_per_s"] else "-"
+        lines.append(f"{kind:10s} {ff:22s} {ft:>7s}   {k['fastest'] or '-':22s} {at:>7s} {miss:>14s}")
+    for pl in PLANNERS:
+        if f"{pl}_vs_fastest_fitting_static" in h or f"{pl}_vs_fastest_static" in h:
+            s = summary[pl]
+            lines.append(f"{pl:24s} {s['tokens_per_second']:.0f} tok/s, {s['steps_over_budget']} steps over: "
+                         f"{h.get(pl + '_vs_fastest_fitting_static', float('nan')):.3f}x the fastest fitting static "
+                         f"({h['fastest_fitting_static']}), {h.get(pl + '_vs_fastest_static', float('nan')):.3f}x "
+                         f"the fastest static ({h['fastest_static']})")
+    return "\n".join(lines)
 
 
 def packed_headline(summary: dict) -> dict:
@@ -262,6 +337,30 @@ def plot(result: dict, out_dir: str) -> list:
     return paths
 
 
+def kinds_markdown(summary: dict) -> list:
+    """:func:`kinds_table` as markdown lines."""
+    h = honest_headline(summary)
+    if not h["static_kinds"]:
+        return []
+    out = ["| kind | fastest static whose steps all fit | tokens/s | fastest static | tokens/s | its steps over the budget |",
+           "|---|---|---:|---|---:|---|"]
+    for kind, k in h["static_kinds"].items():
+        ft = f"{k['fastest_fitting_tokens_per_s']:.0f}" if k["fastest_fitting_tokens_per_s"] else "-"
+        at = f"{k['fastest_tokens_per_s']:.0f}" if k["fastest_tokens_per_s"] else "-"
+        miss = (f"{k['fastest_steps_over']} of {k['fastest_steps']}, worst +{k['fastest_worst_over_mib']:.1f} MiB"
+                if k["fastest_steps_over"] else "none")
+        out.append(f"| {kind} | `{k['fastest_fitting'] or '-'}` | {ft} | `{k['fastest'] or '-'}` | {at} | {miss} |")
+    out.append("")
+    for pl in PLANNERS:
+        if f"{pl}_vs_fastest_fitting_static" in h:
+            out.append(f"- `{pl}`: {summary[pl]['tokens_per_second']:.0f} tokens/s, {summary[pl]['steps_over_budget']} "
+                       f"steps over; **{h[pl + '_vs_fastest_fitting_static']:.3f}x** the fastest static whose steps "
+                       f"all fit (`{h['fastest_fitting_static']}`), {h[pl + '_vs_fastest_static']:.3f}x the fastest "
+                       f"static fitting or not (`{h['fastest_static']}`)")
+    out.append("")
+    return out
+
+
 def markdown(bench: dict | None = None, sim: dict | None = None) -> str:
     """Markdown tables of a bench.json and a simulation.json (for docs/benchmark.md)."""
     out = []
@@ -281,6 +380,7 @@ def markdown(bench: dict | None = None, sim: dict | None = None) -> str:
                        f"{s['longest_trained_within_budget']} | {s['max_peak_mib']:.1f} | "
                        f"{'' if lf is None else lf} |")
         out.append("")
+        out += kinds_markdown(bench["summary"])
     if sim:
         d = sim["distribution"]
         out.append(f"{sim['label']}: {d['n']} sequences, median {d['median']:.0f}, p90 {d['p90']}, "

@@ -33,9 +33,10 @@ def pool_bytes() -> int:
 
 
 class RunReport:
-    def __init__(self, budget_bytes=None, calibration: dict | None = None):
+    def __init__(self, budget_bytes=None, calibration: dict | None = None, planner=None):
         self.budget = budget_bytes
         self.calibration = calibration  # the cost model's calibration to this host, if any
+        self.planner = planner  # with a planner: the statics it beat, predicted (summary)
         self.steps: list = []
 
     def record(self, stats, peak_bytes: float | None, static: float, micro, predicted=None,
@@ -50,6 +51,7 @@ class RunReport:
         pred_s, pred_m = predicted if predicted is not None else (None, None)
         peak = None if peak_bytes is None else peak_bytes + static
         self.steps.append(dict(
+            shapes=[_shape(mb) for mb in micro],
             iteration=stats.iteration, seconds=stats.seconds, tokens=stats.tokens,
             lengths=[int(x) for mb in micro for x in mb.lengths], padded=list(stats.seq_lengths),
             plans=[None if p is None else list(p) for p in stats.plans], loss=stats.loss,
@@ -97,7 +99,24 @@ class RunReport:
                          f"(at s = {'/'.join(map(str, self.calibration['lengths']))}; run_report.json)")
         lines.append("  plans used (micro-batches): " + ", ".join(
             f"{k} x{v}" for k, v in sorted(plans.items(), key=lambda kv: -kv[1])))
-        return "\n".join(lines)
+        return "\n".join(lines + self._static_lines())
+
+    def _static_lines(self) -> list:
+        """With a planner: every uniform plan, plain and recomputed, on the run's own micro-batches,
+        predicted by the same cost model, against the planner's predicted time: the fastest of each
+        kind whose steps all fit the budget, and the fastest fitting or not with its misses."""
+        pl = self.planner
+        if pl is None or not all(s["predicted_seconds"] for s in self.steps):
+            return []
+        mine = sum(s["predicted_seconds"] for s in self.steps)
+        kinds = static_predictions(pl, [s["shapes"] for s in self.steps])
+        out = ["  the same micro-batches under each uniform plan, predicted by the same cost model "
+               f"(ParaDySe predicted {mine:.1f} s):"]
+        for kind, (fit, top) in kinds.items():
+            fit_t = f"`{fit[0]}` {fit[1]:.1f} s ({fit[1] / mine:.2f}x ParaDySe's time)" if fit else "none fits every step"
+            miss = f", {top[2]} of {len(self.steps)} steps over, worst +{top[3] / MiB:.1f} MiB" if top[2] else ""
+            out.append(f"    {kind:6s} fastest fitting: {fit_t}; fastest: `{top[0]}` {top[1]:.1f} s{miss}")
+        return out
 
     def _errors(self) -> list:
         """The summary's prediction errors: time over the steps without the tracker where there
@@ -196,6 +215,39 @@ class RunReport:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         return path
+
+
+def _shape(mb) -> list:
+    """What a micro-batch is planned by, as JSON keeps it: ``[b, s]`` or ``[1, [document lengths]]``."""
+    length = mb.plan_length
+    return [int(mb.tokens.shape[0]), list(length.lengths) if hasattr(length, "lengths") else int(length)]
+
+
+def static_predictions(planner, steps: list) -> dict:
+    """``{"plain" | "+rc": (fastest fitting (name, seconds) or None, fastest (name, seconds,
+    steps over, worst excess bytes))}`` of every uniform plan over ``steps`` (each a list of
+    :func:`_shape` s), by ``planner``'s cost model and budget (its update once per step)."""
+    from ..parallel.packing import PackShape
+    from ..parallel.plans import make_entry
+
+    cm, budget = planner.cm, planner.budget
+    update = planner.update_seconds()
+    out = {}
+    for kind, rc in (("plain", False), ("+rc", True)):
+        rows = []
+        for st in planner.strategies:
+            entry = make_entry(st, rc)
+            secs, over, worst = 0.0, 0, 0.0
+            for shapes in steps:
+                costs = [cm.step((entry,) * cm.num_layers, PackShape(tuple(s)) if isinstance(s, list) else s, b)
+                         for b, s in shapes]
+                secs += sum(c.seconds for c in costs) + update
+                peak = max(c.peak_bytes for c in costs)
+                over, worst = over + (peak > budget), max(worst, peak - budget)
+            rows.append((entry, secs, over, worst))
+        fitting = [r[:2] for r in rows if r[2] == 0]
+        out[kind] = (min(fitting, key=lambda r: r[1]) if fitting else None, min(rows, key=lambda r: r[1]))
+    return out
 
 
 def max_per_stage(x: float, stage: int, stages: int) -> list:

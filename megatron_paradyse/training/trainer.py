@@ -435,7 +435,8 @@ class Trainer:
             return None
         budget = args.paradyse_memory_budget
         cal = None if self.cost_model is None else self.cost_model.meta.get("calibration")
-        return RunReport(budget_bytes=None if budget is None else float(budget) * GiB, calibration=cal)
+        return RunReport(budget_bytes=None if budget is None else float(budget) * GiB, calibration=cal,
+                         planner=self.planner if self._planner_fn is not None else None)
 
     @contextlib.contextmanager
     def _params_gathered(self):
