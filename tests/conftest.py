@@ -18,7 +18,19 @@ device.select("gloo")  # this process measures and builds on the CPU too, also o
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: extra multi-process worlds, run with -m slow")
+    config.addinivalue_line("markers", "slow(reason): extra multi-process worlds, run with -m slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test marked ``slow`` runs only when ``-m slow`` selects it (its marker says why it is left
+    out of the default suite, which stays under 10 minutes: what else covers it)."""
+    if "slow" in (config.getoption("-m") or ""):
+        return
+    for item in items:
+        mark = item.get_closest_marker("slow")
+        if mark is not None:
+            why = mark.kwargs.get("reason", "")
+            item.add_marker(pytest.mark.skip(reason=f"slow, run with -m slow{': ' + why if why else ''}"))
 
 
 @pytest.fixture(autouse=True)

@@ -82,6 +82,7 @@ def _calibrated_training(rank, world):
     return out
 
 
+@pytest.mark.slow(reason="the calibrate command and its factors are tested above; the demo calibrates in tests/test_readme.py")
 def test_the_trainers_calibration_trains_as_without_it():
     """``--paradyse-calibrate`` measures before the run's parallel state and seeds: the same
     losses as the run without it (the plans at these lengths are the same), the same factors

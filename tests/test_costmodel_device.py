@@ -146,6 +146,7 @@ def _oom_world(rank, world, shape_d, cfg):
     return rank_sweep(rank, world, shape_d, cfg)
 
 
+@pytest.mark.slow(reason="a profiler world whose ranks run out of memory together")
 def test_out_of_memory_is_skipped_by_every_rank_together():
     from megatron_paradyse.costmodel import demo_shape
     from megatron_paradyse.costmodel.profile import ProfileConfig, merge_ranks

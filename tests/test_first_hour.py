@@ -96,6 +96,7 @@ def command(main, argv, capsys) -> subprocess.CompletedProcess:
     return res
 
 
+@pytest.mark.slow(reason="each cost-model command's output folder and one-line mistakes, one subprocess each")
 def test_costmodel_commands_make_their_folders_and_refuse_mistakes_in_one_line(tmp_path, monkeypatch, capsys):
     from megatron_paradyse.costmodel import fit, report
     from megatron_paradyse.planner import cli as plan
@@ -169,6 +170,7 @@ def test_the_trainer_warns_once_beyond_the_profiled_lengths(caplog):
     assert len(said) == 1 and "8.0x the longest length the cost model demo_p4.json was fitted on (8192" in said[0], said
 
 
+@pytest.mark.slow(reason="the check inside the user's torchrun; tests/test_check.py runs the check's own launcher")
 def test_the_check_under_torchrun_makes_its_folder(tmp_path):
     res = run(torchrun(2) + ["-m", "megatron_paradyse.check", "--backend", "gloo", "--sections", "env"], tmp_path,
               timeout=180)
@@ -235,6 +237,7 @@ def test_a_budget_nothing_fits_is_refused_at_start_up_under_torchrun(tmp_path):
     torchrun_summary_names(res, line.split(": error: ")[1])
 
 
+@pytest.mark.slow(reason="an emptied checkpoint tracker under torchrun: one more launcher world")
 def test_an_empty_tracker_is_one_line(trained, tmp_path):
     # the launcher's checkpoint with its tracker emptied: a user's mistake naming the file
     d, _ = trained

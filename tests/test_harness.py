@@ -75,6 +75,7 @@ def _running(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow(reason="waits for orphaned ranks to notice their parent is gone")
 def test_ranks_end_when_their_parent_is_killed(tmp_path):
     """A parent killed by SIGKILL runs no cleanup: its ranks notice and end themselves within
     seconds instead of computing on (a killed profile's ranks once did, beside the next one)."""

@@ -304,6 +304,7 @@ def test_planner_flags_with_a_plan_are_a_clear_error():
     one_line(out, "--paradyse-gamma is for the planner")
 
 
+@full
 def test_a_budget_nothing_fits_is_one_line_at_start_up():
     """The datasets provider builds the planner on every rank: a budget that fits no
     micro-batch is refused there, before the first step."""
