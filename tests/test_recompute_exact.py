@@ -1,4 +1,5 @@
-"""Recompute: every strategy and random mixed plans, planned recompute (``:rc`` entries) and
+"""Recompute: every strategy and random mixed plans, planned recompute (``:rc`` entries, and
+``:rc-attn`` / ``:rc-mlp``: the layer's attention or MLP block alone) and
 megatron's own recompute flags, equal stock megatron-core TP = 1 under the same flags (fp32,
 relative error < 1e-5) at p = 2 and 4, one sequence per row and packed.
 
@@ -39,8 +40,11 @@ def recomputed(flags: dict, plan, layer: int, module: str, num_layers: int) -> b
     g = flags.get("recompute_granularity")
     if g == "full" and (flags["recompute_method"] == "uniform" or layer < flags["recompute_num_layers"]):
         return True  # megatron's checkpoint (a plan's :rc inside it adds nothing)
-    if plan is not None and plan[layer].endswith(":rc"):
+    entry = plan[layer] if plan is not None else ""
+    if entry.endswith(":rc"):
         return True  # the whole layer, once
+    if entry.endswith(":rc-attn") and module == "attention" or entry.endswith(":rc-mlp") and module == "mlp":
+        return True  # the entry's block, once (megatron's selective mlp inside it adds nothing)
     return g == "selective" and module == "mlp" and "mlp" in flags["recompute_modules"]
 
 
@@ -140,10 +144,12 @@ def run_recompute(rank, world, cases):
 
 def _cases(p):
     rng = random.Random(31 + p)
-    entries = list(mp.STRATEGIES) + [f"{s}:rc" for s in mp.STRATEGIES]
+    kinds = ("", ":rc", ":rc-attn", ":rc-mlp")
+    entries = [s + kind for s in mp.STRATEGIES for kind in kinds]
     cases = []
     for k, key in enumerate(FLAGS):
-        uniform = [s if (i + k) % 2 else f"{s}:rc" for i, s in enumerate(mp.STRATEGIES)]
+        uniform = [s + kinds[(i + k) % 4] for i, s in enumerate(mp.STRATEGIES)]
+        uniform += [s + kinds[(i + k + 2) % 4] for i, s in enumerate(mp.STRATEGIES)]
         mixed = [[rng.choice(entries) for _ in range(SPEC["num_layers"])] for _ in range(2)]
         plans = uniform + mixed
         passes = []

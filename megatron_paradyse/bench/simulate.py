@@ -120,9 +120,14 @@ class H100Roofline(CostModel):
         saved, transient = self._memory(strategy, s, b)
         seconds = float(rates_predict(self.rates, analytic.time_features(strategy, self.shape, s, b)))
         plain = LayerCost(seconds, saved, transient)
-        if rc:  # the class docstring
+        if rc == "layer":  # the class docstring
             return analytic.assumed_recompute(strategy, plain, s * b * self.m.hidden * 2 / self.m.p)
+        if rc:  # one block recomputed (st:rc-attn, st:rc-mlp): assumed as the analytic model does
+            return analytic.assumed_block_recompute(strategy, self.shape, s, b, plain, rc)
         return plain
+
+    def recompute_kinds(self) -> tuple:
+        return ("layer", "attn", "mlp")
 
     def _memory(self, strategy, s, b):
         """``(saved, transient)`` bytes of one layer on one rank."""
@@ -167,11 +172,13 @@ def lengths_distribution(n=600, seed=0, max_len=624 * 1024, min_len=1024):
 
 def static_systems(cm: H100Roofline) -> dict:
     """``{name: per-layer plan}`` of the static systems: every strategy on every layer, plain
-    (``tp_sp``) and recomputed (``tp_sp+rc``: every layer ``tp_sp:rc``)."""
+    (``tp_sp``), recomputed (``tp_sp+rc``: every layer ``tp_sp:rc``) and with the MLP block
+    recomputed (``tp_sp+rc-mlp``: every layer ``tp_sp:rc-mlp``, what megatron's selective
+    ``--recompute-modules mlp`` runs)."""
     out = {}
-    for rc in (False, True):
+    for rc, suffix in ((None, ""), ("layer", "+rc"), ("mlp", "+rc-mlp")):
         for n in cm.strategies:
-            out[n + ("+rc" if rc else "")] = (make_entry(n, rc),) * cm.num_layers
+            out[n + suffix] = (make_entry(n, rc),) * cm.num_layers
     return out
 
 

@@ -34,9 +34,8 @@ import numpy as np
 from ..costmodel.analytic import param_counts
 from ..costmodel.base import union_bytes
 from ..errors import ArgumentParser, UserError, command
-from ..parallel.plans import split_entry
 from ..planner import PipelinePlanner, simulate_1f1b, stage_cost_model
-from ..planner.pipeline import FORWARD_SHARE, RC_FORWARD_SHARE
+from ..planner.pipeline import FORWARD_SHARE, forward_share
 from .simulate import GB, H100Roofline, Hardware, Model7B, lengths_distribution, static_systems
 
 ADAM_BYTES_PER_PARAM = 30  # fused Adam: reads master, grad, m, v (16), writes master, m, v (12), bf16 param (2)
@@ -141,7 +140,7 @@ class Judge:
             held = m.resident_bytes(s, b) + extra.saved_bytes + sum(c.saved_bytes for c in costs)
             act = st.peak_bytes - m.static_bytes() - union_bytes([pool])
             fwd = extra.seconds * FORWARD_SHARE + sum(
-                c.seconds * (RC_FORWARD_SHARE if split_entry(e)[1] else FORWARD_SHARE) for e, c in zip(layers, costs))
+                c.seconds * forward_share(e) for e, c in zip(layers, costs))
             self._memo[key] = (pool, held, act, fwd, st.seconds - fwd)
         return self._memo[key]
 

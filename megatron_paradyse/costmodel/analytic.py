@@ -288,6 +288,54 @@ def assumed_recompute(strategy: str, plain: LayerCost, kept_bytes: float) -> Lay
                      plain.saved_bytes + plain.transient_bytes)
 
 
+# The bytes a layer's MLP block (pre-MLP norm, MLP, residual add) keeps for its backward, in the
+# basis: the norm's output and statistics, fc1's output and the activation's (SwiGLU: its gate's
+# silu too); metp's MLP keeps only its input (the norm's output). A checkpoint of the block drops
+# them (its input and output stay: the attention block's output, the next layer's input).
+MLP_SAVED = {"t*h": 1, "t*4": 2, "t*f1": 2, "t*f*swiglu": 1}
+MLP_SAVED_METP = {"t*h": 1, "t*4": 2}
+
+
+def block_saved(strategy: str, shape: ModelShape, s, b: int, plain_saved: float, kind: str) -> float:
+    """Bytes a checkpoint of the layer's ``kind`` block ("mlp" or "attn") drops from the plain
+    layer's ``plain_saved``: the MLP block's own (:data:`MLP_SAVED`), or for attention what the
+    layer keeps beyond the MLP block's and the two hidden states that survive either checkpoint
+    (the attention block's output and the layer's output)."""
+    tokens, bb = (packs.geometry(s, shape.p).tokens, 1) if packs.is_pack(s) else (s, b)
+    B = basis(shape, tokens, bb)
+    mlp = sum(c * B[k] for k, c in (MLP_SAVED_METP if strategy == "metp" else MLP_SAVED).items())
+    kept = 2 * B["t*h"]  # the block's input and the layer's output stay, whichever block is recomputed
+    if kind == "mlp":
+        return min(mlp, max(0.0, plain_saved - kept))
+    return max(0.0, plain_saved - mlp - kept)
+
+
+def block_forward_share(strategy: str, shape: ModelShape, s, b: int, kind: str) -> float:
+    """The ``kind`` block's forward as a share of the layer's forward + backward work
+    (:func:`flops_parts`): the MLP's two linears, or the attention's two linears and its
+    attention."""
+    p, h, f = shape.p, shape.hidden, shape.ffn
+    f1 = 2 * f if shape.swiglu else f
+    gemm, att = flops_parts(strategy, shape, s, b)
+    total = gemm + att
+    passes = forward_passes(strategy)
+    mlp_w, attn_w = h * f1 + f * h, h * shape.qkv_width + h * shape.heads * shape.head_dim
+    mlp_fwd = gemm / passes * mlp_w / (mlp_w + attn_w)
+    if kind == "mlp":
+        return mlp_fwd / total if total > 0 else 0.0
+    return (gemm / passes - mlp_fwd + att / passes) / total if total > 0 else 0.0
+
+
+def assumed_block_recompute(strategy: str, shape: ModelShape, s, b: int, plain: LayerCost, kind: str) -> LayerCost:
+    """A layer whose ``kind`` block is recomputed (``st:rc-attn``, ``st:rc-mlp``) as the analytic
+    models *assume* it: the plain layer's time plus that block's forward once more
+    (:func:`block_forward_share`), the block's own saved bytes (:func:`block_saved`) moved from
+    saved to transient (the recompute rebuilds them inside the backward)."""
+    drop = block_saved(strategy, shape, s, b, plain.saved_bytes, kind)
+    share = block_forward_share(strategy, shape, s, b, kind)
+    return LayerCost(plain.seconds * (1.0 + share), plain.saved_bytes - drop, plain.transient_bytes + drop)
+
+
 # which of packs.ratios scales a pack's attention work: per document over the whole sequence,
 # the busiest rank's kernel blocks, or colossal's score rows (filled, soft-maxed and
 # back-propagated over every column a local row sees, whatever the documents)
@@ -549,6 +597,7 @@ def pack_pool(strategy: str, p: int, s, pool: dict) -> dict:
 class AnalyticCostModel(CostModel):
     """Memory from the formulas above; time from a roofline + alpha-beta collectives.
 
+    Recomputed blocks (``st:rc-attn``, ``st:rc-mlp``): :func:`assumed_block_recompute`.
     Recomputed layers (plan entry ``st:rc``, :meth:`recomputes`): *assumed*, not measured:
     time, the plain layer plus its forward once more (``1 / passes`` of it: a third, a fourth
     for ``metp``, whose backward already recomputes part of its forward, :func:`flops_parts`);
@@ -591,11 +640,16 @@ class AnalyticCostModel(CostModel):
     def recomputes(self) -> bool:
         return True
 
+    def recompute_kinds(self) -> tuple:
+        return ("layer", "attn", "mlp")
+
     def layer(self, strategy: str, s: int, b: int) -> LayerCost:
         base, rc = split_entry(strategy)
-        if rc:
+        if rc == "layer":
             tokens, bb = as_tokens(s, b, self.shape.p)
             return assumed_recompute(base, self.layer(base, s, b), basis(self.shape, tokens, bb)["t*h"])
+        if rc:
+            return assumed_block_recompute(base, self.shape, s, b, self.layer(base, s, b), rc)
         self._check(strategy, s, b)
         saved, trans = layer_memory(strategy, self.shape, s, b)
         flops = layer_flops(strategy, self.shape, s, b)

@@ -77,6 +77,11 @@ class CostModel:
         """Whether :meth:`layer` and :meth:`pool` price recomputed plan entries (``tp_sp:rc``)."""
         return False
 
+    def recompute_kinds(self) -> tuple:
+        """What :meth:`layer` prices recomputed: ``"layer"`` (``st:rc``), ``"attn"`` (``st:rc-attn``),
+        ``"mlp"`` (``st:rc-mlp``); default: the whole layer where :meth:`recomputes`."""
+        return ("layer",) if self.recomputes() else ()
+
     def update_seconds(self) -> float:
         """Seconds of a training step's update after its last backward (gradient reduction,
         optimizer step): once per step, whatever its micro-batches; default: unknown, 0."""

@@ -121,6 +121,9 @@ class CPCostModel(CostModel):
     def recomputes(self) -> bool:
         return self.base.recomputes()
 
+    def recompute_kinds(self) -> tuple:
+        return tuple(self.base.recompute_kinds())
+
     def update_seconds(self) -> float:
         return self.base.update_seconds()
 
@@ -180,7 +183,7 @@ class CPCostModel(CostModel):
         seconds = own.seconds + (self.cp - 1) * self.attention_seconds(entry, L, b) \
             + (1.0 - self.overlap) * self.ring_seconds(entry, s, b)
         saved, transient = self.ring_bytes(name, s, b)
-        if rc:  # the recompute rebuilds what the plain layer keeps: all of it is transient
+        if rc in ("layer", "attn"):  # the recompute rebuilds what the plain attention keeps: transient
             saved, transient = 0.0, saved + transient
         return LayerCost(seconds, own.saved_bytes + saved, own.transient_bytes + transient)
 
@@ -202,7 +205,7 @@ class CPCostModel(CostModel):
             curve = rates_predict(rates, feats)
             return total * rates.get("attn_flops", 0.0) * feats["attn_flops"] / curve if curve > 0 else 0.0
         att = analytic.flops_parts(name, self.shape, L, b)[1] / self.attention_rate
-        if rc:
+        if rc in ("layer", "attn"):
             plain = self.base.layer(name, L, b).seconds
             att *= total / plain if plain > 0 else 1.0
         return att
@@ -227,7 +230,7 @@ class CPCostModel(CostModel):
         name, rc = split_entry(entry)
         kv = self.block_bytes(name, s, b)
         dkv = kv * 4 / self.shape.elt
-        passes = (3 if name == "metp" else 2) + (1 if rc else 0)
+        passes = (3 if name == "metp" else 2) + (1 if rc in ("layer", "attn") else 0)
         if name in RING_FAMILY:
             return self.family_ring_seconds(passes, kv, dkv)
         hop, C = self.links.hop, self.cp

@@ -401,6 +401,46 @@ def fit_profile(profile_path, out_path: str, use_xgb: bool = False, time_stat: s
     return meta
 
 
+def fit_block_recompute(model, rows: list, shape: ModelShape, kind: str) -> dict:
+    """Per strategy with ``recompute`` rows measuring the layer with its ``kind`` block ("attn" or
+    "mlp") checkpointed (``st:rc-attn`` / ``st:rc-mlp``; rows of older profiles have none): the
+    extra time as :func:`fit_recompute` fits the whole layer's, the saved bytes
+    ``a * plain saved + c0 + c1 * b*s/p`` (what the block keeps is linear in the tokens, the rest
+    of the layer is the plain layer's), least squares raised to cover every cell, the transient
+    as ``factor * (plain saved + transient) + extra``."""
+    out = {}
+    for st in model.strategies:
+        cells = sorted((r for r in rows if r.get("type") == "recompute" and r["strategy"] == st
+                        and r.get(f"{kind}_times") and r.get("plain_times")), key=lambda r: (r["b"], r["s"]))
+        if not cells:
+            continue
+        extra = [[int(r["s"]), int(r["b"]), float(np.median([a / c - 1.0 for a, c in zip(r[f"{kind}_times"],
+                                                                                        r["plain_times"]) if c > 0]))]
+                 for r in cells]
+        plain = [model.layer(st, int(r["s"]), int(r["b"])) for r in cells]
+        t = np.array([r["b"] * r["s"] / shape.p for r in cells], float)
+        ps = np.array([pl.saved_bytes for pl in plain])
+        pm = np.array([pl.saved_bytes + pl.transient_bytes for pl in plain])
+        saved = np.array([float(r[f"{kind}_saved_bytes"]) for r in cells])
+        trans = np.array([float(r[f"{kind}_transient_bytes"]) for r in cells])
+        if len(cells) >= 3:
+            a, c0, c1 = np.linalg.lstsq(np.stack([ps, np.ones_like(t), t], axis=1), saved, rcond=None)[0]
+        else:
+            a, c0, c1 = 0.0, 0.0, float(np.max(saved / t))
+        a, c1 = max(float(a), 0.0), float(c1)
+        c0 = math.ceil(float(c0) + max(0.0, float(np.max(saved - (a * ps + c0 + c1 * t)))))
+        while np.any(a * ps + c0 + c1 * t < saved):  # an upper bound, rounding included
+            c0 += 1
+        t_extra = float(math.floor(max(0.0, float(np.min(trans - pm)))))
+        factor = max(1.0, float(np.max((trans - t_extra) / pm)))
+        while np.any(factor * pm + t_extra < trans):
+            factor = float(np.nextafter(factor, 2.0))
+        smooth = running_median3(np.array([e[2] for e in extra]), np.array([e[1] for e in extra], float))
+        out[st] = {"extra": [[e[0], e[1], float(v)] for e, v in zip(extra, smooth)], "extra_measured": extra,
+                   "saved": [a, float(c0), c1], "transient_factor": factor, "transient_extra": t_extra}
+    return out
+
+
 def fit_recompute(meta: dict, rows: list, shape: ModelShape, out_path: str) -> None:
     """``meta["recompute"]``: per strategy, what a recomputed layer (``st:rc``) costs beside the
     plain one, from the profile's ``recompute`` rows (``sweep._recompute_rows``):
@@ -471,6 +511,7 @@ def fit_recompute(meta: dict, rows: list, shape: ModelShape, out_path: str) -> N
                    "cells": [[int(r["s"]), int(r["b"]), float(r["seconds"]), float(r["plain_seconds"]),
                               float(r["saved_bytes"]), float(r["transient_bytes"])] for r in cells]}
     meta["recompute"] = out
+    meta["recompute_blocks"] = {kind: fit_block_recompute(model, rows, shape, kind) for kind in ("attn", "mlp")}
     missing = [st for st in meta["strategies"] if st not in out]
     meta["recompute_complete"] = not missing
     if missing:

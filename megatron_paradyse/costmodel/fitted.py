@@ -271,24 +271,49 @@ class FittedCostModel(CostModel):
                            "--recompute-only --append, then fit again)")
         plain = self.layer(strategy, s, b)
         tokens, bb = as_tokens(s, b, self.shape.p)
-        pts = rc["extra"]
-        near = min({x[1] for x in pts}, key=lambda v: abs(v - bb))
-        sel = sorted((x[0], x[2]) for x in pts if x[1] == near)
-        f = float(np.interp(np.log(tokens), [np.log(x[0]) for x in sel], [x[1] for x in sel]))
+        f = _interp_extra(rc["extra"], tokens, bb)
         c0, c1 = rc["saved"]
         saved = c0 + c1 * tokens * bb / self.shape.p
         trans = rc["transient_factor"] * (plain.saved_bytes + plain.transient_bytes) + rc["transient_extra"]
         return LayerCost(plain.seconds * (1.0 + f), saved, trans)
 
+    def recompute_kinds(self) -> tuple:
+        """``"layer"`` where :meth:`recomputes`; the blocks (``st:rc-attn``, ``st:rc-mlp``) with it:
+        measured where the profile has their rows (``recompute_blocks``), else assumed from the
+        fitted plain layer (:func:`~.analytic.assumed_block_recompute`)."""
+        return ("layer", "attn", "mlp") if self.recomputes() else ()
+
+    def _block(self, entry: str, strategy: str, kind: str, s, b: int) -> LayerCost:
+        """A layer whose ``kind`` block is recomputed: the profile's fit (``fit.fit_recompute``'s
+        ``recompute_blocks``) where it has one, else the analytic assumption on this model's
+        plain layer."""
+        plain = self.layer(strategy, s, b)
+        fit = ((self.meta.get("recompute_blocks") or {}).get(kind) or {}).get(strategy)
+        if fit is None:
+            return analytic.assumed_block_recompute(strategy, self.shape, s, b, plain, kind)
+        tokens, bb = as_tokens(s, b, self.shape.p)
+        f = _interp_extra(fit["extra"], tokens, bb)
+        a, c0, c1 = fit["saved"]
+        saved = max(0.0, a * plain.saved_bytes + c0 + c1 * tokens * bb / self.shape.p)
+        trans = fit["transient_factor"] * (plain.saved_bytes + plain.transient_bytes) + fit["transient_extra"]
+        return LayerCost(plain.seconds * (1.0 + f), saved, trans)
+
     def layer(self, strategy: str, s, b: int) -> LayerCost:
         """One layer at ``s`` (a length, or a pack: :meth:`predict_pack`) and ``b``; a plan entry
-        ``st:rc`` (recomputed in backward) where :meth:`recomputes`."""
+        ``st:rc`` (recomputed in backward), ``st:rc-attn`` or ``st:rc-mlp`` (one block) where
+        :meth:`recomputes`."""
         base, rc = split_entry(strategy)
         if rc and base in self.strategies:
             check_length(s, b, self.shape.p)
             key = (strategy, s, b)
             if key not in self._cache:
-                self._cache[key] = self._recomputed(strategy, base, s, b)
+                if rc == "layer":
+                    self._cache[key] = self._recomputed(strategy, base, s, b)
+                elif not self.recomputes():
+                    raise KeyError(f"the cost model {self.path!r} cannot price the recomputed block {strategy!r}: "
+                                   "it prices no recompute (profile --recompute-only --append, then fit again)")
+                else:
+                    self._cache[key] = self._block(strategy, base, rc, s, b)
             return self._cache[key]
         if strategy not in self.strategies:
             raise KeyError(f"unknown strategy {strategy!r}; the model {self.path!r} knows {self.strategies}")
@@ -374,3 +399,11 @@ def find_shipped(shape: ModelShape) -> str | None:
         except Exception:  # noqa: BLE001 - a broken shipped file is reported when loaded by path
             continue
     return None
+
+
+def _interp_extra(pts: list, tokens: int, b: int) -> float:
+    """A recompute's measured extra time fraction ``[[s, b, f], ...]`` at ``tokens``: at the
+    nearest micro-batch size, interpolated in log s (constant outside the measured lengths)."""
+    near = min({x[1] for x in pts}, key=lambda v: abs(v - b))
+    sel = sorted((x[0], x[2]) for x in pts if x[1] == near)
+    return float(np.interp(np.log(tokens), [np.log(x[0]) for x in sel], [x[1] for x in sel]))

@@ -36,7 +36,8 @@ megatron-core training runs them, ``measure.TrainingUpdate``); ``type:
 pool`` per strategy (and ``nonlayer``) at three (s, b): the communication pool's buffers one
 micro-batch allocates (``{"name/dtype": bytes}``; ``--pool-only`` measures just these); ``type:
 recompute`` per (strategy, s, b) of the recompute phase (``--no-recompute`` skips it): the layer
-plain and checkpointed (``st:rc``), timed in the same rounds (``rc_times``, ``plain_times``:
+plain, checkpointed (``st:rc``) and with its attention or MLP block checkpointed (``st:rc-attn``,
+``st:rc-mlp``), timed in the same rounds (``rc_times``, ``plain_times``, ``attn_times``, ``mlp_times``:
 per round, the max over ranks; ``seconds``, ``plain_seconds``: medians), and the memory of
 both (``saved_bytes``, ``transient_bytes``, ``plain_saved_bytes``, ``plain_transient_bytes``);
 ``--recompute-only`` runs this phase alone (``--append``: its rows go at the end of an
@@ -219,7 +220,8 @@ def merge_ranks(per_rank: list) -> list:
                 m[f"{part}_times"] = [max(ts) for ts in zip(*[r[key] for r in rows])]
                 m[f"{part}_min_seconds"] = min(all_t)
             elif key in ("saved_bytes", "transient_bytes", "buffer_bytes", "param_bytes", "plain_saved_bytes",
-                         "plain_transient_bytes"):
+                         "plain_transient_bytes", "attn_saved_bytes", "attn_transient_bytes", "mlp_saved_bytes",
+                         "mlp_transient_bytes"):
                 m[key] = max(r[key] for r in rows)
             elif key == "buffers":
                 names = sorted({n for r in rows for n in r[key]})

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .. import device
-from ..parallel.plans import RC
+from ..parallel.plans import RC, RC_ATTN, RC_MLP
 from . import analytic, kernels
 from . import measure as M
 from .packs import PackShape
@@ -436,7 +436,7 @@ def _recompute_rows(sw: Sweep, layers) -> None:
     for rnd in range(max(reps, default=0)):
         for i in round_visits(reps, rnd, dropped):
             c = cells[i]
-            entries = (c["strategy"], c["strategy"] + RC)
+            entries = recompute_entries(c["strategy"])
             order = entries if (rnd + i) % 2 == 0 else entries[::-1]
 
             def visit():
@@ -451,8 +451,8 @@ def _recompute_rows(sw: Sweep, layers) -> None:
                 dropped |= {j for j, o in enumerate(cells) if o["strategy"] == c["strategy"] and o["s"] >= c["s"]}
                 _recompute_stop(sw, c["strategy"], c["s"], c["b"], oom_reason(bad), oom_ranks=bad)
                 continue
-            c["plain_times"] += got[entries[0]]
-            c["rc_times"] += got[entries[1]]
+            for entry, key in zip(entries, TIME_KEYS):
+                c[key] += got[entry]
             sw.done_w += sw.weights[("rc:" + c["strategy"], c["s"], c["b"])] / reps[i]
         sw.progress(f"round {rnd + 1}/{max(reps)} of the recompute phase's timed passes")
     for i, c in enumerate(cells):
@@ -464,6 +464,16 @@ def _recompute_rows(sw: Sweep, layers) -> None:
                     f"(plain {pl[len(pl) // 2] * 1e3:8.1f} ms), saved {c['saved_bytes'] / 2**20:7.2f} MiB "
                     f"(plain {c['plain_saved_bytes'] / 2**20:7.2f}), transient {c['transient_bytes'] / 2**20:7.2f} "
                     f"MiB (plain {c['plain_transient_bytes'] / 2**20:7.2f})")
+
+
+# a recompute cell's entries: the plain layer, the layer recomputed, its attention block, its
+# MLP block recomputed; the row's keys of each one's memory and times
+MEMORY_KEYS = ("plain_", "", "attn_", "mlp_")
+TIME_KEYS = ("plain_times", "rc_times", "attn_times", "mlp_times")
+
+
+def recompute_entries(st: str) -> tuple:
+    return (st, st + RC, st + RC_ATTN, st + RC_MLP)
 
 
 def _recompute_over(sw: Sweep, st: str, s: int, b: int, prev) -> bool:
@@ -498,24 +508,24 @@ def _recompute_memory(sw: Sweep, st: str, s: int, b: int) -> dict | None:
     memory on any rank."""
     limit, L = sw.cfg.memory_limit, sw.shape.num_layers
     row = {"type": "recompute", "strategy": st, "s": s, "b": b, "rank": sw.rank}
-    for entry, key in ((st, "plain_"), (st + RC, "")):
+    for entry, key in zip(recompute_entries(st), MEMORY_KEYS):
         M.set_strategy(sw.model, entry)
         got, bad = sw.attempt(lambda: sw.runner.memory("layer", s, b), f"{entry} s={s} b={b} (memory)")
         if bad:
             _recompute_stop(sw, st, s, b, oom_reason(bad), oom_ranks=bad)
             return None
         row[key + "saved_bytes"], row[key + "transient_bytes"] = got
-        if key and sw.agree(limit is not None and got[0] * L + got[1] > limit):
+        if key == "" and sw.agree(limit is not None and got[0] * L + got[1] > limit):
             _recompute_stop(sw, st, s, b, f"memory limit {limit} bytes: {L} layers' saved + transient = "
                                           f"{got[0] * L + got[1]:.0f} bytes")
             return None
-    for entry in (st, st + RC):
+    for entry in recompute_entries(st):
         M.set_strategy(sw.model, entry)
         _, bad = sw.attempt(lambda: sw.runner.time("layer", s, b, sw.cfg.warmup, 0), f"{entry} s={s} b={b} (warm-up)")
         if bad:
             _recompute_stop(sw, st, s, b, oom_reason(bad), oom_ranks=bad)
             return None
-    row.update(plain_times=[], rc_times=[])
+    row.update({key: [] for key in TIME_KEYS})
     sw.done_w += sw.weights[("rc:" + st, s, b)]
     return row
 

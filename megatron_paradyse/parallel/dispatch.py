@@ -45,12 +45,16 @@ def install() -> None:
     _ORIGINAL["mlp"] = MLP.forward
     _ORIGINAL["gpt"] = GPTModel.forward
     _ORIGINAL["layer"] = TransformerLayer.forward
+    _ORIGINAL["attn_block"] = TransformerLayer._forward_attention
+    _ORIGINAL["mlp_block"] = TransformerLayer._forward_mlp
     setattr(SelfAttention, STOCK_FORWARD, _ORIGINAL["attention"])
     setattr(MLP, STOCK_FORWARD, _ORIGINAL["mlp"])
     SelfAttention.forward = _attention_forward
     MLP.forward = _mlp_forward
     GPTModel.forward = _gpt_forward
     TransformerLayer.forward = _layer_forward
+    TransformerLayer._forward_attention = _attention_block
+    TransformerLayer._forward_mlp = _mlp_block
     recompute.install()
     groups.install()  # the weight communicators, created now or with megatron's parallel state
     grad_order.install()  # DDP's overlapped gradient reductions in bucket order on every replica
@@ -72,6 +76,8 @@ def uninstall() -> None:
     MLP.forward = _ORIGINAL.pop("mlp")
     GPTModel.forward = _ORIGINAL.pop("gpt")
     TransformerLayer.forward = _ORIGINAL.pop("layer")
+    TransformerLayer._forward_attention = _ORIGINAL.pop("attn_block")
+    TransformerLayer._forward_mlp = _ORIGINAL.pop("mlp_block")
     recompute.uninstall()
     groups.uninstall()
     grad_order.uninstall()
@@ -103,6 +109,14 @@ def _dpa_init(self, config, *args, **kwargs):
 
 def _layer_forward(self, *args, **kwargs):
     return recompute.layer_forward(_ORIGINAL["layer"], self, args, kwargs)
+
+
+def _attention_block(self, *args, **kwargs):
+    return recompute.block_forward(_ORIGINAL["attn_block"], self, "attn", args, kwargs)
+
+
+def _mlp_block(self, *args, **kwargs):
+    return recompute.block_forward(_ORIGINAL["mlp_block"], self, "mlp", args, kwargs)
 
 
 def _attention_forward(self, hidden_states, attention_mask=None, *args, **kwargs):
@@ -272,7 +286,7 @@ def _set_plan(model, plan) -> tuple:
         for layer in layers:
             setattr(layer.self_attention, _ATTR, None)
             setattr(layer.mlp, _ATTR, None)
-            setattr(layer, recompute.RC_ATTR, False)
+            setattr(layer, recompute.RC_ATTR, None)
         gpt._paradyse_plan = None
         return None
     plan = normalize_plan(plan, gpt.config.num_layers)

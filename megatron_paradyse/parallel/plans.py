@@ -3,7 +3,8 @@
 A plan is a tuple with one entry per decoder layer (``None`` means stock megatron code). An
 entry is a strategy name, or a strategy name with :data:`RC` (``tp_sp:rc``): that layer runs the
 strategy and is recomputed in backward (its input saved, the layer run again inside the
-backward; ``parallel/recompute.py``). Every place that touches a plan (``set_plan``, ``--paradyse-plan``, the trainer's
+backward; ``parallel/recompute.py``); with :data:`RC_ATTN` (``tp_sp:rc-attn``) or :data:`RC_MLP`
+(``tp_sp:rc-mlp``) only that block of the layer is. Every place that touches a plan (``set_plan``, ``--paradyse-plan``, the trainer's
 logs, the cross-rank check, the planner) goes through this module:
 
 * :func:`normalize_plan` / :func:`validate_names`: the type and the local checks;
@@ -23,24 +24,40 @@ from .strategies import get as _get_strategy
 Plan = tuple  # one entry (strategy name, optionally with RC) per layer
 
 RC = ":rc"  # the suffix of a plan entry whose layer is recomputed in backward
+RC_ATTN = ":rc-attn"  # ... whose attention block (input norm, attention, residual add) is
+RC_MLP = ":rc-mlp"  # ... whose MLP block (pre-MLP norm, MLP, residual add) is
+# what a plan entry recomputes in backward, by suffix: the whole layer or one of its two blocks
+RECOMPUTE = {RC: "layer", RC_ATTN: "attn", RC_MLP: "mlp"}
+KINDS = tuple(RECOMPUTE.values())
+SUFFIX = {kind: suffix for suffix, kind in RECOMPUTE.items()}
 
 _HASH_BITS = 62
 
 
 def split_entry(entry: str) -> tuple:
-    """``(strategy name, recomputed)`` of a plan entry: ``"ring:rc"`` -> ``("ring", True)``."""
-    if entry.endswith(RC):
-        return entry[:-len(RC)], True
-    return entry, False
+    """``(strategy name, what it recomputes)`` of a plan entry: ``"ring:rc"`` -> ``("ring",
+    "layer")``, ``"ring:rc-mlp"`` -> ``("ring", "mlp")``, ``"ring"`` -> ``("ring", None)``."""
+    for suffix, kind in RECOMPUTE.items():
+        if entry.endswith(suffix):
+            return entry[:-len(suffix)], kind
+    return entry, None
 
 
-def make_entry(strategy: str, recompute: bool) -> str:
-    """The plan entry of ``strategy``, recomputed or not."""
-    return strategy + RC if recompute else strategy
+def make_entry(strategy: str, recompute=None) -> str:
+    """The plan entry of ``strategy`` recomputing ``recompute``: None or False (nothing), True
+    or ``"layer"`` (the whole layer), ``"attn"`` or ``"mlp"`` (that block)."""
+    if recompute is None or recompute is False:
+        return strategy
+    return strategy + SUFFIX["layer" if recompute is True else recompute]
+
+
+def recomputes_layer(entry: str) -> bool:
+    """Whether the entry recomputes its whole layer (``st:rc``)."""
+    return split_entry(entry)[1] == "layer"
 
 
 def strategy_of(entry: str) -> str:
-    """The strategy a plan entry runs (without :data:`RC`)."""
+    """The strategy a plan entry runs (without its recompute suffix)."""
     return split_entry(entry)[0]
 
 
@@ -53,8 +70,9 @@ def validate_names(names) -> Plan:
             raise TypeError(f"plan entries must be strategy names, got {name!r}")
         base, _ = split_entry(name)
         if ":" in base:
-            raise ValueError(f"bad plan entry {name!r}: a strategy name, or one with {RC!r} "
-                             f"(recomputed in backward), e.g. tp_sp{RC}")
+            raise ValueError(f"bad plan entry {name!r}: a strategy name, or one with {RC!r} (the layer "
+                             f"recomputed in backward), {RC_ATTN!r} or {RC_MLP!r} (its attention or MLP "
+                             f"block), e.g. tp_sp{RC}")
         _get_strategy(base)
     return names
 

@@ -12,6 +12,8 @@ re-runs read those instead of the attributes:
   ``TransformerLayer``): the function handed to megatron is wrapped in a :class:`Replayed`;
 * a plan entry with ``:rc`` checkpoints its whole layer the same way (:func:`layer_forward`),
   unless the layer already runs inside a checkpoint (megatron's own full recompute covers it);
+  ``:rc-attn`` / ``:rc-mlp`` checkpoint only the layer's attention or MLP block
+  (:func:`block_forward`: megatron's ``_forward_attention`` / ``_forward_mlp``);
 * a checkpoint inside a checkpoint just runs its function (each module runs twice at most).
 
 RNG states are saved and restored by megatron's ``CheckpointFunction`` itself (CPU, CUDA and
@@ -125,9 +127,22 @@ def layer_forward(original, layer, args, kwargs):
     The layer's input is megatron's ``hidden_states``, given to the checkpoint; the other
     arguments (RoPE table, pack boundaries, masks) need no gradient and are kept as they are.
     """
+    return _checkpointed(original, layer, "layer", args, kwargs)
+
+
+def block_forward(original, layer, block: str, args, kwargs):
+    """``TransformerLayer._forward_attention`` (``block`` "attn": input norm, attention, residual
+    add) or ``_forward_mlp`` ("mlp": pre-MLP norm, MLP, residual add) of ``layer``: checkpointed
+    (megatron's checkpoint function, replaying the forward's plan) when its plan entry says
+    ``:rc-attn`` / ``:rc-mlp``, else as megatron runs it. The block's input hidden states are what
+    the checkpoint keeps."""
+    return _checkpointed(original, layer, block, args, kwargs)
+
+
+def _checkpointed(original, layer, what: str, args, kwargs):
     import torch
 
-    if not (lookup(layer, RC_ATTR) and layer.training and torch.is_grad_enabled()
+    if not (lookup(layer, RC_ATTR) == what and layer.training and torch.is_grad_enabled()
             and not inside_checkpoint()):
         return original(layer, *args, **kwargs)
     if args:

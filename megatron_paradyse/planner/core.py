@@ -247,7 +247,9 @@ class Planner:
         self.recompute = recompute
         self.recompute_chunk = int(chunk)
         plain = () if recompute == "only" else self.strategies
-        rc = () if recompute == "off" else tuple(make_entry(n, True) for n in self.strategies)
+        kinds = () if recompute == "off" else tuple(getattr(self.cm, "recompute_kinds", lambda: ("layer",))())
+        # the whole layer, then its attention or its MLP block alone: every one the model prices
+        rc = tuple(make_entry(n, kind) for kind in kinds for n in self.strategies)
         self.entries = plain + rc
 
     # ------------------------------------------------------------------ costs
@@ -300,7 +302,7 @@ class Planner:
                     fm = r.factors(name, s)[1] if r is not None else 1.0
                     plain_saved[name] = float(self.cm.layer(name, s, b).saved_bytes) * fm
             extra = (self.recompute_chunk - 1) * max(plain_saved.values())
-            x = [xi + extra if split_entry(n)[1] else xi for n, xi in zip(self.entries, x)]
+            x = [xi + extra if split_entry(n)[1] == "layer" else xi for n, xi in zip(self.entries, x)]
         nl = self.cm.nonlayer(s, b)
         ft, fm = r.factors("nonlayer", s) if r is not None else (1.0, 1.0)
         # CostModel.step for a counts plan: the output layer and loss peak at

@@ -56,6 +56,13 @@ log = logging.getLogger(__name__)
 
 FORWARD_SHARE = 1.0 / 3.0     # a layer's (and the non-layer part's) forward: 1 of 3 passes
 RC_FORWARD_SHARE = 1.0 / 4.0  # a recomputed layer's: 1 of 4 (its backward runs the forward again)
+BLOCK_FORWARD_SHARE = 0.3     # a layer with one block recomputed: 1 of 3 passes plus that block's
+
+
+def forward_share(entry: str) -> float:
+    """The share of a layer's forward + backward seconds spent in its forward, by plan entry."""
+    kind = split_entry(entry)[1]
+    return FORWARD_SHARE if kind is None else RC_FORWARD_SHARE if kind == "layer" else BLOCK_FORWARD_SHARE
 MAX_TIGHTENINGS = 100000      # a guard: each switch lowers one (stage, micro-batch)'s (peak, held)
 STEP = 1.0 / 8                # a leaner plan is sought 1/8 of the micro-batch's peak lower, then
 LADDER = 4                    # 1/4, 1/2, all of it (down to the leanest uniform plan's peak)
@@ -111,6 +118,9 @@ class StageCostModel(CostModel):
 
     def recomputes(self) -> bool:
         return bool(self.model.recomputes())
+
+    def recompute_kinds(self) -> tuple:
+        return tuple(getattr(self.model, "recompute_kinds", lambda: ("layer",) if self.recomputes() else ())())
 
     def device_kind(self) -> str:
         return self.model.device_kind()
@@ -239,7 +249,7 @@ def forward_seconds(costs, layers) -> float:
     index = {n: i for i, n in enumerate(costs.names)}
     sec = costs.t0 * FORWARD_SHARE
     for e in layers:
-        sec += costs.t[index[e]] * (RC_FORWARD_SHARE if split_entry(e)[1] else FORWARD_SHARE)
+        sec += costs.t[index[e]] * forward_share(e)
     return sec
 
 
