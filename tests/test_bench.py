@@ -122,14 +122,14 @@ def test_packed_systems_train_the_same_documents(tmp_path):
 def _assert_one_rule(r, cm, limit):
     """The simulation ``r`` judged every system by one rule (``CostModel.step`` on its per-layer
     plan at most ``limit``) and its planners are never shorter than the leanest static system:
-    they train every sequence any static system (plain or +rc) trains, and their longest trained
+    they train every sequence any static system (plain, +rc or +rc-mlp) trains, and their longest trained
     and trainable lengths are >= every static system's."""
     from megatron_paradyse.bench.simulate import lengths_distribution, static_systems
 
     sysm, statics = r["systems"], r["static_systems"]
     assert r["limit_bytes"] == pytest.approx(limit) and r["budget_bytes"] - r["margin_bytes"] == r["limit_bytes"]
     plans = static_systems(cm)
-    assert statics == list(plans) and set(statics) == {n + rc for n in cm.strategies for rc in ("", "+rc")}
+    assert statics == list(plans) and set(statics) == {n + rc for n in cm.strategies for rc in ("", "+rc", "+rc-mlp")}
     lens = lengths_distribution(r["distribution"]["n"])
     fit_any = [False] * len(lens)
     for st in statics:  # the static systems skip exactly what peaks above the limit

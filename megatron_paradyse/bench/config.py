@@ -8,7 +8,9 @@ STATIC = ("tp_sp", "ulysses", "ring", "colossal", "metp")
 # "stock+rc": stock megatron-core with its own --recompute-granularity full --recompute-method
 # uniform --recompute-num-layers 1
 RECOMPUTED = ("stock+rc",) + tuple(f"{s}+rc" for s in STATIC)
-UNPACKED = ("stock",) + STATIC + RECOMPUTED + ("paradyse_heuristic", "paradyse_optimal")
+# "<strategy>+rc-mlp": every layer's MLP block recomputed (megatron's selective MLP recompute)
+MLP_RECOMPUTED = tuple(f"{s}+rc-mlp" for s in STATIC)
+UNPACKED = ("stock",) + STATIC + RECOMPUTED + MLP_RECOMPUTED + ("paradyse_heuristic", "paradyse_optimal")
 # "<system>+pack": the same documents packed (THD) up to a token cap; stock's local attention
 # refuses packed input, so it has no packed form
 PACKED = tuple(f"{s}+pack" for s in UNPACKED if not s.startswith("stock"))
@@ -16,11 +18,11 @@ ALL_SYSTEMS = UNPACKED + PACKED
 # with pipeline stages (--pp > 1): no packed systems; stock+rc and colossal+rc left out by default
 # (selectable with --systems): both keep s x s score tensors that recompute does not remove, so
 # they are over any budget the others are compared at, and they are the run's slowest systems
-PIPELINE_SYSTEMS = tuple(s for s in UNPACKED if s not in ("stock+rc", "colossal+rc"))
+PIPELINE_SYSTEMS = tuple(s for s in UNPACKED if s not in ("stock+rc", "colossal+rc") and s not in MLP_RECOMPUTED)
 # with context parallelism (--cp > 1): stock cannot run (megatron's local attention asserts CP = 1;
 # its CP needs Transformer Engine), so every static in-node strategy x CP, plain and recomputed,
 # against the planners; no packed systems (the CP cost model prices one sequence per row)
-CP_SYSTEMS = tuple(s for s in UNPACKED if not s.startswith("stock"))
+CP_SYSTEMS = tuple(s for s in UNPACKED if not s.startswith("stock") and s not in MLP_RECOMPUTED)
 
 
 @dataclass(frozen=True)

@@ -94,9 +94,12 @@ def headline(summary: dict, search: dict | None) -> dict:
 
 
 # The kinds of static system a Megatron user runs: one strategy on every layer, plain, with every
-# layer recomputed, packed, packed and recomputed (stock megatron-core with the plain and +rc ones)
+# layer recomputed, with every MLP block recomputed (megatron's selective MLP recompute), packed,
+# packed and recomputed (stock megatron-core with the plain and +rc ones)
 KINDS = {"plain": ("stock",) + STATIC, "+rc": ("stock+rc",) + tuple(f"{x}+rc" for x in STATIC),
-         "+pack": tuple(f"{x}+pack" for x in STATIC), "+rc+pack": tuple(f"{x}+rc+pack" for x in STATIC)}
+         "+rc-mlp": tuple(f"{x}+rc-mlp" for x in STATIC),
+         "+pack": tuple(f"{x}+pack" for x in STATIC), "+rc+pack": tuple(f"{x}+rc+pack" for x in STATIC),
+         "+rc-mlp+pack": tuple(f"{x}+rc-mlp+pack" for x in STATIC)}
 PLANNERS = ("paradyse_heuristic", "paradyse_optimal", "paradyse_heuristic+pack", "paradyse_optimal+pack")
 
 

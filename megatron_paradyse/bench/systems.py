@@ -5,7 +5,8 @@
 * ``tp_sp``, ``ulysses``, ``ring``, ``colossal``, ``metp``: one strategy for every layer
   (``tp_sp`` is the same TP+SP layer as stock with the plugin's memory-linear attention);
 * ``<strategy>+rc``: the same with every layer recomputed in backward (plan entries
-  ``<strategy>:rc``); ``stock+rc``: stock with megatron's own full recompute of every layer
+  ``<strategy>:rc``), ``<strategy>+rc-mlp`` with every layer's MLP block recomputed
+  (``<strategy>:rc-mlp``, megatron's selective MLP recompute); ``stock+rc``: stock with megatron's own full recompute of every layer
   (``--recompute-granularity full --recompute-method uniform --recompute-num-layers 1``);
 * ``paradyse_heuristic``, ``paradyse_optimal``: the planners
   (``megatron_paradyse.planner.build_planner``) under the memory budget;
@@ -212,18 +213,29 @@ def _pipeline_of(spec, cfg, cost_model, budget, notes):
         return None
 
 
+def uniform_of(name: str):
+    """``(strategy, recompute)`` of a uniform static system: ``tp_sp`` (None), ``tp_sp+rc``
+    ("layer": every layer ``tp_sp:rc``), ``tp_sp+rc-mlp`` ("mlp": every layer ``tp_sp:rc-mlp``,
+    what megatron's selective ``--recompute-modules mlp`` recomputes); None for another name."""
+    for suffix, kind in (("+rc-mlp", "mlp"), ("+rc", "layer"), ("", None)):
+        base = name[:-len(suffix)] if suffix and name.endswith(suffix) else (name if not suffix else None)
+        if base in UNIFORM:
+            return base, kind
+    return None
+
+
 def _add_system(specs, notes, name, cfg, args, config, p, cost_model, budget):
     """Append the spec of the unpacked system ``name`` (its own planner), or a note why not."""
     if name in ("stock", "stock+rc"):
         specs.append(SystemSpec(name, "stock", args.num_layers, cost_model=None, budget=budget,
                                 config=STOCK_RECOMPUTE if name == "stock+rc" else {}))
-    elif name in UNIFORM or (name.endswith("+rc") and name[:-len("+rc")] in UNIFORM):
-        strategy = name[:-len("+rc")] if name.endswith("+rc") else name
+    elif uniform_of(name) is not None:
+        strategy, recompute = uniform_of(name)
         ok, why = supports(strategy, config, p)
         if not ok:
             notes.append(f"{name} left out: {why}")
             return
-        entry = make_entry(strategy, name.endswith("+rc"))
+        entry = make_entry(strategy, recompute)
         if entry != strategy and cost_model is not None and not cost_model.recomputes():
             notes.append(f"{name}: the cost model cannot price recomputed layers: no prediction")
         specs.append(SystemSpec(name, "uniform", args.num_layers, strategy=entry, cost_model=cost_model,
