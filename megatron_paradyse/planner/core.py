@@ -248,6 +248,8 @@ class Planner:
         self.recompute_chunk = int(chunk)
         plain = () if recompute == "only" else self.strategies
         kinds = () if recompute == "off" else tuple(getattr(self.cm, "recompute_kinds", lambda: ("layer",))())
+        if recompute == "only":  # every layer recomputed whole (megatron's uniform full recompute)
+            kinds = ("layer",)
         # the whole layer, then its attention or its MLP block alone: every one the model prices
         rc = tuple(make_entry(n, kind) for kind in kinds for n in self.strategies)
         self.entries = plain + rc
