@@ -502,9 +502,19 @@ def test_plan_parsing():
     rule = parse_plan("rule:32=tp_sp,64=ulysses*1+ring*1,ring", 2)
     assert rule(32) == ("tp_sp", "tp_sp") and rule(33) == ("ulysses", "ring") and rule(65) == ("ring", "ring")
     assert rule.strategies() == ["ring", "tp_sp", "ulysses"]
+    # recompute entries: the whole layer, or one of its blocks
+    assert parse_plan("tp_sp:rc-mlp*2+ring:rc-attn+metp:rc", 4)(1) == (
+        "tp_sp:rc-mlp", "tp_sp:rc-mlp", "ring:rc-attn", "metp:rc")
+    from megatron_paradyse.parallel.plans import describe, make_entry, split_entry
+
+    assert [split_entry(e) for e in ("ring", "ring:rc", "ring:rc-attn", "ring:rc-mlp")] == [
+        ("ring", None), ("ring", "layer"), ("ring", "attn"), ("ring", "mlp")]
+    assert [make_entry("ring", k) for k in (None, False, True, "layer", "attn", "mlp")] == [
+        "ring", "ring", "ring:rc", "ring:rc", "ring:rc-attn", "ring:rc-mlp"]
+    assert describe(("tp_sp:rc-mlp",) * 2 + ("ring",)) == "tp_sp:rc-mlp*2+ring*1"
     for bad, why in (("tp_sp*3", "has 3 layers"), ("nope", "unknown ParaDySe strategy"),
                      ("rule:64=tp_sp", "default"), ("rule:64=tp_sp,32=ring,ring", "ascending"),
-                     ("tp_sp,ring", "has 2 layers")):
+                     ("tp_sp,ring", "has 2 layers"), ("tp_sp:rc-ffn", "rc-attn")):
         with pytest.raises(ValueError, match=why):
             parse_plan(bad, 4 if bad != "tp_sp,ring" else 3)
 
