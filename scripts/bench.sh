@@ -4,15 +4,15 @@
 # the same batches of the stdlib corpus under one memory budget, in one run on p = 4 CPU gloo
 # ranks; then each system's longest sequence within the budget; then the H100 simulation.
 #   scripts/bench.sh                       # writes runs/bench/{bench.json,bench.log,*.png,simulation.json}
-#   OUT=docs/benchmark scripts/bench.sh    # what docs/benchmark.md commits
+#   OUT=results/benchmark/default scripts/bench.sh    # what docs/benchmark.md commits
 #   STEPS=8 BUDGET_MIB=48 scripts/bench.sh --systems tp_sp,metp   # extra flags go to the bench
 # With pipeline stages (PP > 1; world = PP x P ranks, default P=2): STEPS steps of MICRO
 # documents in flight under 1F1B (default 8 x 4), no length search, no simulation:
-#   PP=2 OUT=docs/benchmark_pipeline scripts/bench.sh      # docs/benchmark.md, "Pipeline stages"
+#   PP=2 OUT=results/benchmark/pipeline scripts/bench.sh      # docs/benchmark.md, "Pipeline stages"
 # With context parallelism (CP > 1; world = CP x P ranks, default P=2): STEPS documents up to
 # 8192 tokens, every static in-node strategy x CP but colossal (its s x s score rows are far over
 # any budget here, and it is the slowest) and the planners, no search, no simulation:
-#   CP=2 OUT=docs/benchmark_cp scripts/bench.sh            # docs/benchmark.md, "Context parallelism"
+#   CP=2 OUT=results/benchmark/cp scripts/bench.sh            # docs/benchmark.md, "Context parallelism"
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="$(bash "$ROOT/scripts/setup_env.sh" | tail -n 1)"

@@ -197,8 +197,8 @@ def test_simulation(tmp_path):
     assert ref["leanest_static"].endswith("+rc") and ref["fastest_static_training_every_sequence"]
     for pn in para:
         assert sysm[pn]["oom_steps"] == 0 and any(":rc" in k for k in sysm[pn]["plans"])
-    # the published run (docs/benchmark/simulation.json) is this one
-    shipped = os.path.join(os.path.dirname(__file__), "..", "docs", "benchmark", "simulation.json")
+    # the published run (results/benchmark/default/simulation.json) is this one
+    shipped = os.path.join(os.path.dirname(__file__), "..", "results", "benchmark", "default", "simulation.json")
     pub = json.load(open(shipped))
     assert {n: (s["tokens_trained"], s["skipped_sequences"], s["longest_trainable"]) for n, s in pub["systems"].items()} \
         == {n: (s["tokens_trained"], s["skipped_sequences"], s["longest_trainable"]) for n, s in sysm.items()}

@@ -1,4 +1,4 @@
-"""``python -m megatron_paradyse.bench.host_time`` (docs/gpu_fast_paths.md): its bad flags, its
+"""``python -m megatron_paradyse.bench.host_time`` (docs/gpu.md): its bad flags, its
 packs and its host-only layout table, in this process (the micro-batch world is left to runs
 of the command: it spawns ranks)."""
 import pytest

@@ -104,7 +104,7 @@ class _Recorder:
             self.calls.append((name, args, kwargs))
             if name == "_efficient_attention_backward":
                 # torch 2.13's meta for it lacks the schema's ``out`` argument (it raises); the
-                # real kernel ran with this argument list on an H200 (scripts/gpu_probe_varlen.py)
+                # real kernel ran with this argument list on an H200 (results/gpu/h200/fast_paths/probe_varlen.py)
                 return tuple(torch.empty_like(x) for x in args[1:4]) + (None,)
             return real(*args, **kwargs)
         return kernel
