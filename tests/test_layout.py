@@ -189,3 +189,13 @@ def test_recorded_paths_are_relative():
     assert recorded("/elsewhere/out/p.jsonl") == os.path.join("...", "p.jsonl") and shown("rel") == "rel"
     assert shown_argv(["--out", os.path.join(here, "a"), "--x=/w/b", "-o", "/q/p.jsonl"]) == \
         "--out a --x=.../b -o .../p.jsonl"
+
+
+def test_the_planner_package_init_only_re_exports():
+    """``planner/__init__.py`` holds its docstring, imports and ``__all__``, nothing else: the
+    code lives in its modules."""
+    tree = ast.parse((ROOT / "planner" / "__init__.py").read_text())
+    for node in tree.body:
+        doc = isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+        names = isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["__all__"]
+        assert doc or names or isinstance(node, (ast.Import, ast.ImportFrom)), ast.dump(node)[:200]
