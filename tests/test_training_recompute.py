@@ -109,7 +109,7 @@ def test_megatron_flags_fix_recompute_where_they_apply():
     from megatron_paradyse.costmodel.analytic import AnalyticCostModel
     from megatron_paradyse.costmodel.shape import demo_shape
     from megatron_paradyse.planner import build_planner
-    from megatron_paradyse.training.planning import force_first_recomputed, recompute_plan
+    from megatron_paradyse.training.planning import recompute_plan
     from megatron_paradyse.units import MiB
 
     flags = lambda g=None, m=None, n=None: Namespace(paradyse_recompute="auto", recompute_granularity=g,  # noqa: E731
@@ -122,8 +122,7 @@ def test_megatron_flags_fix_recompute_where_they_apply():
     only = build_planner("optimal", cm, 64 * MiB, recompute="only", recompute_chunk=2)
     assert all(e.endswith(":rc") for e in only.choose(2048, 1).layers)
     for mode in ("auto", "off"):
-        pl = build_planner("optimal", cm, 64 * MiB, recompute=mode)
-        force_first_recomputed(pl, 2)
+        pl = build_planner("optimal", cm, 64 * MiB, recompute=mode, recompute_first=2)
         c = pl.choose(512, 1)
         assert all(e.endswith(":rc") for e in c.layers[:2]), c
         assert c.fits and math.isclose(c.peak_bytes, cm.step(c.layers, 512, 1).peak_bytes, rel_tol=1e-9), (mode, c)

@@ -198,56 +198,15 @@ def simulate(out_dir: str, margin_fraction: float = 0.0, n: int = 600) -> dict:
     margin = margin_fraction * budget
     limit = budget - margin
     lens = lengths_distribution(n)
-    systems = {name: (lambda plan: lambda s, b: fits(cm, plan, s, b, limit))(plan)
-               for name, plan in static_systems(cm).items()}
-    statics = list(systems)
-    for kind in ("heuristic", "optimal"):
-        pl = build_planner(kind, cm, budget, margin_bytes=margin)  # recompute="auto": strategy x recompute per layer
-        # the planner's choice, judged by the same rule as the static plans
-        systems[f"paradyse_{kind}"] = (lambda pl: lambda s, b: (lambda c: fits(cm, c.layers, s, b, limit)
-                                                                 if c.fits else None)(pl.plan(s, b)))(pl)
+    plans = static_systems(cm)
+    systems, statics = _systems(cm, plans, budget, margin, limit), list(plans)
     source = ("megatron_paradyse.planner (heuristic and optimal), strategy and recompute per layer, "
               f"under the same limit as every system (margin {margin / GB:g} GB)")
     long_cut = int(np.percentile(lens, 90))
     rows, per_step = {}, {}
     for name, fn in systems.items():
-        t, toks, oom, t_long, n_long_ok, plans, skipped = 0.0, 0, 0, 0.0, 0, {}, []
-        per_step[name] = []
-        for k, s in enumerate(lens):
-            r = fn(s, 1)
-            per_step[name].append(None if r is None else r[1])
-            if r is None:
-                oom += 1
-                skipped.append(k)
-                continue
-            t += r[1]
-            toks += s
-            if s >= long_cut:
-                t_long += r[1]
-                n_long_ok += 1
-            key = "+".join(f"{e}*{r[0].count(e)}" for e in dict.fromkeys(r[0]))
-            plans[key] = plans.get(key, 0) + 1
-        lo, hi = 0, 4 * max(lens) // 1024
-        while lo < hi:  # longest trainable (multiple of 1K); what fits shrinks with the length
-            mid = (lo + hi + 1) // 2
-            if fn(mid * 1024, 1) is not None:
-                lo = mid
-            else:
-                hi = mid - 1
-        trained = [s for k, s in enumerate(lens) if per_step[name][k] is not None]
-        rows[name] = dict(seconds_fitting_steps=t, tokens_trained=toks, oom_steps=oom,
-                          sequences_trained=len(lens) - oom, skipped_sequences=skipped,
-                          longest_trained=max(trained, default=0),
-                          throughput_tokens_per_s=toks / t if t else 0.0,
-                          long_steps_seconds=t_long, long_steps_fitting=n_long_ok,
-                          longest_trainable=lo * 1024, plans=dict(sorted(plans.items(), key=lambda kv: -kv[1])[:6]))
+        rows[name], per_step[name] = _run_system(fn, lens, long_cut)
     n_long = sum(1 for s in lens if s >= long_cut)
-    # the references: the leanest static system (longest trainable, then fewest skipped, then
-    # fastest) and the fastest static system that trains every sequence (if one does)
-    leanest = max(statics, key=lambda x: (rows[x]["longest_trainable"], -rows[x]["oom_steps"],
-                                          rows[x]["throughput_tokens_per_s"]))
-    every = [x for x in statics if rows[x]["oom_steps"] == 0]
-    fastest = max(every, key=lambda x: rows[x]["throughput_tokens_per_s"]) if every else None
     result = dict(label="SIMULATION (analytic roofline, no GPU ran)", hardware=dataclasses.asdict(hw),
                   model=dataclasses.asdict(m), budget_bytes=budget, margin_bytes=margin, limit_bytes=limit,
                   fit_rule="a system trains a sequence when CostModel.step on its per-layer plan peaks at "
@@ -255,13 +214,80 @@ def simulate(out_dir: str, margin_fraction: float = 0.0, n: int = 600) -> dict:
                   recompute_assumption="st:rc = the plain layer's time x (1 + its forward's share: 1/3, "
                                        "metp 1/4); saved one [s/p, b, h] bf16 tensor; transient the plain "
                                        "layer's saved + transient",
-                  planner_source=source, static_systems=statics,
-                  references=dict(leanest_static=leanest, fastest_static_training_every_sequence=fastest),
+                  planner_source=source, static_systems=statics, references=_references(rows, statics),
                   distribution=dict(n=len(lens), median=float(np.median(lens)), p90=long_cut,
                                     max=max(lens), long_steps=n_long), systems=rows)
-    para = [x for x in rows if x.startswith("paradyse")]
+    result["headline"] = _headline(rows, per_step, lens, statics, long_cut)
+    with open(os.path.join(out_dir, "simulation.json"), "w") as fh:
+        json.dump(result, fh, indent=1)
+    return result
+
+
+def _systems(cm, plans: dict, budget: float, margin: float, limit: float) -> dict:
+    """``{name: fn(s, b) -> (plan, seconds) or None}``: every static plan of ``plans``, then the
+    planners (``paradyse_heuristic``, ``paradyse_optimal``), each judged by :func:`fits` under
+    ``limit``."""
+    systems = {name: (lambda plan: lambda s, b: fits(cm, plan, s, b, limit))(plan)
+               for name, plan in plans.items()}
+    for kind in ("heuristic", "optimal"):
+        pl = build_planner(kind, cm, budget, margin_bytes=margin)  # recompute="auto": strategy x recompute per layer
+        # the planner's choice, judged by the same rule as the static plans
+        systems[f"paradyse_{kind}"] = (lambda pl: lambda s, b: (lambda c: fits(cm, c.layers, s, b, limit)
+                                                                 if c.fits else None)(pl.plan(s, b)))(pl)
+    return systems
+
+
+def _run_system(fn, lens, long_cut: int) -> tuple:
+    """(row, per-sequence seconds or None) of one system over the sequences ``lens``: what it
+    trains and skips, its time (on the sequences of at least ``long_cut`` tokens too), its
+    most used plans, its longest trainable length."""
+    t, toks, oom, t_long, n_long_ok, plans, skipped, per_step = 0.0, 0, 0, 0.0, 0, {}, [], []
+    for k, s in enumerate(lens):
+        r = fn(s, 1)
+        per_step.append(None if r is None else r[1])
+        if r is None:
+            oom += 1
+            skipped.append(k)
+            continue
+        t += r[1]
+        toks += s
+        if s >= long_cut:
+            t_long += r[1]
+            n_long_ok += 1
+        key = "+".join(f"{e}*{r[0].count(e)}" for e in dict.fromkeys(r[0]))
+        plans[key] = plans.get(key, 0) + 1
+    lo, hi = 0, 4 * max(lens) // 1024
+    while lo < hi:  # longest trainable (multiple of 1K); what fits shrinks with the length
+        mid = (lo + hi + 1) // 2
+        if fn(mid * 1024, 1) is not None:
+            lo = mid
+        else:
+            hi = mid - 1
+    trained = [s for k, s in enumerate(lens) if per_step[k] is not None]
+    row = dict(seconds_fitting_steps=t, tokens_trained=toks, oom_steps=oom,
+               sequences_trained=len(lens) - oom, skipped_sequences=skipped,
+               longest_trained=max(trained, default=0),
+               throughput_tokens_per_s=toks / t if t else 0.0,
+               long_steps_seconds=t_long, long_steps_fitting=n_long_ok,
+               longest_trainable=lo * 1024, plans=dict(sorted(plans.items(), key=lambda kv: -kv[1])[:6]))
+    return row, per_step
+
+
+def _references(rows: dict, statics: list) -> dict:
+    """The leanest static system (longest trainable, then fewest skipped, then fastest) and the
+    fastest static system that trains every sequence (None if none does)."""
+    leanest = max(statics, key=lambda x: (rows[x]["longest_trainable"], -rows[x]["oom_steps"],
+                                          rows[x]["throughput_tokens_per_s"]))
+    every = [x for x in statics if rows[x]["oom_steps"] == 0]
+    fastest = max(every, key=lambda x: rows[x]["throughput_tokens_per_s"]) if every else None
+    return dict(leanest_static=leanest, fastest_static_training_every_sequence=fastest)
+
+
+def _headline(rows: dict, per_step: dict, lens, statics: list, long_cut: int) -> dict:
+    """Each planner against each static system: time saved on the sequences both train (and on
+    the long ones among them), how much longer its longest trainable sequence is."""
     h = {}
-    for pn in para:
+    for pn in [x for x in rows if x.startswith("paradyse")]:
         pr = rows[pn]
         for ref in statics:
             both = [k for k in range(len(lens)) if per_step[ref][k] is not None and per_step[pn][k] is not None]
@@ -275,10 +301,7 @@ def simulate(out_dir: str, margin_fraction: float = 0.0, n: int = 600) -> dict:
             if rows[ref]["longest_trainable"]:
                 h[f"{pn}_longest_vs_{ref}_percent_longer"] = \
                     100 * (pr["longest_trainable"] / rows[ref]["longest_trainable"] - 1)
-    result["headline"] = h
-    with open(os.path.join(out_dir, "simulation.json"), "w") as fh:
-        json.dump(result, fh, indent=1)
-    return result
+    return h
 
 
 def summary(r) -> str:

@@ -9,10 +9,10 @@ megatron runs them; ParaDySe's :class:`~megatron_paradyse.planner.PipelinePlanne
 with and without its run-order search.
 
 One rule judges every system (:func:`judge`): a step is trained when, on every pipeline stage,
-every op of megatron's 1F1B schedule (``planner.pipeline.simulate_1f1b``) stays within budget -
+every op of megatron's 1F1B schedule (``costmodel.schedule.simulate_1f1b``) stays within budget -
 margin, the op's bytes being the stage's static bytes, the pool of the micro-batches in flight,
 the running micro-batch's own peak and what each other in-flight micro-batch keeps (the stage
-cost models of ``planner.pipeline.stage_cost_model``; the formula of ``planner/pipeline.py``).
+cost models of ``costmodel.stage.stage_cost_model``; the formula of ``planner/stages.py``).
 The planner's plans are judged by this rule too, not by its own answer. A step a system cannot
 fit is not trained by it: its tokens count for no one, its seconds are not added.
 
@@ -34,8 +34,9 @@ import numpy as np
 from ..costmodel.analytic import param_counts
 from ..costmodel.base import union_bytes
 from ..errors import ArgumentParser, UserError, command
-from ..planner import PipelinePlanner, simulate_1f1b, stage_cost_model
-from ..planner.pipeline import FORWARD_SHARE, forward_share
+from ..costmodel.schedule import simulate_1f1b
+from ..costmodel.stage import FORWARD_SHARE, forward_share, stage_cost_model
+from ..planner import PipelinePlanner
 from .simulate import GB, H100Roofline, Hardware, Model7B, lengths_distribution, static_systems
 
 ADAM_BYTES_PER_PARAM = 30  # fused Adam: reads master, grad, m, v (16), writes master, m, v (12), bf16 param (2)

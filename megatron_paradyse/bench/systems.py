@@ -33,8 +33,7 @@ from ..costmodel.analytic import AnalyticCostModel
 from ..parallel.packing import PackShape
 from ..parallel.plans import make_entry
 from ..parallel.strategies import supports
-from ..planner import build_planner
-from ..planner.pipeline import PipelinePlanner
+from ..planner import PipelinePlanner, build_planner
 from ..training.arguments import transformer_config_from_args
 
 UNIFORM = ("tp_sp", "ulysses", "ring", "colossal", "metp")

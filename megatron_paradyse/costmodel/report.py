@@ -319,8 +319,8 @@ def fake_table(real_rows, fake_path) -> str:
     return "\n".join(lines)
 
 
-@command("python -m megatron_paradyse.costmodel report")
-def main(argv=None):
+def build_parser():
+    """The ``report`` command's flags."""
     ap = ArgumentParser(prog="python -m megatron_paradyse.costmodel report",
                                  description="Accuracy of a cost model on held-out measurements.")
     ap.add_argument("model", help="fitted model metadata JSON, or 'analytic'")
@@ -337,19 +337,30 @@ def main(argv=None):
                     help="a single-device profile (--fake-world p --fake-rank r) of the same shape: print it "
                          "beside rank r of the --profile rows (time, per-rank memory)")
     ap.add_argument("--json", default=None, help="write all numbers here")
-    args = ap.parse_args(argv)
-    for flag in ("png", "png_all", "json"):
-        if getattr(args, flag):
-            writable_file(getattr(args, flag), "--" + flag.replace("_", "-"))
+    return ap
+
+
+def _held_out(paths) -> tuple:
+    """(rows, shape) of the held-out profiles ``paths``, pooled; a UserError when their shapes differ."""
     rows, shape = [], None
-    for path in args.profile:
+    for path in paths:
         header, more = read_profile(path)
         this = ModelShape.from_dict(header["shape"])
         if shape is not None and this != shape:
             raise UserError(f"held-out profile {path!r} is for {this.describe()}, "
-                             f"{args.profile[0]!r} for {shape.describe()}")
+                             f"{paths[0]!r} for {shape.describe()}")
         shape = this
         rows += more
+    return rows, shape
+
+
+@command("python -m megatron_paradyse.costmodel report")
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    for flag in ("png", "png_all", "json"):
+        if getattr(args, flag):
+            writable_file(getattr(args, flag), "--" + flag.replace("_", "-"))
+    rows, shape = _held_out(args.profile)
     model = build_cost_model(shape) if args.model == "analytic" else FittedCostModel.load(args.model, shape)
     # the plot draws the fitted points: from --train-profile, else from --profile itself (a
     # model that records its fitted lengths picks them out of it)
@@ -366,6 +377,18 @@ def main(argv=None):
                         "--fit-max-seq S) to leave lengths out, or give a profile measured apart")
     print(f"model {args.model} ({getattr(model, 'kind', '?')}), held-out {', '.join(args.profile)}: "
           f"{shape.describe()}\n")
+    result = _report_layers(model, rows, errs)
+    _report_plots(args, model, errs, train, rows)
+    if args.steps:
+        result["steps"] = _report_steps(model, shape, args.steps, args.step_repeats)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, default=float)
+
+
+def _report_layers(model, rows, errs) -> dict:
+    """Print the held-out layer errors, beyond the fitted range, and the held-out packs'; the
+    JSON result so far (``layers``, ``packs``)."""
     print(table(errs))
     ext = extrapolation_table(model, errs)
     if ext:
@@ -379,6 +402,11 @@ def main(argv=None):
               "b = 1, padded to a multiple of p):\n")
         print(pack_table(perrs))
         result["packs"] = perrs
+    return result
+
+
+def _report_plots(args, model, errs, train, rows) -> None:
+    """``--png``, ``--png-all`` and ``--fake``: the plots written, the single-device table printed."""
     if args.png:
         plot(model, errs, train, args.png)
         print(f"\nwrote {args.png}")
@@ -388,17 +416,18 @@ def main(argv=None):
     if args.fake:
         print("\nsingle-device profile beside the real one:\n")
         print(fake_table(rows, args.fake))
-    if args.steps:
-        seqs = [int(x) for x in args.steps.split(",")]
-        plans = [p for p in DEFAULT_PLANS if len(p) == shape.num_layers] or [("tp_sp",) * shape.num_layers]
-        measured = measure_steps(shape, plans, seqs, args.step_repeats)
-        se = step_errors(model, measured)
-        print("\nwhole steps (fwd + bwd + finalize_model_grads + megatron Adam step, measured end to end; "
-              "peak per rank incl. weights, grads, Adam state):\n")
-        print(step_table(se))
-        print(f"\nworst: time {max(e['err_time'] for e in se):.1f}%, peak {max(e['err_peak'] for e in se):.1f}%, "
-              f"activation part of the peak {max(e['err_dynamic'] for e in se):.1f}%")
-        result["steps"] = se
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1, default=float)
+
+
+def _report_steps(model, shape, steps: str, repeats: int) -> list:
+    """``--steps``: whole training steps measured end to end at those lengths against the model;
+    printed, and returned."""
+    seqs = [int(x) for x in steps.split(",")]
+    plans = [p for p in DEFAULT_PLANS if len(p) == shape.num_layers] or [("tp_sp",) * shape.num_layers]
+    measured = measure_steps(shape, plans, seqs, repeats)
+    se = step_errors(model, measured)
+    print("\nwhole steps (fwd + bwd + finalize_model_grads + megatron Adam step, measured end to end; "
+          "peak per rank incl. weights, grads, Adam state):\n")
+    print(step_table(se))
+    print(f"\nworst: time {max(e['err_time'] for e in se):.1f}%, peak {max(e['err_peak'] for e in se):.1f}%, "
+          f"activation part of the peak {max(e['err_dynamic'] for e in se):.1f}%")
+    return se

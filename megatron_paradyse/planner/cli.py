@@ -27,11 +27,11 @@ from ..costmodel.analytic import AnalyticCostModel
 from ..costmodel.fitted import FittedCostModel
 from ..parallel.plans import describe
 from ..units import GiB, MiB
-from . import build_planner
+from .build import build_planner
 from ..parallel.packing import PackShape
 from .core import describe_length, fmt_bytes
 from .heuristic import HeuristicPlanner
-from .pipeline import PipelinePlanner
+from .stages import PipelinePlanner
 
 
 def parse_length(text: str) -> int:

@@ -178,7 +178,8 @@ class Planner:
     ``plan(s, b)`` = the cached search result, then the hysteresis: the previous plan returned
     by ``plan`` is kept if it still fits at (s, b) and is at most ``gamma`` slower than the new
     choice. ``choose(s, b)`` is the same without hysteresis and without touching any state
-    (explanations, predictions, tests).
+    (explanations, predictions, tests). ``recompute_first``: megatron's block recompute of
+    the first N layers, applied to every plan ``choose`` returns (and so ``plan``).
     """
 
     kind = "base"
@@ -187,7 +188,7 @@ class Planner:
     def __init__(self, cost_model, memory_budget_bytes: float, gamma: float = 0.05,
                  margin_bytes: float | None = None, strategies=None, refinement=None,
                  cache_size: int = 4096, device_kind: str | None = None, recompute: str = "auto",
-                 recompute_chunk: int = 1):
+                 recompute_chunk: int = 1, recompute_first: int = 0):
         if memory_budget_bytes is None or not (float(memory_budget_bytes) > 0):
             raise ValueError(f"memory budget must be a positive number of bytes, got {memory_budget_bytes!r}")
         if gamma is None or gamma < 0:
@@ -203,6 +204,9 @@ class Planner:
                              f"(it knows {tuple(cost_model.strategies)})")
         self.strategies = names
         self._set_recompute(recompute, recompute_chunk)
+        if isinstance(recompute_first, bool) or int(recompute_first) != recompute_first or recompute_first < 0:
+            raise ValueError(f"recompute_first must be an integer >= 0, got {recompute_first!r}")
+        self.recompute_first = int(recompute_first)  # megatron's block recompute (:meth:`choose`)
         self.budget = float(memory_budget_bytes)
         self.device_kind = device_kind or getattr(cost_model, "device_kind", lambda: "cpu")()
         self.margin = (default_margin_fraction(self.device_kind) * self.budget if margin_bytes is None
@@ -379,7 +383,30 @@ class Planner:
         """The best plan at (s, b) without hysteresis; cached per (padded length, micro-batch
         size). ``seq_len``: a length, or a pack (``PackShape``, b = 1: planned on its documents)."""
         s, b = self._key(seq_len, micro_batch)
-        return self._cached((s, b), lambda: self._search_or_say_why(s, b))
+        choice = self._cached((s, b), lambda: self._search_or_say_why(s, b))
+        return self._with_first_recomputed(choice, s, b) if self.recompute_first else choice
+
+    def _with_first_recomputed(self, c: PlanChoice, s, b: int) -> PlanChoice:
+        """``c`` with its first :attr:`recompute_first` layers recomputed (megatron's block
+        recompute runs them so whatever the plan says: ``--recompute-method block``), priced as
+        such and its peak re-checked against the budget (a plan that no longer fits is reported
+        as not fitting); where the cost model cannot price ``:rc`` entries, ``c``'s numbers."""
+        first = self.recompute_first
+        layers = tuple(make_entry(strategy_of(e), True) if i < first else e for i, e in enumerate(c.layers))
+        if layers == c.layers:
+            return c
+        costs = self.costs(s, b)
+        if all(e in costs.names for e in layers):
+            sec, peak = self.evaluate_layers(costs, layers)
+        elif self.cm.recomputes():  # recompute="off": :rc entries are no candidates
+            step = self.cm.step(layers, s, b)
+            sec, peak = step.seconds, step.peak_bytes
+        else:  # the cost model cannot price :rc entries: the planner's numbers
+            return c._replace(layers=layers)
+        fits = c.fits and peak <= self.limit
+        why = c.reason if fits else (f"{c.reason}; with megatron's block recompute of the first {first} layers "
+                                     f"it peaks above the budget")
+        return c._replace(layers=layers, seconds=sec, peak_bytes=peak, fits=fits, reason=why)
 
     def _search_or_say_why(self, s, b: int) -> PlanChoice:
         choice = self._search(self.costs(s, b), s, b)

@@ -94,51 +94,76 @@ def solve_nested(t, m, caps, L, upper=math.inf, hulls=None):
     q = len(t)
     if q == 0 or caps[0] < -_TOL * max(1.0, abs(caps[0])):
         return math.inf, None
-    if hulls is None:
-        hulls = Hulls(m, t)  # hulls[j]: of strategies j.., made when first needed
-    best = [upper, None]
-    ks = [0] * q
-    pref = [0.0] * q  # the saved bytes of strategies 0..p on the current path
-    # Symmetry: for an earlier strategy a (larger transient) that is faster and no larger than a
-    # later j, a plan with a layer on j while every prefix from a to j - 1 has room for one more
-    # layer of a is beaten by moving that layer to a (the prefixes from a to j - 1 grow by m_a and
-    # stay within their caps, the later ones shrink by m_j - m_a >= 0): j then holds no layer.
-    leaner = [[a for a in range(j) if m[a] <= m[j] and t[a] < t[j]] for j in range(q)]
+    search = _Nested(t, m, caps, upper, Hulls(m, t) if hulls is None else hulls)  # hulls[j]: of j..
+    if q == 1 or lp_bound(search.hulls[0], L, caps[-1]) < search.best * (1 - EPS):
+        search.rec(0, L, 0.0, 0.0)
+    return (math.inf, None) if search.counts is None else (search.best, search.counts)
 
-    def must_skip(j):
+
+class _Nested:
+    """:func:`solve_nested`'s depth-first search: ``best`` the fastest plan's time so far (at
+    first the caller's ``upper``), ``counts`` its layers per strategy (None until one is
+    found); ``ks`` the layers given on the current path, ``pref[p]`` the saved bytes of
+    strategies ``0..p`` on it."""
+
+    def __init__(self, t, m, caps, upper, hulls):
+        q = self.q = len(t)
+        self.t, self.m, self.caps, self.hulls = t, m, caps, hulls
+        self.best, self.counts = upper, None
+        self.ks = [0] * q
+        self.pref = [0.0] * q
+        # Symmetry: for an earlier strategy a (larger transient) that is faster and no larger
+        # than a later j, a plan with a layer on j while every prefix from a to j - 1 has room
+        # for one more layer of a is beaten by moving that layer to a (the prefixes from a to
+        # j - 1 grow by m_a and stay within their caps, the later ones shrink by m_j - m_a >=
+        # 0): j then holds no layer.
+        self.leaner = [[a for a in range(j) if m[a] <= m[j] and t[a] < t[j]] for j in range(q)]
+
+    def must_skip(self, j: int) -> bool:
         """Whether strategy j must hold no layer (the symmetry above) on the current path."""
-        for a in leaner[j]:
+        caps, pref, m = self.caps, self.pref, self.m
+        for a in self.leaner[j]:
             if min(caps[p] - pref[p] for p in range(a, j)) >= m[a]:
                 return True
         return False
 
-    def leaf(tot, assign):
-        if tot < best[0] * (1 - EPS):
-            out = list(ks)
+    def leaf(self, tot: float, assign) -> None:
+        """A complete plan of ``tot`` seconds: the path's counts with ``assign`` ``[(j, k)]``;
+        kept when faster than the best."""
+        if tot < self.best * (1 - EPS):
+            out = list(self.ks)
             for j, k in assign:
                 out[j] = k
-            best[0], best[1] = tot, out
+            self.best, self.counts = tot, out
 
-    def rec(j, r, used, acc):
+    def rec(self, j: int, r: int, used: float, acc: float) -> None:
+        """Place ``r`` layers on strategies ``j..`` over ``used`` bytes and ``acc`` seconds taken."""
+        q, m, caps = self.q, self.m, self.caps
         if j == q - 1:
             if _within(used + r * m[j], caps[j]):
-                leaf(acc + r * t[j], [(j, r)])
+                self.leaf(acc + r * self.t[j], [(j, r)])
             return
-        skip = bool(leaner[j]) and must_skip(j)
+        skip = bool(self.leaner[j]) and self.must_skip(j)
         if j == q - 2:
             if skip:
                 if _within(used + r * m[j + 1], caps[j + 1]):
-                    leaf(acc + r * t[j + 1], [(j, 0), (j + 1, r)])
+                    self.leaf(acc + r * self.t[j + 1], [(j, 0), (j + 1, r)])
                 return
-            got = _last_two(t, m, caps, j, q - 1, r, used)
+            got = _last_two(self.t, m, caps, j, q - 1, r, used)
             if got is not None:
-                leaf(acc + got[0], [(j, got[1]), (q - 1, r - got[1])])
+                self.leaf(acc + got[0], [(j, got[1]), (q - 1, r - got[1])])
             return
-        tj, mj = t[j], m[j]
+        mj = m[j]
         kmax = 0 if skip else r if mj <= 0 else min(r, math.floor((caps[j] - used) / mj * (1 + 1e-12) + 1e-9))
-        if kmax < 0:
-            return
-        h, cl, memo = hulls[j + 1], caps[-1] - used, {}
+        if kmax >= 0:
+            self.branch(j, r, used, acc, kmax)
+
+    def branch(self, j: int, r: int, used: float, acc: float, kmax: int) -> None:
+        """The children of strategy ``j`` (``0..kmax`` layers on it), visited from the LP
+        bound's minimum outwards in increasing bound; each side ends where its bound reaches
+        the best plan."""
+        tj, mj = self.t[j], self.m[j]
+        h, cl, memo = self.hulls[j + 1], self.caps[-1] - used, {}
 
         def bnd(k):  # the LP bound with k layers on j: convex in k (infinite where the rest cannot fit)
             v = memo.get(k)
@@ -150,20 +175,11 @@ def solve_nested(t, m, caps, L, upper=math.inf, hulls=None):
         if span is None:
             return
         lo, hi = span
-        a, b = lo, hi
-        if a < b and bnd(b - 1) >= bnd(b):  # the minimum at an end (often: no bisection)
-            a = b
-        elif a < b and bnd(a + 1) >= bnd(a):
-            b = a
-        while a < b:  # the smallest minimiser of the bound (convex: bisection on its slope)
-            mid = (a + b) // 2
-            if bnd(mid) <= bnd(mid + 1):
-                b = mid
-            else:
-                a = mid + 1
-        down, up = a, a + 1  # the children in increasing bound from the minimum outwards: good
-        while True:          # plans early; each side ends where its bound reaches the best plan
-            target = best[0] * (1 - EPS)
+        down = _argmin(bnd, lo, hi)
+        up = down + 1  # the children in increasing bound from the minimum outwards: good plans early
+        ks, pref = self.ks, self.pref
+        while True:
+            target = self.best * (1 - EPS)
             bd = bnd(down) if down >= lo else math.inf
             bu = bnd(up) if up <= hi else math.inf
             if bd <= bu:
@@ -176,11 +192,22 @@ def solve_nested(t, m, caps, L, upper=math.inf, hulls=None):
                 k, up = up, up + 1
             ks[j] = k
             pref[j] = used + k * mj
-            rec(j + 1, r - k, pref[j], acc + k * tj)
+            self.rec(j + 1, r - k, pref[j], acc + k * tj)
             ks[j] = 0
 
-    if q == 1:
-        rec(0, L, 0.0, 0.0)
-    elif lp_bound(hulls[0], L, caps[-1]) < best[0] * (1 - EPS):
-        rec(0, L, 0.0, 0.0)
-    return (math.inf, None) if best[1] is None else (best[0], best[1])
+
+def _argmin(bnd, lo: int, hi: int) -> int:
+    """The smallest minimiser of the convex ``bnd`` on ``lo..hi``: an end when the bound rises
+    from it (often: no bisection), else bisection on its slope."""
+    a, b = lo, hi
+    if a < b and bnd(b - 1) >= bnd(b):
+        a = b
+    elif a < b and bnd(a + 1) >= bnd(a):
+        b = a
+    while a < b:
+        mid = (a + b) // 2
+        if bnd(mid) <= bnd(mid + 1):
+            b = mid
+        else:
+            a = mid + 1
+    return a

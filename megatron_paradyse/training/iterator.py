@@ -30,7 +30,7 @@ class PlannedIterator:
                  start_step: int = 0, check: bool = True, group=None, counts=None, step_plan_fn=None):
         self.source = source
         # pipeline stages: the step's micro-batches planned together, ``step_plan_fn(mbs, step)
-        # -> (run order, plans, step plan)`` (planner/pipeline.py), instead of plan_fn one by one
+        # -> (run order, plans, step plan)`` (planner/stages.py), instead of plan_fn one by one
         self.step_plan_fn = step_plan_fn
         self.last_step_plan = None
         self.counts = counts  # step -> (this group's micro-batches, the most any group runs)

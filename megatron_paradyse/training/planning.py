@@ -10,9 +10,8 @@ from ..costmodel import ModelShape, build_cost_model, extrapolation_note
 from ..device import current as current_device
 from ..device import is_cpu
 from ..errors import UserError
-from ..parallel.plans import make_entry, strategy_of
-from ..planner import build_planner, make_plan_fn
-from ..planner.pipeline import PipelinePlanner, make_step_plan_fn
+from ..planner import MicroBatchView  # noqa: F401  (trainer.py takes the planner's view from here)
+from ..planner import PipelinePlanner, build_planner, make_plan_fn, make_step_plan_fn
 from ..units import GiB
 from .arguments import default_memory_budget_gib
 
@@ -88,19 +87,15 @@ def planner_from_args(args, can_refine: bool = True, cost_model=None):
         mode, chunk = "off", 1
     options = dict(gamma=args.paradyse_gamma, margin_bytes=margin, strategies=args.paradyse_planner_strategies,
                    refinement=True if refine else None, device_kind=current_device().type,
-                   recompute=mode, recompute_chunk=chunk)
+                   recompute=mode, recompute_chunk=chunk, recompute_first=first)
     multiple = args.paradyse_pad_multiple or args.tensor_model_parallel_size
     stages = getattr(args, "pipeline_model_parallel_size", 1)
     if stages > 1:
         planner = PipelinePlanner(args.paradyse_planner, cm, budget * GiB, stages,
-                                  **dict(options, refinement=None))
-        for stage in planner.stages if first else ():
-            force_first_recomputed(stage, first)  # megatron's block recompute: per stage
+                                  **dict(options, refinement=None))  # block recompute: per stage
         plan_fn = make_step_plan_fn(planner, args.paradyse_on_no_fit, multiple=multiple)
     else:
         planner = build_planner(args.paradyse_planner, cm, budget * GiB, **options)
-        if first:
-            force_first_recomputed(planner, first)
         plan_fn = make_plan_fn(planner, args.paradyse_on_no_fit, multiple=multiple)  # plans packs too
     log.info(f"> planner: {describe_planner(planner)}; cost model {type(cm).__name__}"
              + (f" ({args.paradyse_cost_model})" if args.paradyse_cost_model else "")
@@ -120,39 +115,12 @@ def describe_planner(planner) -> str:
             f"micro-batches planned together over the 1F1B schedule)")
 
 
-class MicroBatchView:
-    """A pipeline planner as the data side asks a planner (the sampler's cost, the packing
-    scheduler's cost and fit, the longest trainable length): a micro-batch fits when it fits
-    each stage alone, and costs its slowest stage's seconds (the pipeline's rate at steady state)."""
-
-    def __init__(self, pipeline_planner):
-        self.pipeline = pipeline_planner
-        self.stages = pipeline_planner.stages
-        self.kind = pipeline_planner.kind
-        self.budget, self.margin = pipeline_planner.budget, pipeline_planner.margin
-        self.refinement = None  # not with pipeline stages (yet): a step's stages would need one each
-
-    def choose(self, seq_len, micro_batch: int):
-        choices = [st.choose(seq_len, micro_batch) for st in self.stages]
-        worst = max(choices, key=lambda c: c.seconds)
-        return worst._replace(fits=all(c.fits for c in choices))
-
-    def longest_fit(self, micro_batch: int, multiple: int = 1, upper: int | None = None) -> int:
-        return min(st.longest_fit(micro_batch, multiple=multiple, upper=upper) for st in self.stages)
-
-    def no_fit_message(self, s, b: int) -> str:
-        for r, st in enumerate(self.stages):
-            if not st.choose(s, b).fits:
-                return f"pipeline stage {r} of {len(self.stages)}: {st.no_fit_message(s, b)}"
-        return f"every stage fits {s} tokens alone"
-
-
 def recompute_plan(args) -> tuple:
     """``(planner recompute mode, chunk, first)`` from ``--paradyse-recompute`` and megatron's
     own flags, which fix recompute where they apply: ``full`` + ``uniform`` recomputes every
     layer in chunks of ``--recompute-num-layers`` (the planner plans ``:rc`` entries only);
     ``full`` + ``block`` the first ``--recompute-num-layers`` layers (the planner plans the rest,
-    :func:`force_first_recomputed`); selective recompute changes no plan (its savings are not
+    ``Planner.recompute_first``); selective recompute changes no plan (its savings are not
     counted: the predicted peak stays an upper bound)."""
     mode = getattr(args, "paradyse_recompute", "auto") or "auto"
     if getattr(args, "recompute_granularity", None) != "full":
@@ -161,34 +129,6 @@ def recompute_plan(args) -> tuple:
     if args.recompute_method == "uniform":
         return "only", max(1, n), 0
     return mode, 1, n
-
-
-def force_first_recomputed(planner, first: int) -> None:
-    """megatron's block recompute runs the first ``first`` layers recomputed whatever the plan
-    says: the planner's plans get ``:rc`` entries there, priced as such (their peak re-checked
-    against the budget; a plan that no longer fits is reported as not fitting)."""
-    from ..planner.core import plan_key
-
-    inner = planner.choose
-
-    def choose(seq_len, micro_batch):
-        c = inner(seq_len, micro_batch)
-        layers = tuple(make_entry(strategy_of(e), True) if i < first else e for i, e in enumerate(c.layers))
-        if layers == c.layers:
-            return c
-        costs = planner.costs(plan_key(seq_len), int(micro_batch))
-        if all(e in costs.names for e in layers):
-            sec, peak = planner.evaluate_layers(costs, layers)
-        elif planner.cm.recomputes():  # --paradyse-recompute off: :rc entries are no candidates
-            step = planner.cm.step(layers, plan_key(seq_len), int(micro_batch))
-            sec, peak = step.seconds, step.peak_bytes
-        else:  # the cost model cannot price :rc entries: the planner's numbers, said so once
-            return c._replace(layers=layers)
-        fits = c.fits and peak <= planner.limit
-        why = c.reason if fits else f"{c.reason}; with megatron's block recompute of the first {first} layers it peaks above the budget"
-        return c._replace(layers=layers, seconds=sec, peak_bytes=peak, fits=fits, reason=why)
-
-    planner.choose = choose
 
 
 class BudgetError(UserError):

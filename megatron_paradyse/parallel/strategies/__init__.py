@@ -1,4 +1,4 @@
-"""The strategy registry: one file per strategy, looked up by name."""
+"""The strategy registry: one file per strategy, looked up by name (``registry.py``)."""
 from __future__ import annotations
 
 from .base import Strategy
@@ -6,16 +6,10 @@ from .colossal import Colossal
 from .metp import METP
 from .ring import Ring
 from .tp_sp import TPSP
+from .registry import REGISTRY, register
 from .ulysses import Ulysses
 
 _ORDER = ("tp_sp", "ulysses", "ring", "colossal", "metp")
-REGISTRY: dict = {}
-
-
-def register(strategy: Strategy) -> Strategy:
-    REGISTRY[strategy.name] = strategy
-    return strategy
-
 
 for _cls in (TPSP, Ulysses, Ring, Colossal, METP):
     register(_cls())

@@ -15,6 +15,7 @@ from .. import collectives, prefetch, recompute
 from ..prefetch import Target
 from .base import (STRATEGY_ATTR, apply_activation, apply_rope, bias_of, rope_freqs, row_output, split_qkv,
                    switching_group, weight_grad, wgrad_fusion)
+from .registry import REGISTRY
 
 _ROLE = {"linear_qkv": 0, "linear_proj": 1, "linear_fc1": 0, "linear_fc2": 1}  # alternating pool slots
 
@@ -70,8 +71,6 @@ def _target(module, name, group):
 
 def runs_zero(module) -> bool:
     """Whether ``module`` (a layer's attention or MLP) runs a ZeRO strategy in this pass."""
-    from . import REGISTRY
-
     name = recompute.lookup(module, STRATEGY_ATTR)
     return name is not None and getattr(REGISTRY.get(name), "zero_weights", False)
 

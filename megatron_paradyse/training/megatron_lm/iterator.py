@@ -10,7 +10,8 @@ import torch
 from ...units import MiB
 from ...parallel.plans import describe_plans, parse_plan, rule_plan_fn
 from ..iterator import PlannedIterator
-from ..planning import MicroBatchView, planner_from_args
+from ...planner import MicroBatchView
+from ..planning import planner_from_args
 from .args import pad_multiple
 from .batches import tp_batches
 
