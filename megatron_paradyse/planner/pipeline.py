@@ -168,7 +168,7 @@ def stage_cost_model(cost_model, stage: int, num_stages: int) -> StageCostModel:
 # the schedule
 
 
-class Op(NamedTuple):
+class StageOp(NamedTuple):
     """One forward (``"F"``) or backward (``"B"``) of a micro-batch on a stage."""
 
     kind: str
@@ -233,7 +233,7 @@ def simulate_1f1b(fwd, bwd) -> Schedule:
                 start = max(clock[r], done[dep] if dep is not None else 0.0)
                 end = start + (fwd[r][j] if kind == "F" else bwd[r][j])
                 done[(kind, r, j)] = clock[r] = end
-                ops[r].append(Op(kind, j, start, end, flights[r][pos[r]]))
+                ops[r].append(StageOp(kind, j, start, end, flights[r][pos[r]]))
                 pos[r] += 1
                 moved = True
     if any(pos[r] < len(orders[r]) for r in range(P)):
