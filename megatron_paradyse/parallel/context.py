@@ -142,7 +142,8 @@ class Span:
     layout: RingLayout | PieceLayout
 
 
-def ring_span(inner, group: dist.ProcessGroup, rank: int, cp: CPPlace | None, docs: Documents | None, device=None) -> Span:
+def ring_span(inner: RingLayout | PackedLayout, group: dist.ProcessGroup, rank: int, cp: CPPlace | None,
+              docs: Documents | None, device=None) -> Span:
     """The ring family's attention for this rank, which holds ``inner``'s tokens of rank ``rank``
     of the switching ``group``: that ring alone, or with CP the two-level ring over CP x TP."""
     local_ranges = inner.ranges(rank)

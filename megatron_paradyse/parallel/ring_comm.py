@@ -27,8 +27,8 @@ from .collectives import ensure_ready, group_info, wait
 
 SlotName = Callable[[int, int], str]  # (tensor index, pool slot) -> pooled buffer name
 Shapes = Callable[[int], list]  # owner -> the shapes of its tensors
-Hops = tuple  # Hops[src]: the last step of a flat ring at which some rank needs src's tensors
-Stream = Iterator[tuple]  # (owner, its tensors held now, or None)
+Hops = tuple[int, ...]  # Hops[src]: the last step of a flat ring at which some rank needs src's tensors
+Stream = Iterator[tuple[int, list | None]]  # (owner, its tensors held now, or None)
 
 
 def _p2p(sends: list, recvs: list, group) -> list:
