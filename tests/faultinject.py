@@ -65,10 +65,10 @@ def install(spec: dict) -> None:
     if kind in ("raise_forward", "raise_backward", "kill_forward"):
         from megatron_paradyse.parallel.strategies import ring
 
-        original_stream = ring.ring_stream
+        original_stream = ring.kv_stream
         phase = "backward" if kind.endswith("backward") else "forward"
 
-        def ring_stream(*a, **k):
+        def kv_stream(*a, **k):
             # the frame that iterates the ring: RingAttention.forward's ring_forward, or backward
             caller = sys._getframe(1).f_code.co_name
             callers = ("forward", "ring_forward") if phase == "forward" else ("backward",)
@@ -80,7 +80,7 @@ def install(spec: dict) -> None:
                     raise RuntimeError(f"injected fault in the ring {phase} at iteration {spec['iteration']}")
                 yield item
 
-        ring.ring_stream = ring_stream
+        ring.kv_stream = kv_stream
     elif kind == "save_rank0":
         from megatron_paradyse.training.checkpointing import atomic
 

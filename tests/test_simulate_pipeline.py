@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 
 from megatron_paradyse.bench.simulate import Hardware
-from megatron_paradyse.bench.simulate_pipeline import (Judge, Model70B, PipelineRoofline, Setup, main,
+from megatron_paradyse.bench.simulate_pipeline import (Judge, Model70B, PipelineRoofline, PipelineSetup, main,
                                                        simulate_pipeline, step_shapes)
 from megatron_paradyse.planner import PipelinePlanner
 
-SMALL = dict(setup=Setup(stages=4, microbatches=8, steps=8, max_len=256 * 1024),
+SMALL = dict(setup=PipelineSetup(stages=4, microbatches=8, steps=8, max_len=256 * 1024),
              model=Model70B(name="small", num_layers=8, hidden=1024, heads=16, query_groups=4, ffn=2816),
              hw=Hardware(memory_bytes=6e9, reserved_bytes=1e9))
 

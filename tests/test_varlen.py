@@ -334,10 +334,10 @@ def test_colossal_packed_path_runs_on_fake_cuda_bf16(monkeypatch):
                     own = g if src == rank else own
                 return own if grad else None
             monkeypatch.setattr(colossal, "_ring", ring_steps)
-            monkeypatch.setattr(colossal, "ring_position", lambda group, rank=rank: (rank, 2))
+            ring = types.SimpleNamespace(position=rank, size=2)
             ctx = types.SimpleNamespace(save_for_backward=lambda *t: setattr(ctx, "saved_tensors", t))
             n = layout.count(rank)
             q, k, v = e(N, n), e(KV, n), e(KV, n)
-            out = colossal.RingSelfAttention.forward(ctx, q, k, v, None, 0.25, layout)
+            out = colossal.RingSelfAttention.forward(ctx, q, k, v, ring, 0.25, layout)
             dq, dk, dv = colossal.RingSelfAttention.backward(ctx, e(N, n))[:3]
             assert (out.shape, dq.shape, dk.shape, dv.shape) == (q.shape, q.shape, k.shape, v.shape)

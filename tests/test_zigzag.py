@@ -92,6 +92,7 @@ def _cores_match_full_attention(rank, world, cases):
 
     from megatron_paradyse.parallel import zigzag
     from megatron_paradyse.parallel.attention_kernels import causal_attention
+    from megatron_paradyse.parallel.ring_comm import FlatRing
     from megatron_paradyse.parallel.strategies.colossal import rsa_attention
     from megatron_paradyse.parallel.strategies.ring import ring_attention
     from megatron_paradyse.testing import models as T
@@ -112,7 +113,7 @@ def _cores_match_full_attention(rank, world, cases):
         idx = torch.tensor([t for a, b in layout.ranges(rank) for t in range(a, b)])
         for core in (ring_attention, rsa_attention):
             mine = [t[:, :, idx].clone().requires_grad_(True) for t in (q, k, v)]
-            out = core(*mine, group, d ** -0.5, layout)
+            out = core(*mine, FlatRing(group), d ** -0.5, layout)
             out.backward(dout[:, :, idx])
             pairs = [(out, ref)] + [(m.grad, f.grad) for m, f in zip(mine, full)]
             for got, want in pairs:

@@ -56,7 +56,7 @@ class Model70B(Model7B):
 
 
 @dataclasses.dataclass
-class Setup:
+class PipelineSetup:
     """The pipeline and the data: P stages, steps of M micro-batches (one document each)."""
 
     stages: int = 8
@@ -168,7 +168,7 @@ class Judge:
 # the systems
 
 
-def step_shapes(setup: Setup) -> list:
+def step_shapes(setup: PipelineSetup) -> list:
     """The steps' micro-batches ``[[(s, 1)] * M] * steps``: :func:`simulate.lengths_distribution`
     (log-normal, median 16K, sigma 1.5, clipped to [min_len, max_len], the longest set to
     max_len, multiples of 64), consecutive draws forming a step (the data order)."""
@@ -193,7 +193,7 @@ def planner_system(judge: Judge, pp: PipelinePlanner):
     return run
 
 
-def build_systems(cm, setup: Setup, budget: float, margin: float, judge: Judge) -> dict:
+def build_systems(cm, setup: PipelineSetup, budget: float, margin: float, judge: Judge) -> dict:
     """``{name: run(shapes) -> (Judged, StepPlan or None)}``: every static plan, then the planner
     with its run-order search (``paradyse``) and in the data order (``paradyse_data_order``)."""
     out = {name: static_system(judge, plan) for name, plan in static_systems(cm).items()}
@@ -296,9 +296,9 @@ def spread_trains(judge: Judge, pp: PipelinePlanner, steps, ks) -> list:
     return out
 
 
-def simulate_pipeline(setup: Setup | None = None, model: Model70B | None = None, hw: Hardware | None = None) -> dict:
+def simulate_pipeline(setup: PipelineSetup | None = None, model: Model70B | None = None, hw: Hardware | None = None) -> dict:
     """The simulation (module docstring): every system over every step, judged by one rule."""
-    setup, model, hw = setup or Setup(), model or Model70B(), hw or Hardware()
+    setup, model, hw = setup or PipelineSetup(), model or Model70B(), hw or Hardware()
     if model.num_layers % setup.stages:
         raise UserError(f"{model.num_layers} layers do not split over {setup.stages} stages")
     if setup.dp > 1:  # bf16 param and fp32 main grad on every replica, master and Adam sharded
@@ -416,7 +416,7 @@ def summary(r: dict) -> str:
 def build_parser():
     ap = ArgumentParser(prog="python -m megatron_paradyse.bench.simulate_pipeline", description=__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
-    d = Setup()
+    d = PipelineSetup()
     ap.add_argument("--steps", type=int, default=d.steps, help="steps (of --microbatches documents each)")
     ap.add_argument("--microbatches", type=int, default=d.microbatches, help="M, micro-batches per step")
     ap.add_argument("--stages", type=int, default=d.stages, help="P, pipeline stages (80 layers split evenly)")
@@ -435,7 +435,7 @@ def main(argv=None) -> int:
     if min(a.steps, a.microbatches, a.stages, a.dp) < 1 or not 0 <= a.margin_fraction < 1:
         raise UserError("--steps, --microbatches, --stages and --dp must be >= 1, --margin-fraction in [0, 1)")
     t0 = time.perf_counter()
-    r = simulate_pipeline(Setup(stages=a.stages, microbatches=a.microbatches, steps=a.steps, seed=a.seed,
+    r = simulate_pipeline(PipelineSetup(stages=a.stages, microbatches=a.microbatches, steps=a.steps, seed=a.seed,
                                 margin_fraction=a.margin_fraction, dp=a.dp))
     print(summary(r))
     print(f"({time.perf_counter() - t0:.1f} s)")

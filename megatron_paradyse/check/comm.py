@@ -29,7 +29,7 @@ from ..device import current
 from ..parallel import collectives, groups, pack_layout, zigzag
 from ..parallel.buffers import block_slot, release_pool, weight_slot
 from ..parallel.packing import Documents
-from ..parallel.ring_comm import GradRing, ring_stream
+from ..parallel.ring_comm import FlatRing
 from ..units import MiB
 from .results import INFO, SKIP, Line
 
@@ -113,12 +113,13 @@ def _ring_pack(group, p, r, dev, layout) -> str:
     last = layout.last_hops()
     mine = torch.full((3, 2), float(r + 1), device=dev)
     seen = []
-    for src, held in ring_stream([mine], group, block_slot, last=last):
+    ring = FlatRing(group)
+    for src, held in ring.stream([mine], block_slot, last=last):
         seen.append((src, None if held is None else float(held[0][0, 0])))
     want = [((r - j) % p, float((r - j) % p + 1) if j <= last[(r - j) % p] else None) for j in range(p)]
     if seen != want:
         return f"ring stream held {seen}, expected {want}"
-    grads = GradRing([mine], group, last=last)
+    grads = ring.grad_ring([mine], last=last)
     for j in range(p):
         src = (r - j) % p
         grads.add([torch.full((3, 2), float(10 * r + 1), device=dev)] if j <= last[src] else None)

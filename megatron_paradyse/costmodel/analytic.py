@@ -173,7 +173,7 @@ PACK_LAYOUT_SAVED = {"ring": {"t*h": 3, "t*kv": 2, "rope/p": 2, "t*lse": 1},
                      "metp": {"t*h": 1}}
 # transient terms of the attention phase, which run over the packed layout's tokens (the
 # phases are fitted mixtures, configs/transient.json; the MLP's and the weights' terms stay);
-# colossal's dS rows reach the widest column a local row sees (packs.Geometry.rows_cols)
+# colossal's dS rows reach the widest column a local row sees (packs.PackGeometry.rows_cols)
 PACK_LAYOUT_TRANSIENT = ("t*lse", "t*kv", "t*kv/p", "t*qw", "t*qw/p", "rope/p", "t*h/p")
 PACK_ROWS_TRANSIENT = ("rows", "rows32")
 

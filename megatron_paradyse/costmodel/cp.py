@@ -10,7 +10,7 @@ and attention also covers the other CP ranks' keys:
   again and a travelling dK/dV accumulator, C hops; every hop crosses nodes;
 * ``ring``, ``colossal``, ``metp`` (s/(Cp) tokens, all heads): a ring over the C*p ranks
   that replaces their in-node ring of p-1 hops, in one of two forms (``ring=``): two-level
-  (the default, ``parallel/ring_comm.TwoLevel``'s): an outer ring over the C nodes whose every
+  (the default, ``parallel/ring_comm.TwoLevelRing``'s): an outer ring over the C nodes whose every
   step runs the in-node ring, C-1 inter-node and C*(p-1) in-node hops per pass; flat: one
   ring in node-major order, C*p-1 hops per pass, C of the links of every hop crossing nodes,
   so each hop takes the inter-node link's time.

@@ -49,7 +49,7 @@ def describe(s) -> str:
     return f"pack T={s.tokens} ({s.num_docs} docs, longest {max(s.lengths)})"
 
 
-class Geometry(NamedTuple):
+class PackGeometry(NamedTuple):
     """What a (padded) pack of ``tokens`` asks of the strategies at p (module docstring); the
     ``*_one`` fields: the same for one sequence of ``tokens``."""
 
@@ -101,13 +101,13 @@ def _layout_numbers(p: int, lengths: tuple) -> tuple:
 
 
 @functools.lru_cache(maxsize=4096)
-def geometry(s: PackShape, p: int) -> Geometry:
-    """:class:`Geometry` of the pack ``s`` padded to a multiple of ``p``."""
+def geometry(s: PackShape, p: int) -> PackGeometry:
+    """:class:`PackGeometry` of the pack ``s`` padded to a multiple of ``p``."""
     pk = s.padded(p)
     T = pk.tokens
     got = _layout_numbers(p, pk.lengths)
     one = _one(T, p)
-    return Geometry(T, pk.num_docs, sum(d * (d + 1) / 2 for d in pk.lengths), got[0], one[0], got[2],
+    return PackGeometry(T, pk.num_docs, sum(d * (d + 1) / 2 for d in pk.lengths), got[0], one[0], got[2],
                     got[1], one[1], got[3], one[3], got[4], one[4], got[5], one[5])
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 
-class Op(NamedTuple):
+class StageOp(NamedTuple):
     """One forward (``"F"``) or backward (``"B"``) of a micro-batch on a stage; ``start`` and
     ``end`` are 0 in a stage's order (:func:`one_f_one_b`), its times in a :class:`Schedule`."""
 
@@ -32,7 +32,7 @@ class Schedule(NamedTuple):
 
 
 def one_f_one_b(stage: int, num_stages: int, num_microbatches: int) -> tuple:
-    """``stage``'s :class:`Op` s in the order megatron's 1F1B runs them (untimed): ``w =
+    """``stage``'s :class:`StageOp` s in the order megatron's 1F1B runs them (untimed): ``w =
     min(P - r - 1, M)`` warm-up forwards, then ``M - w`` pairs (forward of ``w + i``, backward
     of ``i``), then the ``w`` cool-down backwards; each with the positions in flight while it
     runs (itself included)."""
@@ -45,7 +45,7 @@ def one_f_one_b(stage: int, num_stages: int, num_microbatches: int) -> tuple:
     live, out = set(), []
     for kind, j in order:
         live.add(j)
-        out.append(Op(kind, j, tuple(sorted(live))))
+        out.append(StageOp(kind, j, tuple(sorted(live))))
         if kind == "B":
             live.discard(j)
     return tuple(out)

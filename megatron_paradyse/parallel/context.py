@@ -12,7 +12,7 @@ attention also covers the keys of the other CP ranks:
 * ``tp_sp`` and ``ulysses`` hold heads/p of all 2L local tokens after their gather or
   all-to-all; their K/V travel a ring over the CP group (:func:`cp_layout`: C owners);
 * the ring family holds its in-node layout's tokens (``zigzag`` / ``pack_layout``, built on the
-  local tokens) with all heads; their K/V travel a two-level ring (``ring_comm.TwoLevel``:
+  local tokens) with all heads; their K/V travel a two-level ring (``ring_comm.TwoLevelRing``:
   :func:`joint_layout`'s C*p owners): an outer ring over the CP group whose every step runs
   an inner ring over the switching group, so a block crosses nodes C-1 times per pass.
 
@@ -29,21 +29,21 @@ import torch
 import torch.distributed as dist
 
 from .pack_layout import PackedLayout, PieceLayout, place
-from .ring_comm import TwoLevel
+from .ring_comm import RingComm, ring_over
 from .packing import Documents
 from .zigzag import RingLayout
 
 
 @dataclasses.dataclass(frozen=True)
-class CP:
+class CPPlace:
     """This rank's place in the CP dimension: ``size`` C, ``rank`` c, megatron's CP ``group``."""
 
     size: int
     rank: int
-    group: object
+    group: dist.ProcessGroup
 
 
-def cp_of(config) -> CP | None:
+def cp_of(config) -> CPPlace | None:
     """The CP dimension of a model built with ``config``, or None without one (C = 1)."""
     size = getattr(config, "context_parallel_size", 1) or 1
     if size == 1:
@@ -54,7 +54,7 @@ def cp_of(config) -> CP | None:
     if dist.get_world_size(group) != size:
         raise RuntimeError(f"the model was built with context_parallel_size={size} but megatron's CP group has "
                            f"{dist.get_world_size(group)} ranks: initialise its parallel state with the same size")
-    return CP(size, dist.get_rank(group), group)
+    return CPPlace(size, dist.get_rank(group), group)
 
 
 def chunks(size: int, rank: int, local: int) -> tuple:
@@ -120,7 +120,7 @@ def joint_layout(size: int, p: int, local: int, docs: Documents | None) -> Piece
     return PieceLayout(tuple(owners), size * local)
 
 
-def rope_positions(cp: CP | None, docs: Documents | None, ranges, device=None):
+def rope_positions(cp: CPPlace | None, docs: Documents | None, ranges, device=None):
     """RoPE positions of the local tokens ``ranges`` (local ``(start, stop)``, in order): the
     ranges themselves for one sequence per row (megatron's table is this CP rank's, indexed
     locally), each token's in-document position for a pack (the table is not sliced)."""
@@ -134,22 +134,24 @@ def rope_positions(cp: CP | None, docs: Documents | None, ranges, device=None):
 
 @dataclasses.dataclass(frozen=True)
 class Span:
-    """Where a ring strategy's attention runs: RoPE positions, ring group and ring layout."""
+    """Where a ring strategy's attention runs: the RoPE positions of its tokens
+    (:func:`rope_positions`), the ring its K/V travel and the ring's layout of the blocks."""
 
-    positions: object
-    group: object
-    layout: object
+    positions: int | list | torch.Tensor
+    ring: RingComm
+    layout: RingLayout | PieceLayout
 
 
-def ring_span(inner, group, rank: int, cp: CP | None, docs: Documents | None, device=None) -> Span:
+def ring_span(inner: RingLayout | PackedLayout, group: dist.ProcessGroup, rank: int, cp: CPPlace | None,
+              docs: Documents | None, device=None) -> Span:
     """The ring family's attention for this rank, which holds ``inner``'s tokens of rank ``rank``
     of the switching ``group``: that ring alone, or with CP the two-level ring over CP x TP."""
     local_ranges = inner.ranges(rank)
     if cp is None:
-        return Span(inner.rope_positions(rank, device), group, inner)
+        return Span(inner.rope_positions(rank, device), ring_over(group), inner)
     local = docs.total // cp.size if docs is not None else inner.total
     layout = joint_layout(cp.size, inner.p, local, docs)
-    return Span(rope_positions(cp, docs, local_ranges, device), TwoLevel(group, cp.group), layout)
+    return Span(rope_positions(cp, docs, local_ranges, device), ring_over(group, cp.group), layout)
 
 
 def split_for_cp(x, size: int, rank: int, dim: int = 1):

@@ -58,7 +58,7 @@ def _to_global(parts, layout, like):
 
 
 def _order(rank):
-    """The sources of a rank's ring steps, its own first (``ring_stream``'s order)."""
+    """The sources of a rank's ring steps, its own first (``RingComm.stream``'s order)."""
     return [(rank - step) % P for step in range(P)]
 
 

@@ -126,7 +126,7 @@ def _trace(event: str, target: Target) -> None:
 _LINKS = "_paradyse_links"
 
 
-class Links(NamedTuple):
+class ModuleLinks(NamedTuple):
     """A decoder layer's attention or MLP: the other module of its layer and the neighbouring
     layer in the direction its hint crosses (attention: the previous layer, MLP: the next)."""
 
@@ -141,10 +141,10 @@ def link(layers) -> None:
     for i, layer in enumerate(layers):
         prev = layers[i - 1] if i > 0 else None
         nxt = layers[i + 1] if i + 1 < len(layers) else None
-        object.__setattr__(layer.self_attention, _LINKS, Links(layer.mlp, prev))
-        object.__setattr__(layer.mlp, _LINKS, Links(layer.self_attention, nxt))
+        object.__setattr__(layer.self_attention, _LINKS, ModuleLinks(layer.mlp, prev))
+        object.__setattr__(layer.mlp, _LINKS, ModuleLinks(layer.self_attention, nxt))
 
 
-def links(module) -> Links:
-    """The :class:`Links` of a decoder layer's attention or MLP (no neighbours if unlinked)."""
-    return getattr(module, _LINKS, None) or Links(None, None)
+def links(module) -> ModuleLinks:
+    """The :class:`ModuleLinks` of a decoder layer's attention or MLP (no neighbours if unlinked)."""
+    return getattr(module, _LINKS, None) or ModuleLinks(None, None)

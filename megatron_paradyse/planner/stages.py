@@ -43,7 +43,7 @@ import math
 from typing import NamedTuple
 
 from ..costmodel.base import union_bytes
-from ..costmodel.schedule import Op, Schedule, one_f_one_b, simulate_1f1b
+from ..costmodel.schedule import StageOp, Schedule, one_f_one_b, simulate_1f1b
 from ..costmodel.stage import FORWARD_SHARE, StageCostModel, forward_share, stage_cost_model
 from ..parallel.packing import PackShape, seq_tokens
 from ..parallel.plans import describe
@@ -371,7 +371,7 @@ class PipelinePlanner:
 
     # -------------------------------------------------------------- one run order
     def windows(self, order) -> list:
-        """Per stage, its :class:`~megatron_paradyse.costmodel.schedule.Op` s in 1F1B order
+        """Per stage, its :class:`~megatron_paradyse.costmodel.schedule.StageOp` s in 1F1B order
         (untimed: the in-flight positions are all memory needs)."""
         return [one_f_one_b(r, self.num_stages, len(order)) for r in range(self.num_stages)]
 
@@ -472,7 +472,7 @@ class _Trial:
         self.parts = [list(row) for row in fastest]
         self.windows = planner.windows(order)
 
-    def op_bytes(self, r: int, op: Op, swap=None) -> float:
+    def op_bytes(self, r: int, op: StageOp, swap=None) -> float:
         """Stage ``r``'s bytes while ``op`` runs; ``swap`` = (micro-batch, part) evaluates one
         micro-batch under another plan."""
         parts_r, order = self.parts[r], self.order
@@ -530,7 +530,7 @@ class _Trial:
         # each switch lowers a pair's (peak, held) (:meth:`less_held`): cannot happen
         raise RuntimeError("pipeline tightening did not converge")
 
-    def best_switch(self, way, r: int, op: Op, excess: float, positions):
+    def best_switch(self, way, r: int, op: StageOp, excess: float, positions):
         """(micro-batch, part) of the positions' ``way`` plans (:meth:`leaner` or
         :meth:`less_held`) saving the most bytes at ``op`` per added second (one not slower
         first; ties: the lower index), or None when none lowers ``op``."""
@@ -546,7 +546,7 @@ class _Trial:
                 best = (key, j, part)
         return None if best is None else best[1:]
 
-    def leaner(self, r: int, j: int, op: Op, excess: float):
+    def leaner(self, r: int, j: int, op: StageOp, excess: float):
         """(part, bytes saved at ``op``, seconds added) of micro-batch ``j``'s leaner plan on
         stage ``r`` that lowers ``op`` (``excess`` bytes over the limit), or None: the stage
         planner's fastest plan under its current peak less :data:`STEP` of it, then 2, 4, 8
@@ -571,7 +571,7 @@ class _Trial:
                 return part, saved, c.seconds - cur.choice.seconds
         return None
 
-    def less_held(self, r: int, j: int, op: Op, excess: float):
+    def less_held(self, r: int, j: int, op: StageOp, excess: float):
         """(part, bytes saved at ``op``, seconds added) of micro-batch ``j``'s plan on stage
         ``r`` that holds fewer bytes between its forward and backward, for an ``op`` at which
         ``j`` is held (another micro-batch runs), or None: of
@@ -644,7 +644,7 @@ class _Trial:
                         peaks, tuple(pl.limit for pl in pp.stages), sched.busy, sched.makespan, seconds,
                         not (alone or failed), message, offenders, sched)
 
-    def no_fit(self, r: int, op: Op) -> tuple:
+    def no_fit(self, r: int, op: StageOp) -> tuple:
         """(offenders, message) for stage ``r`` over its limit at ``op``."""
         js = [self.order[k] for k in op.in_flight]
         need = self.op_bytes(r, op)

@@ -31,7 +31,7 @@ import torch
 
 from ..attention_kernels import expand_kv, reduce_kv
 from ..buffers import block_slot
-from ..ring_comm import grad_ring, reach, ring_position, ring_stream
+from ..ring_comm import RingComm
 from .ring_base import RingStrategy
 
 _copy = torch.ops.aten.copy_  # Tensor.copy_'s kernel; it also runs on the CPU tests' fake CUDA tensors
@@ -47,22 +47,22 @@ def _cols(x, start: int, stop: int):
     return x.narrow(-1, start, stop - start)
 
 
-def _ring(block, group, layout, visit, grad: bool = False):
+def _ring(block, ring: RingComm, layout, visit, grad: bool = False):
     """Pass ``block`` around the ring (as far as ``layout`` needs it), calling
     ``visit(src, blk, blocks)`` for every block some local query sees (``blocks``:
     ``layout.score_blocks(rank, src)``).
 
     With ``grad``, ``visit`` returns this rank's fp32 gradient contribution to the block it
-    sees, and the complete gradient of this rank's own block is returned (:class:`GradRing`).
+    sees, and the complete gradient of this rank's own block is returned (``ring.grad_ring``).
     """
-    rank = ring_position(group)[0]
-    last = reach(layout, group)
+    rank = ring.position
+    last = ring.reach(layout)
 
     def shapes(src):
         return [block.shape[:2] + (layout.count(src),) + block.shape[3:]]
 
-    grads = grad_ring([block], group, last=last, shapes=shapes) if grad else None
-    for src, held in ring_stream([block], group, lambda k, slot: block_slot("k", slot), last=last, shapes=shapes):
+    grads = ring.grad_ring([block], last=last, shapes=shapes) if grad else None
+    for src, held in ring.stream([block], lambda k, slot: block_slot("k", slot), last=last, shapes=shapes):
         blocks = layout.score_blocks(rank, src) if held is not None else ()
         g = visit(src, held[0], blocks) if blocks else None
         if grad:
@@ -92,8 +92,8 @@ class RingSelfAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, layout):
-        rank = ring_position(group)[0]
+    def forward(ctx, q, k, v, ring, scale, layout):
+        rank = ring.position
         b, n, sl, d = q.shape
         rep = n // k.shape[1]
         make = torch.full if layout.packed else (lambda shape, _, **kw: torch.empty(shape, **kw))
@@ -109,7 +109,7 @@ class RingSelfAttention(torch.autograd.Function):
                     diag = torch.ones(m, m, dtype=torch.bool, device=q.device).triu_(1)
                     part.masked_fill_(diag, float("-inf"))
 
-        _ring(k, group, layout, score_block)
+        _ring(k, ring, layout, score_block)
         _softmax_rows(scores, layout, rank)
         probs = scores if q.dtype == torch.float32 else scores.to(q.dtype)
         del scores
@@ -119,16 +119,16 @@ class RingSelfAttention(torch.autograd.Function):
             for blk in blocks:
                 _at(out, blk.rows).add_(torch.matmul(_at(probs, blk.rows, blk.cols), expand_kv(_at(vb, blk.keys), rep)))
 
-        _ring(v, group, layout, value_block)
+        _ring(v, ring, layout, value_block)
         ctx.save_for_backward(q, k, v, probs)
-        ctx.group, ctx.scale, ctx.rep, ctx.layout = group, scale, rep, layout
+        ctx.ring, ctx.scale, ctx.rep, ctx.layout = ring, scale, rep, layout
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, probs = ctx.saved_tensors
-        group, scale, rep, layout = ctx.group, ctx.scale, ctx.rep, ctx.layout
-        rank = ring_position(group)[0]
+        ring, scale, rep, layout = ctx.ring, ctx.scale, ctx.rep, ctx.layout
+        rank = ring.position
         b, n, sl, d = q.shape
         groups = layout.row_groups(rank)
         dout = dout.to(q.dtype)
@@ -149,7 +149,7 @@ class RingSelfAttention(torch.autograd.Function):
                 _at(dv, blk.keys).add_(reduce_kv(torch.matmul(pj.transpose(-1, -2), _at(dout, blk.rows)), rep))
             return dv
 
-        dv = _ring(v, group, layout, value_grad, grad=True)
+        dv = _ring(v, ring, layout, value_grad, grad=True)
         # softmax backward: dS = P * (dP - rowsum(dP * P)), in place, on the seen columns
         for rows, stop in groups:
             _at(dscores, rows, slice(0, stop)).sub_(_at(rowdot, rows)).mul_(_at(probs, rows, slice(0, stop)))
@@ -164,14 +164,14 @@ class RingSelfAttention(torch.autograd.Function):
                 _at(dk, blk.keys).add_(reduce_kv(torch.matmul(ds.transpose(-1, -2), _at(q, blk.rows)), rep))
             return dk.mul_(scale)
 
-        dk = _ring(k, group, layout, key_grad, grad=True)
+        dk = _ring(k, ring, layout, key_grad, grad=True)
         return dq.mul_(scale).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
-def rsa_attention(q, k, v, group, scale, layout):
+def rsa_attention(q, k, v, ring: RingComm, scale, layout):
     """``q [b, n, s/p, d]``, ``k``/``v`` ``[b, kv, s/p, d]`` holding ``layout``'s tokens of this
     rank, to the causal output like ``q``."""
-    return RingSelfAttention.apply(q, k, v, group, scale, layout)
+    return RingSelfAttention.apply(q, k, v, ring, scale, layout)
 
 
 class Colossal(RingStrategy):
@@ -179,5 +179,5 @@ class Colossal(RingStrategy):
     description = ("Colossal-AI ring self-attention (full score rows, K then V ring, balanced "
                    "zig-zag split), ZeRO-3 weights")
 
-    def core(self, q, k, v, geo, layout):
-        return rsa_attention(q, k, v, geo.group, geo.scale, layout)
+    def core(self, q, k, v, ring, scale, layout):
+        return rsa_attention(q, k, v, ring, scale, layout)

@@ -27,7 +27,7 @@ while the current one is used); at each of the p steps a rank adds
 intermediate is never stored. Backward: the shards rotate again, the intermediate is
 recomputed, and the weight gradients travel one hop behind their shard as accumulators
 (each rank adds its tokens' contribution); a last hop hands each owner its complete
-gradient (``ring_comm.ring_stream`` and ``ring_comm.GradRing``, as ``ring`` does for dK/dV).
+gradient (``ring_comm.FlatRing``'s stream and gradient ring, as ``ring`` does for dK/dV).
 
 Collectives per layer: forward ``p`` flat broadcasts and ``p`` ring attentions (``p-1`` K/V
 hops each); backward the same broadcasts, ``p`` ring attentions recomputed and differentiated,
@@ -53,7 +53,7 @@ from .. import context
 from ..buffers import weight_slot
 from ..collectives import broadcast_flat_start, reduce_scatter_flat, wait
 from ..groups import weight_group
-from ..ring_comm import GradRing, ring_stream
+from ..ring_comm import FlatRing
 from .base import (Strategy, apply_activation, apply_rope, bias_of, from_bhsd, geometry, rope_freqs,
                    row_output, split_qkv, switching_group, to_bhsd, weight_grad, wgrad_fusion,
                    zero_support)
@@ -104,7 +104,7 @@ def _group_attention(mixed, geo, qf, kf, config, span):
     group: ``[s/p, b, (heads/p)*d]``."""
     q, k, v = split_qkv(mixed, geo.groups // geo.p, geo.q_per_group, geo.head_dim)
     q, k = apply_rope(q, qf, config, span.positions), apply_rope(k, kf, config, span.positions)
-    ctx = ring_attention(to_bhsd(q), to_bhsd(k).contiguous(), to_bhsd(v).contiguous(), span.group,
+    ctx = ring_attention(to_bhsd(q), to_bhsd(k).contiguous(), to_bhsd(v).contiguous(), span.ring,
                          geo.scale, span.layout)
     return from_bhsd(ctx)
 
@@ -191,7 +191,7 @@ class METPMLP(torch.autograd.Function):
     def forward(ctx, x, w1, b1, w2, mlp, group, main_grads=(None, None)):
         shards = [w1, w2] + ([b1] if b1 is not None else [])
         out = torch.zeros(x.shape[:-1] + (w2.shape[0],), dtype=_ACC, device=x.device)
-        for _, cur in ring_stream(shards, group, weight_slot):
+        for _, cur in FlatRing(group).stream(shards, weight_slot):
             bias = cur[2] if b1 is not None else None
             out += apply_activation(mlp, _fc1(x, cur[0]), bias, shards=1).matmul(cur[1].t())
         ctx.save_for_backward(x, w1, b1, w2)
@@ -205,8 +205,9 @@ class METPMLP(torch.autograd.Function):
         shards = [w1, w2] + ([b1] if b1 is not None else [])
         x2, dout2 = _flat(x), _flat(dout)
         dx = torch.zeros(x.shape, dtype=_ACC, device=x.device)
-        grads = GradRing(shards, group)
-        for _, cur in ring_stream(shards, group, weight_slot):
+        ring = FlatRing(group)
+        grads = ring.grad_ring(shards)
+        for _, cur in ring.stream(shards, weight_slot):
             wa, wb = cur[0], cur[1]
             bias = cur[2].detach().requires_grad_(True) if b1 is not None else None
             pre = _fc1(x, wa).detach().requires_grad_(True)  # recomputed

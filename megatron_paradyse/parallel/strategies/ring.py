@@ -19,7 +19,7 @@ import torch
 from .. import context, varlen
 from ..attention_kernels import bshd, attn_backward, attn_forward, causal_attention, merge_lse
 from ..buffers import block_slot
-from ..ring_comm import grad_ring, reach, ring_position, ring_stream
+from ..ring_comm import FlatRing, RingComm
 from .ring_base import RingStrategy
 
 
@@ -54,9 +54,9 @@ def _shapes(k, v, layout):
     return shapes
 
 
-def kv_stream(k, v, group, layout):
-    """:func:`ring_stream` of ``[k, v]`` as far as ``layout`` needs them to travel."""
-    return ring_stream([k, v], group, _slot, last=reach(layout, group), shapes=_shapes(k, v, layout))
+def kv_stream(k, v, ring: RingComm, layout):
+    """``ring``'s stream of ``[k, v]`` as far as ``layout`` needs them to travel."""
+    return ring.stream([k, v], _slot, last=ring.reach(layout), shapes=_shapes(k, v, layout))
 
 
 def ring_forward(q, kv_steps, layout, rank, scale):
@@ -120,53 +120,56 @@ class RingAttention(torch.autograd.Function):
 
     Rank r holds the tokens ``layout.segments(r)`` (``zigzag.RingLayout``: balanced, or
     contiguous). ``k``/``v`` are ``[b, kv, s/p, d]`` with ``n % kv == 0``; the block kernels
-    take them with their KV heads (``attention_kernels.native_gqa``).
+    take them with their KV heads (``attention_kernels.native_gqa``). ``ring``: the
+    :class:`~..ring_comm.RingComm` the K/V blocks travel, this rank its ``position``.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, layout):
-        rank = ring_position(group)[0]
-        out, lse = ring_forward(q, kv_stream(k, v, group, layout), layout, rank, scale)
+    def forward(ctx, q, k, v, ring, scale, layout):
+        rank = ring.position
+        out, lse = ring_forward(q, kv_stream(k, v, ring, layout), layout, rank, scale)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale, ctx.layout = group, scale, layout
+        ctx.ring, ctx.scale, ctx.layout = ring, scale, layout
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        rank = ring_position(ctx.group)[0]
+        ring = ctx.ring
+        rank = ring.position
         dq = torch.zeros_like(q, dtype=torch.float32)
         layout = ctx.layout
-        grads = grad_ring([k, v], ctx.group, last=reach(layout, ctx.group), shapes=_shapes(k, v, layout))
-        for src, kv in kv_stream(k, v, ctx.group, layout):
+        grads = ring.grad_ring([k, v], last=ring.reach(layout), shapes=_shapes(k, v, layout))
+        for src, kv in kv_stream(k, v, ring, layout):
             blocks = step_blocks(layout, rank, src, q) if kv is not None else ()
             grads.add(step_backward(dout, q, out, lse, dq, *(kv or (None, None)), blocks, ctx.scale))
         dk, dv = grads.result()
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
-def ring_attention(q, k, v, group, scale, layout):
+def ring_attention(q, k, v, ring: RingComm, scale, layout):
     """``q [b, n, s/p, d]``, ``k``/``v`` ``[b, kv, s/p, d]`` holding ``layout``'s tokens of this
-    rank, to the causal output like ``q`` (attention inside each document of a packed layout)."""
-    if ring_position(group)[1] == 1 and not layout.packed:
+    rank (``ring``'s owner), to the causal output like ``q`` (attention inside each document of
+    a packed layout)."""
+    if ring.size == 1 and not layout.packed:
         return causal_attention(q, k, v, scale)
-    return RingAttention.apply(q, k, v, group, scale, layout)
+    return RingAttention.apply(q, k, v, ring, scale, layout)
 
 
 def sequence_attention(q, k, v, scale, docs=None, cp=None):
     """Causal attention of ``tp_sp`` and ``ulysses``: ``q [b, n, s, d]`` over its whole sequence
-    (inside each document of a pack), or with context parallelism (``cp``: ``context.CP``) over
+    (inside each document of a pack), or with context parallelism (``cp``: ``context.CPPlace``) over
     this CP rank's local tokens and, by a K/V ring over the CP group, every other CP rank's."""
     if cp is None:
         return varlen.document_attention(q, k, v, scale, docs)
     layout = context.cp_layout(cp.size, q.shape[2], docs)
-    return RingAttention.apply(q, k, v, cp.group, scale, layout)
+    return RingAttention.apply(q, k, v, FlatRing(cp.group), scale, layout)
 
 
 class Ring(RingStrategy):
     name = "ring"
     description = "causal K/V ring attention (balanced zig-zag split) with log-sum-exp merge, ZeRO-3 weights"
 
-    def core(self, q, k, v, geo, layout):
-        return ring_attention(q, k, v, geo.group, geo.scale, layout)
+    def core(self, q, k, v, ring, scale, layout):
+        return ring_attention(q, k, v, ring, scale, layout)

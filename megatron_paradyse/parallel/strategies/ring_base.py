@@ -2,10 +2,8 @@
 from local tokens in the balanced layout, with ZeRO-3-style weights (``zero3.py``)."""
 from __future__ import annotations
 
-import dataclasses
-
 from .. import context, pack_layout, zigzag
-from ..ring_comm import ring_position
+from ..ring_comm import RingComm
 from .base import Strategy, from_bhsd, geometry, to_bhsd, zero_support
 from .zero3 import mlp, qkv_local_tokens, row
 
@@ -15,16 +13,16 @@ class RingStrategy(Strategy):
     projection with gathered weights, the ZeRO MLP, and a ring attention core that
     subclasses provide. The layer's tokens are re-laid out to the balanced (zig-zag) split
     after the layer input and back after the output projection (``zigzag.py``). With context
-parallelism the ring runs over TP inside CP (``ring_comm.TwoLevel``, ``context.py``)."""
+parallelism the ring runs over TP inside CP (``ring_comm.TwoLevelRing``, ``context.py``)."""
 
     zero_weights = True
 
     def supports(self, config, p):
         return zero_support(config, p)
 
-    def core(self, q, k, v, geo, layout):
+    def core(self, q, k, v, ring: RingComm, scale: float, layout):
         """``q [b, n, s/p, d]``, ``k``/``v`` ``[b, kv, s/p, d]`` holding ``layout``'s tokens of
-        this rank, to the causal output like ``q``."""
+        this rank (``ring``'s owner), to the causal output like ``q``."""
         raise NotImplementedError
 
     def attention(self, attn, hidden_states, rotary_pos_emb, docs=None):
@@ -34,7 +32,7 @@ parallelism the ring runs over TP inside CP (``ring_comm.TwoLevel``, ``context.p
         x = arrange(hidden_states, layout, geo.group)
         span = context.ring_span(layout, geo.group, geo.rank, cp, docs, hidden_states.device)
         q, k, v = qkv_local_tokens(attn, x, rotary_pos_emb, geo, span.positions)
-        ctx = self.core(to_bhsd(q), to_bhsd(k).contiguous(), to_bhsd(v).contiguous(), span_geometry(geo, span),
+        ctx = self.core(to_bhsd(q), to_bhsd(k).contiguous(), to_bhsd(v).contiguous(), span.ring, geo.scale,
                         span.layout)
         y, bias = row(attn, "linear_proj", from_bhsd(ctx), geo.group)
         return restore(y, layout, geo.group), bias
@@ -52,14 +50,6 @@ def ring_layout(hidden_states, group, docs=None, cp=None):
         return pack_layout.packed_layout(group.size(), docs)
     p = group.size()
     return context.inner_layout(p, cp.size, cp.rank, hidden_states.shape[0] * p, docs)
-
-
-def span_geometry(geo, span):
-    """``geo`` with the ring's group (``ring_comm.TwoLevel`` under context parallelism)."""
-    if span.group is geo.group:
-        return geo
-    rank, size = ring_position(span.group)
-    return dataclasses.replace(geo, group=span.group, rank=rank, p=size)
 
 
 def arrange(x, layout, group):
