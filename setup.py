@@ -32,7 +32,7 @@ setup(
         # Not triton (about 1 GB): without it and without CUDA, cpu_compat_training stands in
         # for the one module that imports it (megatron-core's batch-invariant kernels).
         "megatron-lm": ["six", "regex", "pyyaml"],
-        "test": ["pytest>=7", "matplotlib", "six", "regex", "pyyaml"],
+        "test": ["pytest>=7", "pytest-xdist", "matplotlib", "six", "regex", "pyyaml"],
         "plots": ["matplotlib"],
         # GPU machines: flash-attn builds against the installed CUDA torch. Transformer Engine
         # must be installed with its torch part ("transformer-engine[pytorch]"): the bare

@@ -137,3 +137,32 @@ def test_ranks_start_with_the_cpu_rank_environment():
     for env in out:
         assert {k: env.get(k) for k in want} == want
     assert os.environ.get("THP_MEM_ALLOC_ENABLE") == before  # the parent's own is restored
+
+
+def test_a_world_gloo_could_not_connect_starts_once_more(monkeypatch):
+    """Only a world whose every failing rank failed inside ``init_process_group`` while gloo
+    connected the ranks is started again, once; any other failure is raised at once."""
+    from megatron_paradyse.testing import spawn
+
+    connect = ("--- rank 0 failed ---\n  File x, in init_process_group\nRuntimeError: Gloo "
+               f"{spawn.CONNECT_FAILED} with ... Connection closed by peer")
+    calls, retried = [], []
+
+    def fake(errors):
+        def run_ranks(fn, n, *a, **k):
+            calls.append(n)
+            if errors:
+                raise spawn.WorldError(errors.pop(0))
+            return ["ok"] * n
+        return run_ranks
+
+    monkeypatch.setattr(spawn, "run_ranks", fake([connect]))
+    assert spawn._ranks(None, 2, on_retry=lambda: retried.append(1)) == ["ok", "ok"]
+    assert calls == [2, 2] and retried == [1]
+    for other in (connect + "\n--- ranks [1] did not finish within the 5 s timeout; killed ---",
+                  "--- rank 1 failed ---\nAssertionError: in the test", connect + "\n" + connect):
+        calls.clear()
+        monkeypatch.setattr(spawn, "run_ranks", fake([other, other]))
+        with pytest.raises(spawn.WorldError):
+            spawn._ranks(None, 2)
+        assert calls == ([2] if "did not finish" in other or "Assertion" in other else [2, 2])

@@ -63,8 +63,30 @@ def run_world(fn, world_size: int, *args, timeout: float = 300.0, env: dict | No
     """
     if trace or traces is not None:
         return _traced_world(fn, world_size, args, kwargs, traces, timeout=timeout, env=env, grace=grace)
-    return run_ranks(fn, world_size, *args, timeout=timeout, env=env, grace=grace,
-                     setup=fake_cuda_available, start_method=_forkserver(), **kwargs)
+    return _ranks(fn, world_size, *args, timeout=timeout, env=env, grace=grace, **kwargs)
+
+
+# gloo's TCP mesh, set up inside ``init_process_group``, can be refused by the host when two
+# test worlds start at once (the suite runs two test files side by side): then no rank has run
+# the test's function, and the world starts once more
+CONNECT_FAILED = "connectFullMesh failed"
+
+
+def _ranks(fn, world_size: int, *args, on_retry=None, **opts) -> list:
+    """``run_ranks`` with the tests' hooks; a world whose every failing rank failed while gloo
+    connected the ranks (:data:`CONNECT_FAILED`, inside ``init_process_group``, before ``fn``)
+    starts once more, said on stderr, after ``on_retry()``. Any other failure is raised as it is."""
+    try:
+        return run_ranks(fn, world_size, *args, setup=fake_cuda_available, start_method=_forkserver(), **opts)
+    except WorldError as e:
+        failed = str(e).split("--- rank ")[1:]  # a silent rank ("--- ranks [..] did not finish") never retries
+        if not failed or "--- ranks " in str(e) or not all(CONNECT_FAILED in f and "init_process_group" in f for f in failed):
+            raise
+        print(f"[run_world] gloo could not connect the ranks ({CONNECT_FAILED}); starting the world once more",
+              file=sys.stderr)
+    if on_retry is not None:
+        on_retry()
+    return run_ranks(fn, world_size, *args, setup=fake_cuda_available, start_method=_forkserver(), **opts)
 
 
 def _traced_world(fn, world_size, args, kwargs, traces, **opts) -> list:
@@ -74,8 +96,8 @@ def _traced_world(fn, world_size, args, kwargs, traces, **opts) -> list:
     error attached."""
     with tempfile.TemporaryDirectory(prefix="paradyse_trace_") as folder:
         try:
-            got = run_ranks(functools.partial(trace_mod.traced, fn, folder), world_size, *args,
-                            setup=fake_cuda_available, start_method=_forkserver(), **opts, **kwargs)
+            got = _ranks(functools.partial(trace_mod.traced, fn, folder), world_size, *args,
+                         on_retry=functools.partial(_empty, folder), **opts, **kwargs)
         except WorldError as e:
             partial = [trace_mod.read(trace_mod.rank_path(folder, r)) for r in range(world_size)]
             if traces is not None:
@@ -90,6 +112,12 @@ def _traced_world(fn, world_size, args, kwargs, traces, **opts) -> list:
         traces[:] = records
     trace_mod.check(records)
     return [out for out, _ in got]
+
+
+def _empty(folder: str) -> None:
+    """Remove the files a failed start left in ``folder`` (a traced world's records)."""
+    for name in os.listdir(folder):
+        os.remove(os.path.join(folder, name))
 
 
 # what every test world imports: the fork server imports it once, each rank is a fork of it
