@@ -506,18 +506,16 @@ _DTYPE_NAME = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 ZERO = ("ulysses", "ring", "colossal")  # the strategies that gather their weights (zero3.py)
 
 
-def zero_weight_pool(shape: ModelShape, prefetch: bool | None = None) -> dict:
+def zero_weight_pool(shape: ModelShape, prefetch: bool = True) -> dict:
     """The ZeRO strategies' gathered weights in the pool (bytes, undecorated names).
 
-    Prefetch on (``prefetch`` None: as ``parallel.prefetch.enabled()`` says now) and p > 1: two
+    Prefetch on (the default, as the trainers run without ``--paradyse-no-prefetch``) and p > 1: two
     slots by role, ``weight0_0`` the larger of QKV and fc1, ``weight0_1`` the larger of the
     projection and fc2, so the one extra gathered weight prefetch holds is ``weight0_1``;
     ``weight0_1_in`` the staged row-parallel shard. Off (or p = 1): one slot, ``weight0_0``, the
     largest weight, and ``_in``.
     """
-    from ..parallel import prefetch as pf
-
-    on = (pf.enabled() if prefetch is None else prefetch) and shape.p > 1
+    on = prefetch and shape.p > 1
     p, e, h, f = shape.p, shape.elt, shape.hidden, shape.ffn
     f1 = 2 * f if shape.swiglu else f
     col, row = max(h * shape.qkv_width, h * f1) * e, max(h * shape.heads * shape.head_dim, f * h) * e
@@ -526,7 +524,7 @@ def zero_weight_pool(shape: ModelShape, prefetch: bool | None = None) -> dict:
     return {"paradyse:weight0_0": max(col, row), "paradyse:weight0_0_in": row / p}
 
 
-def pool_buffers(strategy: str, shape: ModelShape, s: int, b: int, prefetch: bool | None = None) -> dict:
+def pool_buffers(strategy: str, shape: ModelShape, s: int, b: int, prefetch: bool = True) -> dict:
     """The communication pool a micro-batch allocates for ``strategy`` (or ``"nonlayer"``):
     ``{"name/dtype": bytes}``, the largest rank's, read off the strategies' code and equal to
     the profiler's pool rows (tests/test_costmodel_analytic.py, fp32, p = 2 and 4).
@@ -612,8 +610,9 @@ class AnalyticCostModel(CostModel):
 
     def __init__(self, shape: ModelShape, hardware: str = "cpu", hardware_path: str | None = None,
                  interconnect: str | None = None, interconnect_path: str | None = None,
-                 optimizer: str = "adam"):
+                 optimizer: str = "adam", prefetch: bool = True):
         self.shape = shape
+        self.prefetch = prefetch
         self.strategies = STRATEGIES
         self.num_layers = shape.num_layers
         hw_all = load_config("hardware.json", hardware_path)
@@ -661,7 +660,7 @@ class AnalyticCostModel(CostModel):
         return static_bytes(self.shape, self.optimizer)
 
     def pool(self, strategy: str, s: int, b: int) -> dict:
-        return pool_buffers(strategy_of(strategy), self.shape, s, b)  # st:rc's pool is st's
+        return pool_buffers(strategy_of(strategy), self.shape, s, b, self.prefetch)  # st:rc's pool is st's
 
     def nonlayer(self, s, b: int) -> LayerCost:
         sh = self.shape

@@ -13,6 +13,7 @@ from ..errors import UserError
 from ..parallel.plans import make_entry, strategy_of
 from ..planner import build_planner, make_plan_fn
 from ..planner.pipeline import PipelinePlanner, make_step_plan_fn
+from ..runtime import RuntimeOptions
 from ..units import GiB
 from .arguments import default_memory_budget_gib
 
@@ -20,8 +21,10 @@ log = logging.getLogger(__name__)
 
 
 def cost_model_from_args(args):
-    """``--paradyse-cost-model``, else the model shipped for the run's shape, else the analytic one."""
-    return build_cost_model(ModelShape.from_args(args), path=args.paradyse_cost_model)
+    """``--paradyse-cost-model``, else the model shipped for the run's shape, else the analytic one;
+    its pool priced with the run's weight prefetch (the runtime options of ``args``)."""
+    return build_cost_model(ModelShape.from_args(args), path=args.paradyse_cost_model,
+                            prefetch=RuntimeOptions.from_args(args).prefetch)
 
 
 def calibrated_cost_model(args):

@@ -39,7 +39,8 @@ from ..device import select as select_device
 from ..device import synchronize
 from ..memory import PeakMemory, static_bytes
 from ..model import build_gpt_from_args
-from ..parallel import groups, prefetch
+from .. import runtime
+from ..parallel import groups
 from ..parallel.buffers import release_pool
 from ..paths import shown
 from ..parallel.dispatch import install
@@ -133,7 +134,8 @@ class Trainer:
         if dist.get_world_size() != self.args.world_size:
             raise RuntimeError(f"arguments were validated for world size {self.args.world_size}, "
                                f"but the process group has {dist.get_world_size()} ranks")
-        prefetch.set_enabled(not getattr(self.args, "paradyse_no_prefetch", False))  # before any cost model
+        self.options = runtime.RuntimeOptions.from_args(self.args)  # prefetch, kernels, determinism
+        runtime.set_options(self.options)
         self._calibrate()
         self._init_parallel()
         self._build_model_and_optimizer()
