@@ -53,6 +53,7 @@ import os
 
 import torch
 
+from . import runtime
 from .device import is_cpu
 from .norms import install_sp_norm
 
@@ -75,7 +76,7 @@ ALLOCATOR_ENV = {
 }
 RANK_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **ALLOCATOR_ENV}
 
-_APPLIED: set = set()
+_PREFIX = "cpu_compat:"  # the registry's names of the shims applied (never restored)
 ALL_SHIMS = ("device", "rng", "sp_norm", "factory", "clip_grad", "streams", "checkpoint")
 
 
@@ -91,11 +92,11 @@ def apply(skip: tuple = ()) -> tuple:
         return ()
     env_skip = tuple(s for s in os.environ.get("PARADYSE_CPU_SHIMS_SKIP", "").split(",") if s)
     for name in ALL_SHIMS:
-        if name in skip or name in env_skip or name in _APPLIED:
+        if name in skip or name in env_skip or runtime.is_installed(_PREFIX + name):
             continue
         _SHIMS[name]()
-        _APPLIED.add(name)
-    return tuple(sorted(_APPLIED))
+        runtime.mark(_PREFIX + name, f"megatron_paradyse.cpu_compat shim {name!r}")
+    return tuple(sorted(n for n in ALL_SHIMS if runtime.is_installed(_PREFIX + n)))
 
 
 def _patch_everywhere(module_names, attr, new):
