@@ -50,6 +50,7 @@ import contextlib
 import functools
 import importlib
 import os
+import types
 
 import torch
 
@@ -69,12 +70,12 @@ from .norms import install_sp_norm
 # heap's top (``MALLOC_TRIM_THRESHOLD_``): the same layer took 2.3-3.4 s, kernel time per
 # pass halved (docs/costmodel.md, "The CPU allocator"). Memory is counted by the live-tensor
 # tracker, not the process's size, so no measured byte changes.
-ALLOCATOR_ENV = {
+ALLOCATOR_ENV = types.MappingProxyType({
     "THP_MEM_ALLOC_ENABLE": "1",
     "MALLOC_MMAP_MAX_": "0",
     "MALLOC_TRIM_THRESHOLD_": str(1 << 40),
-}
-RANK_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **ALLOCATOR_ENV}
+})
+RANK_ENV = types.MappingProxyType({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **ALLOCATOR_ENV})
 
 _PREFIX = "cpu_compat:"  # the registry's names of the shims applied (never restored)
 ALL_SHIMS = ("device", "rng", "sp_norm", "factory", "clip_grad", "streams", "checkpoint")
@@ -317,7 +318,7 @@ def _checkpoint():
     filesystem_async._process_memory = lambda: 0
 
 
-_SHIMS = {
+_SHIMS = types.MappingProxyType({
     "device": _device, "rng": _rng, "sp_norm": _sp_norm, "factory": _factory,
     "clip_grad": _clip_grad, "streams": _streams, "checkpoint": _checkpoint,
-}
+})

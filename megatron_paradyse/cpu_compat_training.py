@@ -234,8 +234,8 @@ def _memory():
     torch.cuda.empty_cache = lambda *a, **k: None
 
 
-_SHIMS = {
+_SHIMS = types.MappingProxyType({
     "batch_invariant": _batch_invariant, "no_cuda_assert": _no_cuda_assert,
     "distributed": _distributed, "seed": _seed, "jit_warmup": _jit_warmup, "device_arch": _device_arch,
     "memory": _memory,
-}
+})

@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import types
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,7 @@ from . import runtime
 
 # ProcessGroup methods -> (kind, how the element count is read): "all" the first tensor
 # argument's elements, "none" not compared (uneven all-to-all splits), "p2p" a send or receive
-_METHODS = {
+_METHODS = types.MappingProxyType({
     "allreduce": "all", "allreduce_coalesced": "all", "broadcast": "all", "reduce": "all",
     "allgather": "all", "_allgather_base": "all", "allgather_into_tensor_coalesced": "all",
     "allgather_coalesced": "all", "all_gather_single_coalesced": "all",
@@ -41,7 +42,7 @@ _METHODS = {
     "barrier": "none", "monitored_barrier": "none",
     "gather": "none", "scatter": "none",  # the root passes a list of every rank's buffer
     "send": "p2p", "recv": "p2p",
-}
+})
 _ROOTED = ("broadcast", "reduce", "gather", "scatter")
 
 

@@ -26,6 +26,7 @@ import argparse
 import gc
 import statistics
 import time
+import types
 
 import torch
 import torch.distributed as dist
@@ -41,7 +42,7 @@ from . import kernels
 from .ranks import init_parallel
 from .shape import ModelShape
 
-_TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_TORCH_DTYPE = types.MappingProxyType({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16})
 
 # The profiler's defaults for the model flags (the demo's shape, as the shipped profiles were
 # measured): 4 layers, hidden 128, 8 heads, byte-level vocabulary, RoPE, no dropout (no

@@ -8,6 +8,8 @@ gather is prefetched: posted by the ZeRO linear before it, in forward and in bac
 """
 from __future__ import annotations
 
+import types
+
 import torch
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
@@ -16,7 +18,8 @@ from ..prefetch import Target
 from .base import (STRATEGY_ATTR, apply_activation, apply_rope, bias_of, rope_freqs, row_output, split_qkv,
                    switching_group, weight_grad, wgrad_fusion)
 
-_ROLE = {"linear_qkv": 0, "linear_proj": 1, "linear_fc1": 0, "linear_fc2": 1}  # alternating pool slots
+# alternating pool slots
+_ROLE = types.MappingProxyType({"linear_qkv": 0, "linear_proj": 1, "linear_fc1": 0, "linear_fc2": 1})
 
 
 class ZeroLinear(torch.autograd.Function):
