@@ -2,8 +2,9 @@
 
 :func:`install` wraps ``SelfAttention.forward`` and ``MLP.forward`` so that a module
 carrying a strategy name dispatches to that strategy; a module without one runs stock
-megatron code. Nothing else is patched, parameters are untouched, and :func:`uninstall`
-restores the stock methods. :func:`set_plan` only sets attributes, so it costs nothing,
+megatron code. Parameters are untouched; every replaced method is a patch of the registry
+(``runtime.py``, names ``dispatch``, ``recompute``, ``groups``, ``grad_order``), and
+:func:`uninstall` restores the stock methods. :func:`set_plan` only sets attributes, so it costs nothing,
 needs no communication, and can change before every micro-batch: autograd replays
 whichever strategy ran in forward.
 """
