@@ -12,8 +12,12 @@ Patches. Every attribute the plugin replaces in megatron-core or torch is a :cla
 * ``recompute``: ``tensor_parallel.checkpoint`` (``parallel/recompute.py``);
 * ``groups``: ``parallel_state.initialize_model_parallel`` (``parallel/groups.py``);
 * ``grad_order``: ``DistributedDataParallel.__init__`` (``parallel/grad_order.py``);
+* ``sp_norm``: ``WrappedTorchNorm.__new__`` builds the sequence-parallel torch norm
+  (``norms.py``; the Megatron-LM entry point and the CPU shims);
+* ``megatron_lm``: the Megatron-LM entry point's hooks into ``megatron.training``
+  (``training/megatron_lm/hooks.py``);
 * ``p2p_shapes``: ``P2PCommunicator._communicate_shapes`` (``training/p2p_shapes.py``);
-* ``trace``: ``ProcessGroup``'s collectives and ``batch_isend_irecv`` while a
+* ``trace:<id>``: ``ProcessGroup``'s collectives and ``batch_isend_irecv`` while a
   ``trace.Recorder`` records;
 * ``fake_collectives``: ``torch.distributed``'s collectives on the fake backend
   (``costmodel/measure.py``);
