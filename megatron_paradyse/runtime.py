@@ -21,6 +21,8 @@ Patches. Every attribute the plugin replaces in megatron-core or torch is a :cla
   ``trace.Recorder`` records;
 * ``fake_collectives``: ``torch.distributed``'s collectives on the fake backend
   (``costmodel/measure.py``);
+* ``checkpoint_results_queue``: megatron's ``filesystem_async._results_queue`` during a save
+  (``training/checkpointing/save.py``);
 * ``cpu_compat:<shim>`` / ``cpu_compat_training:<shim>``: the CPU shims, never restored (a
   CPU rank keeps them; their patches are listed, not recorded one by one).
 

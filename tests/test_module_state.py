@@ -1,4 +1,5 @@
-"""No module-level mutable state outside the registry and the allow-list below.
+"""No module-level mutable state outside the registry and the allow-list below; no attribute of
+megatron or torch replaced outside the registry but where :data:`DIRECT_PATCHES` says why.
 
 The process's patches, runtime options and caches live in one object
 (``megatron_paradyse/runtime.py``). Any other module-level holder of mutable state (a list,
@@ -145,3 +146,59 @@ def test_the_scan_sees_each_kind(tmp_path):
         "A = []\nB: list | None = None\nC_ = collections.deque()\nD = C()\nE = (1, 2)\n__all__ = ['x']\n"
         "def f():\n    global G\n")
     assert set(mutable_state(tmp_path)) == {"m.py:A", "m.py:B", "m.py:C_", "m.py:D", "m.py:global G"}
+
+
+# Where the package may still assign attributes of megatron or torch directly (every other
+# replacement is a patch of the registry, runtime.py): "path" for a whole module, or
+# "path:target expression", with the reason.
+DIRECT_PATCHES = {
+    "runtime.py": "the registry itself applies and restores every patch",
+    "cpu_compat.py": "the CPU shims: applied for good on CPU ranks only, listed in the registry (cpu_compat:<shim>)",
+    "cpu_compat_training.py": "the Megatron-LM CPU shims: as cpu_compat.py (cpu_compat_training:<shim>)",
+    "testing/spawn.py": "the test harness's fake torch.cuda.is_available (tests only, before anything runs)",
+    "costmodel/measure.py:parallel_state._GLOBAL_MEMORY_BUFFER": "megatron's own global buffer made afresh, as megatron's initialisation makes it",
+}
+
+
+def direct_patches(root: Path = ROOT) -> dict:
+    """``{"path:target": line}`` for every assignment, ``setattr`` or ``delattr`` on an attribute
+    of a name imported from torch or megatron, anywhere in a module (functions included)."""
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        tree = ast.parse(path.read_text(), str(path))
+        names = set()
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Import):
+                names |= {(a.asname or a.name).split(".")[0] for a in n.names
+                          if a.name.split(".")[0] in ("torch", "megatron")}
+            elif isinstance(n, ast.ImportFrom) and not n.level and (n.module or "").split(".")[0] in ("torch", "megatron"):
+                names |= {a.asname or a.name for a in n.names}
+
+        def base(e):
+            while isinstance(e, ast.Attribute):
+                e = e.value
+            return e.id if isinstance(e, ast.Name) else None
+
+        for n in ast.walk(tree):
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(
+                n, (ast.AugAssign, ast.AnnAssign)) else []
+            for t in targets:
+                for e in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                    if isinstance(e, ast.Attribute) and base(e) in names:
+                        found[f"{rel}:{ast.unparse(e)}"] = n.lineno
+            if isinstance(n, ast.Call) and getattr(n.func, "id", None) in ("setattr", "delattr") \
+                    and n.args and base(n.args[0]) in names:
+                found[f"{rel}:{n.func.id}({ast.unparse(n.args[0])})"] = n.lineno
+    return found
+
+
+def test_megatron_and_torch_are_patched_through_the_registry_only():
+    found = direct_patches()
+    bad = sorted(f"{k} (line {v})" for k, v in found.items()
+                 if k not in DIRECT_PATCHES and k.split(":")[0] not in DIRECT_PATCHES)
+    assert not bad, ("attributes of megatron or torch replaced outside the registry; make them "
+                     "runtime.Patch(target, attribute, replacement) installed with runtime.install:\n"
+                     + "\n".join(bad))
+    stale = [k for k in DIRECT_PATCHES if ":" in k and k not in found]
+    assert not stale, f"DIRECT_PATCHES names assignments that are gone (remove them): {stale}"
