@@ -24,7 +24,7 @@ Patches. Every attribute the plugin replaces in megatron-core or torch is a :cla
 * ``checkpoint_results_queue``: megatron's ``filesystem_async._results_queue`` during a save
   (``training/checkpointing/save.py``);
 * ``cpu_compat:<shim>`` / ``cpu_compat_training:<shim>``: the CPU shims, never restored (a
-  CPU rank keeps them; their patches are listed, not recorded one by one).
+  CPU rank keeps them): recorded by name (:func:`mark`), their attributes not one by one.
 
 Options. :class:`RuntimeOptions` is what a step's kernels read that is not in the plan: weight
 prefetch, the attention kernel choice, determinism. The trainers build one from their flags
@@ -32,7 +32,8 @@ and pass it to :func:`set_options` before anything runs; :func:`options` is the 
 :func:`using` changes fields for a block (the node check, tests).
 
 Caches. :func:`cache` is a named dict kept here (the attention kernel choice and its
-fallbacks, ``parallel/kernel_select.py``), so that module-level state lives in one object.
+fallbacks, ``parallel/kernel_select.py``; a pipeline step's queued p2p shapes,
+``training/p2p_shapes.py``), so that module-level state lives in one object.
 """
 from __future__ import annotations
 
