@@ -15,7 +15,9 @@ hooks, checkpoints, arguments) <- ``check`` / ``bench`` (the node check, the ben
 Beside them, importing only ``device`` and one another: ``launch`` (spawning ranks),
 ``cpu_compat`` / ``cpu_compat_training`` (megatron-core / Megatron-LM on CPU gloo ranks),
 ``memory`` (peak memory of a region), ``norms`` (the sequence-parallel torch norm), ``paths``
-and ``units``; ``plan`` is the command ``python -m megatron_paradyse.plan`` (``planner.cli``).
+and ``units``; ``runtime`` is the one place for what the plugin changes at run time (every
+patch of megatron-core or torch, installed and restored by name; the ``RuntimeOptions`` the
+trainers build: prefetch, attention kernels, determinism); ``plan`` is the command ``python -m megatron_paradyse.plan`` (``planner.cli``).
 ``testing`` holds the multi-rank harness and tiny models for the tests (and the CPU benchmark);
 product code never imports it.
 """
@@ -38,8 +40,10 @@ from .parallel.dispatch import (check_model, get_plan, install, installed, set_p
                                 uninstall, unwrap)
 from .parallel.plans import describe  # noqa: E402
 from .parallel.strategies import REGISTRY, STRATEGIES, supports  # noqa: E402
+from .runtime import RuntimeOptions  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = ["install", "uninstall", "installed", "set_plan", "get_plan", "describe", "unwrap",
-           "supports", "supports_model", "check_model", "STRATEGIES", "REGISTRY", "__version__"]
+           "supports", "supports_model", "check_model", "STRATEGIES", "REGISTRY", "RuntimeOptions",
+           "__version__"]

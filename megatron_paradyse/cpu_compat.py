@@ -50,9 +50,11 @@ import contextlib
 import functools
 import importlib
 import os
+import types
 
 import torch
 
+from . import runtime
 from .device import is_cpu
 from .norms import install_sp_norm
 
@@ -68,14 +70,14 @@ from .norms import install_sp_norm
 # heap's top (``MALLOC_TRIM_THRESHOLD_``): the same layer took 2.3-3.4 s, kernel time per
 # pass halved (docs/costmodel.md, "The CPU allocator"). Memory is counted by the live-tensor
 # tracker, not the process's size, so no measured byte changes.
-ALLOCATOR_ENV = {
+ALLOCATOR_ENV = types.MappingProxyType({
     "THP_MEM_ALLOC_ENABLE": "1",
     "MALLOC_MMAP_MAX_": "0",
     "MALLOC_TRIM_THRESHOLD_": str(1 << 40),
-}
-RANK_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **ALLOCATOR_ENV}
+})
+RANK_ENV = types.MappingProxyType({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **ALLOCATOR_ENV})
 
-_APPLIED: set = set()
+_PREFIX = "cpu_compat:"  # the registry's names of the shims applied (never restored)
 ALL_SHIMS = ("device", "rng", "sp_norm", "factory", "clip_grad", "streams", "checkpoint")
 
 
@@ -91,11 +93,11 @@ def apply(skip: tuple = ()) -> tuple:
         return ()
     env_skip = tuple(s for s in os.environ.get("PARADYSE_CPU_SHIMS_SKIP", "").split(",") if s)
     for name in ALL_SHIMS:
-        if name in skip or name in env_skip or name in _APPLIED:
+        if name in skip or name in env_skip or runtime.is_installed(_PREFIX + name):
             continue
         _SHIMS[name]()
-        _APPLIED.add(name)
-    return tuple(sorted(_APPLIED))
+        runtime.mark(_PREFIX + name, f"megatron_paradyse.cpu_compat shim {name!r}")
+    return tuple(sorted(n for n in ALL_SHIMS if runtime.is_installed(_PREFIX + n)))
 
 
 def _patch_everywhere(module_names, attr, new):
@@ -316,7 +318,7 @@ def _checkpoint():
     filesystem_async._process_memory = lambda: 0
 
 
-_SHIMS = {
+_SHIMS = types.MappingProxyType({
     "device": _device, "rng": _rng, "sp_norm": _sp_norm, "factory": _factory,
     "clip_grad": _clip_grad, "streams": _streams, "checkpoint": _checkpoint,
-}
+})

@@ -72,10 +72,10 @@ from datetime import timedelta
 
 import torch
 
-from . import cpu_compat
+from . import cpu_compat, runtime
 from .device import is_cpu
 
-_APPLIED: set = set()
+_PREFIX = "cpu_compat_training:"  # the registry's names of the shims applied (never restored)
 ALL_SHIMS = ("batch_invariant", "no_cuda_assert", "distributed", "seed", "jit_warmup", "device_arch",
              "memory")
 
@@ -96,11 +96,11 @@ def apply(skip: tuple = ()) -> tuple:
         return ()
     cpu_compat.apply()
     for name in ALL_SHIMS:
-        if name in skip or name in _APPLIED:
+        if name in skip or runtime.is_installed(_PREFIX + name):
             continue
         _SHIMS[name]()
-        _APPLIED.add(name)
-    return tuple(sorted(_APPLIED))
+        runtime.mark(_PREFIX + name, f"megatron_paradyse.cpu_compat_training shim {name!r}")
+    return tuple(sorted(n for n in ALL_SHIMS if runtime.is_installed(_PREFIX + n)))
 
 
 @contextlib.contextmanager
@@ -234,8 +234,8 @@ def _memory():
     torch.cuda.empty_cache = lambda *a, **k: None
 
 
-_SHIMS = {
+_SHIMS = types.MappingProxyType({
     "batch_invariant": _batch_invariant, "no_cuda_assert": _no_cuda_assert,
     "distributed": _distributed, "seed": _seed, "jit_warmup": _jit_warmup, "device_arch": _device_arch,
     "memory": _memory,
-}
+})

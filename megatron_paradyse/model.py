@@ -190,7 +190,7 @@ def transformer_config(args, **overrides):
     kw.update(overrides)
     config = TransformerConfig(**kw)
     if pp > 1:
-        # each micro-batch's p2p shape follows its length (training/pipeline.py supplies them);
+        # each micro-batch's p2p shape follows its length (training/p2p_shapes.py supplies them);
         # set after the checks, which refuse it with the default MoE dispatcher of a dense model
         config.variable_seq_lengths = True
     return config

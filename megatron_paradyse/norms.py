@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from . import runtime
+
 
 def sp_torch_norm(config, hidden_size, eps=1e-5, **unused):
     """A torch norm for ``config.normalization`` whose parameters carry ``sequence_parallel``."""
@@ -38,7 +40,8 @@ def install_sp_norm() -> None:
     """Make megatron's ``WrappedTorchNorm`` (the local spec's norm for RMSNorm on every image,
     and for LayerNorm without apex) build :func:`sp_torch_norm`, which accepts sequence
     parallelism; idempotent. For code that builds megatron's local spec itself (Megatron-LM's
-    own model providers); the plugin's builder (``megatron_paradyse.model``) needs no patch."""
+    own model providers); the plugin's builder (``megatron_paradyse.model``) needs no patch. The
+    registry's patch named ``sp_norm`` (``runtime.py``)."""
     from megatron.core.transformer import torch_norm
 
     if getattr(torch_norm.WrappedTorchNorm.__new__, "_paradyse", False):
@@ -48,4 +51,4 @@ def install_sp_norm() -> None:
         return sp_torch_norm(config, hidden_size, eps)
 
     __new__._paradyse = True
-    torch_norm.WrappedTorchNorm.__new__ = __new__
+    runtime.install("sp_norm", runtime.Patch(torch_norm.WrappedTorchNorm, "__new__", __new__))

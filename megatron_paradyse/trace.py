@@ -22,13 +22,16 @@ import contextlib
 import dataclasses
 import json
 import os
+import types
 
 import torch
 import torch.distributed as dist
 
+from . import runtime
+
 # ProcessGroup methods -> (kind, how the element count is read): "all" the first tensor
 # argument's elements, "none" not compared (uneven all-to-all splits), "p2p" a send or receive
-_METHODS = {
+_METHODS = types.MappingProxyType({
     "allreduce": "all", "allreduce_coalesced": "all", "broadcast": "all", "reduce": "all",
     "allgather": "all", "_allgather_base": "all", "allgather_into_tensor_coalesced": "all",
     "allgather_coalesced": "all", "all_gather_single_coalesced": "all",
@@ -39,7 +42,7 @@ _METHODS = {
     "barrier": "none", "monitored_barrier": "none",
     "gather": "none", "scatter": "none",  # the root passes a list of every rank's buffer
     "send": "p2p", "recv": "p2p",
-}
+})
 _ROOTED = ("broadcast", "reduce", "gather", "scatter")
 
 
@@ -83,10 +86,10 @@ class Recorder:
 
     def __init__(self, path: str | None = None):
         self.ops: list = []
-        self._saved: dict = {}
         self._members: dict = {}
         self._file = open(path, "a", buffering=1) if path else None
         self._batch, self._in_batch = 0, False
+        self._name = f"trace:{id(self)}"
 
     def _group(self, pg) -> tuple:
         got = self._members.get(id(pg))
@@ -121,20 +124,18 @@ class Recorder:
     def __enter__(self):
         from torch._C._distributed_c10d import ProcessGroup
 
+        patches = []
         for method in _METHODS:
             fn = getattr(ProcessGroup, method, None)
             if fn is None:
                 continue
-            # the class's own entry (pybind's instancemethod), restored as it was on exit
-            self._saved[method] = ProcessGroup.__dict__.get(method, fn)
 
             def wrapper(pg, *args, _fn=fn, _m=method, **kwargs):
                 self._record(pg, _m, args)
                 return _fn(pg, *args, **kwargs)
 
-            setattr(ProcessGroup, method, wrapper)
+            patches.append(runtime.Patch(ProcessGroup, method, wrapper))
         batched = dist.batch_isend_irecv
-        self._saved_batch = batched
 
         def batch_isend_irecv(ops):
             self._batch += 1
@@ -144,18 +145,15 @@ class Recorder:
             finally:
                 self._in_batch = False
 
-        for mod in (dist, dist.distributed_c10d):
-            mod.batch_isend_irecv = batch_isend_irecv
+        patches += [runtime.Patch(mod, "batch_isend_irecv", batch_isend_irecv)
+                    for mod in (dist, dist.distributed_c10d)]
+        # the registry's patches named ``trace:<id>`` (restored on exit as they were: the class's
+        # own entries, pybind's instancemethods; recorders nest)
+        runtime.install(self._name, *patches)
         return self
 
     def __exit__(self, *exc):
-        from torch._C._distributed_c10d import ProcessGroup
-
-        for method, fn in self._saved.items():
-            setattr(ProcessGroup, method, fn)
-        self._saved.clear()
-        for mod in (dist, dist.distributed_c10d):
-            mod.batch_isend_irecv = self._saved_batch
+        runtime.restore(self._name)
         if self._file is not None:
             self._file.close()
         return False

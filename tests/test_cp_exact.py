@@ -176,19 +176,19 @@ def run_cp(rank, world, cases):
 
 
 def _expected_shape(kind, shape, spec, world):
-    """``training/pipeline.micro_batch_shape`` of the pass's micro-batch on a CP rank: the p2p
+    """``training/p2p_shapes.micro_batch_shape`` of the pass's micro-batch on a CP rank: the p2p
     shape a pipeline stage would receive, to equal what the decoder put out."""
     import torch
 
     from megatron_paradyse.data.datasets import MicroBatch
-    from megatron_paradyse.training import pipeline
+    from megatron_paradyse.training import p2p_shapes
 
     cp = C if world > 1 else 1
     b, s = shape if kind == "rows" else (1, sum(shape))
     bounds = None if kind == "rows" else tuple([0] + [sum(shape[:i + 1]) for i in range(len(shape))])
     z = torch.zeros(b, s, dtype=torch.long)
     mb = MicroBatch(z, z, z.float(), z, (s,) * b, cu_seqlens=bounds)
-    return pipeline.micro_batch_shape(mb, spec.hidden_size, world // cp, world > 1, cp)
+    return p2p_shapes.micro_batch_shape(mb, spec.hidden_size, world // cp, world > 1, cp)
 
 
 def _usable(spec_kw):

@@ -111,7 +111,7 @@ def test_the_rules_as_read():
     rules = _rules()
     product = [r for r in rules if r != "testing"]
     assert all("testing" not in rules[r][0] for r in product)
-    assert rules["parallel"][0] == {"device", "units"} and rules["units"][0] == set()
+    assert rules["parallel"][0] == {"device", "units", "runtime"} and rules["units"][0] == set()
     assert [r for r in rules if "training" in rules[r][0]] == ["check", "bench"]
     assert rules["testing"][1] == {f"{PKG}.check.compare"} and "check" not in rules["testing"][0]
 

@@ -212,9 +212,11 @@ def test_the_cost_model_prices_the_prefetched_weight(ranks):
         assert got == want, (on, got, want)
     zero = ["ulysses"] * 4
     on = cm.pool_bytes(zero, 36, 2)
-    with prefetch.disabled():
-        assert cm.pool_bytes(PLAN, 36, 2) == sum(want.values())
-        assert on - cm.pool_bytes(zero, 36, 2) == 256 * 64 * 4  # fc2's weight, gathered whole
+    off = analytic.AnalyticCostModel(shape, prefetch=False)  # the cost model takes prefetch as an argument
+    assert off.pool_bytes(PLAN, 36, 2) == sum(want.values())
+    assert on - off.pool_bytes(zero, 36, 2) == 256 * 64 * 4  # fc2's weight, gathered whole
+    with prefetch.disabled():  # the kernels' switch does not steer a cost model built with prefetch on
+        assert cm.pool_bytes(zero, 36, 2) == on
     one = ModelShape(**dict(shape.key(), p=1))  # p = 1: nothing to prefetch, one slot
     assert analytic.zero_weight_pool(one, True) == analytic.zero_weight_pool(one, False)
 

@@ -6,7 +6,7 @@ step, micro-batch, layer and so per stage: variable lengths, packs, megatron's r
 One world of 8 gloo ranks (megatron's order: TP fastest, then DP, then PP; stage 0 is ranks
 0-3, stage 1 ranks 4-7), about 30 s here. Stock runs megatron's own
 p2p shape exchange (``variable_seq_lengths``); ParaDySe answers it from the agreed micro-batches
-(``training/pipeline.py``), and the test makes megatron's exchange raise in those runs.
+(``training/p2p_shapes.py``), and the test makes megatron's exchange raise in those runs.
 """
 import pytest
 
@@ -43,21 +43,29 @@ def _with_rc(config, p):
 class _NoExchange:
     """megatron's p2p shape exchange made to raise: ParaDySe's runs must not use it."""
 
-    def __enter__(self):
-        from megatron_paradyse.training import pipeline
+    NAME = "test:no_exchange"
 
-        pipeline.install()
-        self.real = pipeline._ORIGINAL["shapes"]
+    def __enter__(self):
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+        from megatron_paradyse import runtime
+        from megatron_paradyse.training import p2p_shapes
 
         def refuse(*a, **k):
             raise AssertionError("megatron's shape exchange ran in a ParaDySe step")
 
-        pipeline._ORIGINAL["shapes"] = refuse
+        # the plugin's patch installed over one that refuses: its fallback is the refusal
+        p2p_shapes.uninstall()
+        runtime.install(self.NAME, runtime.Patch(P2PCommunicator, "_communicate_shapes", refuse))
+        p2p_shapes.install()
 
     def __exit__(self, *exc):
-        from megatron_paradyse.training import pipeline
+        from megatron_paradyse import runtime
+        from megatron_paradyse.training import p2p_shapes
 
-        pipeline._ORIGINAL["shapes"] = self.real
+        p2p_shapes.uninstall()
+        runtime.restore(self.NAME)
+        p2p_shapes.install()
 
 
 def _pair(world, extra, factory=_cycling_plan_fn, save=None, packed=False):

@@ -15,7 +15,7 @@ warm-up step), the plan, and the cost model's prediction for that plan.
 
 With pipeline stages (``cfg.pp`` > 1, :func:`pipeline_world`): megatron's parallel state with
 ``pp`` stages of p ranks, each system builds its stage's model; a step is ``pp_microbatches``
-documents run together under 1F1B (``training/pipeline.py`` answers the p2p shape exchange for
+documents run together under 1F1B (``training/p2p_shapes.py`` answers the p2p shape exchange for
 planned steps; stock runs megatron's own); the peak is per stage (max over its ranks, static
 bytes and the communication pool held at the step's start included), beside the predicted one.
 
@@ -40,7 +40,7 @@ from ..parallel.buffers import release_pool
 from ..parallel.dispatch import install
 from ..parallel.plan_check import collective_device
 from ..parallel.plans import describe
-from ..training import pipeline
+from ..training import p2p_shapes
 from ..training.arguments import parse_args, transformer_config_from_args
 from ..training.forward_step import forward_step
 from ..training.run_report import max_per_stage, pool_bytes
@@ -88,7 +88,7 @@ class System:
             model=[self.model], num_microbatches=len(mbs), seq_length=max(m.seq_length for m in mbs),
             micro_batch_size=mbs[0].tokens.shape[0], forward_only=forward_only)
         if staged:
-            pipeline.clear()
+            p2p_shapes.clear()
             release_pool()  # as the trainer: nothing of the pool outlives the step
         if not forward_only and optimizer_step:
             self.optimizer.step()
@@ -100,7 +100,7 @@ class System:
         total = torch.zeros(2, dtype=torch.float64)
         for r in reports:  # the last stage's; summed over the stages below
             total += r["lm loss"].detach().double().cpu()
-        total = pipeline.sum_over_stages(total, collective_device())
+        total = p2p_shapes.sum_over_stages(total, collective_device())
         return float(total[0] / max(float(total[1]), 1.0))
 
 
@@ -108,10 +108,10 @@ def _expect_shapes(mbs, config) -> None:
     """ParaDySe's p2p shapes for a step whose micro-batches all have plans; stock (plan None)
     runs megatron's own shape exchange."""
     if any(m.plan is None for m in mbs):
-        pipeline.clear()
+        p2p_shapes.clear()
         return
     tp = config.tensor_model_parallel_size
-    pipeline.expect([pipeline.micro_batch_shape(m, config.hidden_size, tp, config.sequence_parallel) for m in mbs])
+    p2p_shapes.expect([p2p_shapes.micro_batch_shape(m, config.hidden_size, tp, config.sequence_parallel) for m in mbs])
 
 
 def _measure(system, mb, memory_pass: str = "separate", count_pool: bool = False):

@@ -27,12 +27,14 @@ def shipped_model_path(shape: ModelShape) -> str | None:
     return find_shipped(shape)
 
 
-def build_cost_model(shape: ModelShape, path: str | None = None, **analytic_kwargs) -> CostModel:
-    """The cost model for ``shape``: fitted (``path``, or shipped) or analytic."""
+def build_cost_model(shape: ModelShape, path: str | None = None, prefetch: bool = True,
+                     **analytic_kwargs) -> CostModel:
+    """The cost model for ``shape``: fitted (``path``, or shipped) or analytic; ``prefetch``: the
+    run's ZeRO weight prefetch (``RuntimeOptions.prefetch``), which its pool depends on."""
     if not isinstance(shape, ModelShape):
         raise TypeError(f"build_cost_model needs a ModelShape, got {type(shape).__name__}")
     if path is None:
         path = find_shipped(shape)
         if path is None:
-            return AnalyticCostModel(shape, **analytic_kwargs)
-    return FittedCostModel.load(path, shape)
+            return AnalyticCostModel(shape, prefetch=prefetch, **analytic_kwargs)
+    return FittedCostModel.load(path, shape, prefetch=prefetch)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import types
 
 from ..parallel.plans import split_entry, strategy_of
 from . import packs
@@ -84,7 +85,7 @@ def basis(shape: ModelShape, s: int, b: int) -> dict:
 
 # Per strategy: {term: count} of the bytes the layer keeps for its backward (largest rank).
 # Read off the code and equal to the tracker's measurement at p = 2 and 4 (see SAVED_NOTES).
-SAVED = {
+SAVED = types.MappingProxyType({
     "tp_sp": {
         "t*h": 7,
         "t*kv": 3,
@@ -125,9 +126,9 @@ SAVED = {
         "t*h": 4,
         "t*4": 4
     },
-}
+})
 
-SAVED_NOTES = {
+SAVED_NOTES = types.MappingProxyType({
     "common": "layer input's two layernorm outputs and the residual sums (t*h each), layernorm "
               "mean/rstd (4 fp32 per token), the MLP: fc1 output + activation output (2 t*f1; "
               "SwiGLU keeps its gate's silu too: + t*f), the layer output",
@@ -139,7 +140,7 @@ SAVED_NOTES = {
     "ring": "local q, k, v, the merged out (fp32) and lse, the context; no all-to-all copy",
     "colossal": "local q, k, v and the probabilities [b, heads, s/p, s] instead of out/lse",
     "metp": "only the attention and MLP inputs (recomputed in backward), the residuals and output",
-}
+})
 
 # Transient: the layer's peak above its saved bytes, the larger of (at most) two phases, each a
 # non-negative sum of the basis whose coefficients are fitted to the tracker (configs/transient.json, written by ``python -m
@@ -167,10 +168,10 @@ def layer_memory(strategy: str, shape: ModelShape, s, b: int) -> tuple[float, fl
 # are the single sequence's; the ring strategies keep these saved terms in the layer's packed
 # layout, count(rank) tokens instead of T/p (equal to the tracker for the ranks holding 312,
 # 500, 524, 574, 712 of 1024 tokens); colossal's score rows are [b, heads, count, T].
-PACK_EXTRA_SAVED = {"tp_sp": {"t*h": 1}}
-PACK_LAYOUT_SAVED = {"ring": {"t*h": 3, "t*kv": 2, "rope/p": 2, "t*lse": 1},
-                     "colossal": {"t*h": 3, "t*kv": 2, "rope/p": 2, "rows": 1},
-                     "metp": {"t*h": 1}}
+PACK_EXTRA_SAVED = types.MappingProxyType({"tp_sp": {"t*h": 1}})
+PACK_LAYOUT_SAVED = types.MappingProxyType({"ring": {"t*h": 3, "t*kv": 2, "rope/p": 2, "t*lse": 1},
+                                            "colossal": {"t*h": 3, "t*kv": 2, "rope/p": 2, "rows": 1},
+                                            "metp": {"t*h": 1}})
 # transient terms of the attention phase, which run over the packed layout's tokens (the
 # phases are fitted mixtures, configs/transient.json; the MLP's and the weights' terms stay);
 # colossal's dS rows reach the widest column a local row sees (packs.PackGeometry.rows_cols)
@@ -244,8 +245,8 @@ def nonlayer_memory(shape: ModelShape, s: int, b: int) -> tuple[float, float]:
 # 0.4% of the tracker at p = 2 and 4. Transient: the logits' softmax temporaries and the
 # gathered [s, b, h] input of the output layer; rough (within ~50% at p = 2; the planner
 # adds it once per step, a few percent of a step's peak at the demo shape).
-NONLAYER_SAVED = {"t*h": 2.0, "T*V/p": 1.0, "T": 4.0, "t*4": 0.0}
-NONLAYER_TRANSIENT = {"T*V/p": 1.0, "t*h": 0.0, "T": 0.0, "T*h": 0.5}
+NONLAYER_SAVED = types.MappingProxyType({"t*h": 2.0, "T*V/p": 1.0, "T": 4.0, "t*4": 0.0})
+NONLAYER_TRANSIENT = types.MappingProxyType({"T*V/p": 1.0, "t*h": 0.0, "T": 0.0, "T*h": 0.5})
 
 
 # ------------------------------------------------------------------------------------------
@@ -292,8 +293,8 @@ def assumed_recompute(strategy: str, plain: LayerCost, kept_bytes: float) -> Lay
 # basis: the norm's output and statistics, fc1's output and the activation's (SwiGLU: its gate's
 # silu too); metp's MLP keeps only its input (the norm's output). A checkpoint of the block drops
 # them (its input and output stay: the attention block's output, the next layer's input).
-MLP_SAVED = {"t*h": 1, "t*4": 2, "t*f1": 2, "t*f*swiglu": 1}
-MLP_SAVED_METP = {"t*h": 1, "t*4": 2}
+MLP_SAVED = types.MappingProxyType({"t*h": 1, "t*4": 2, "t*f1": 2, "t*f*swiglu": 1})
+MLP_SAVED_METP = types.MappingProxyType({"t*h": 1, "t*4": 2})
 
 
 def block_saved(strategy: str, shape: ModelShape, s, b: int, plain_saved: float, kind: str) -> float:
@@ -339,8 +340,8 @@ def assumed_block_recompute(strategy: str, shape: ModelShape, s, b: int, plain: 
 # which of packs.ratios scales a pack's attention work: per document over the whole sequence,
 # the busiest rank's kernel blocks, or colossal's score rows (filled, soft-maxed and
 # back-propagated over every column a local row sees, whatever the documents)
-PACK_ATTENTION = {"tp_sp": "attn_full", "ulysses": "attn_full", "ring": "attn_ring", "metp": "attn_ring",
-                  "colossal": "attn_ring"}
+PACK_ATTENTION = types.MappingProxyType({"tp_sp": "attn_full", "ulysses": "attn_full", "ring": "attn_ring", "metp": "attn_ring",
+                                         "colossal": "attn_ring"})
 
 
 def layer_flops(strategy: str, shape: ModelShape, s: int, b: int) -> float:
@@ -434,13 +435,13 @@ def comm_seconds(strategy: str, shape: ModelShape, s: int, b: int, net: dict) ->
 # The kernel class of each strategy's attention: the four that call the flash kernel
 # (attention_kernels.attn_forward: torch's flash on CPU, flash-attn on GPU) share its rate;
 # colossal materializes its score rows and runs its own kernels.
-ATTENTION_KERNEL = {"tp_sp": "flash", "ulysses": "flash", "ring": "flash", "metp": "flash", "colossal": "rows"}
+ATTENTION_KERNEL = types.MappingProxyType({"tp_sp": "flash", "ulysses": "flash", "ring": "flash", "metp": "flash", "colossal": "rows"})
 COMM_KINDS = ("allgather", "reducescatter", "alltoall", "p2p", "broadcast", "reduce")
 # the collective kinds whose bytes share one fitted rate: the ring-algorithm collectives and the
 # tree ones of metp's weights (one per strategy's profile would not be told apart from its fixed
 # cost), the all-to-all, the point-to-point hops
-COMM_CLASS = {"allgather": "collective", "reducescatter": "collective", "broadcast": "collective",
-              "reduce": "collective", "alltoall": "alltoall", "p2p": "p2p"}
+COMM_CLASS = types.MappingProxyType({"allgather": "collective", "reducescatter": "collective", "broadcast": "collective",
+                                     "reduce": "collective", "alltoall": "alltoall", "p2p": "p2p"})
 
 
 def wire_bytes(kind: str, nbytes: float, p: int) -> float:
@@ -500,24 +501,22 @@ def update_comm_seconds(shape: ModelShape, net: dict) -> float:
     return collective_seconds("allreduce", nbytes, shape.p, net) + collective_seconds("allreduce", 4, shape.p, net)
 
 
-_DTYPE_NAME = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_DTYPE_NAME = types.MappingProxyType({"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"})
 
 
 ZERO = ("ulysses", "ring", "colossal")  # the strategies that gather their weights (zero3.py)
 
 
-def zero_weight_pool(shape: ModelShape, prefetch: bool | None = None) -> dict:
+def zero_weight_pool(shape: ModelShape, prefetch: bool = True) -> dict:
     """The ZeRO strategies' gathered weights in the pool (bytes, undecorated names).
 
-    Prefetch on (``prefetch`` None: as ``parallel.prefetch.enabled()`` says now) and p > 1: two
+    Prefetch on (the default, as the trainers run without ``--paradyse-no-prefetch``) and p > 1: two
     slots by role, ``weight0_0`` the larger of QKV and fc1, ``weight0_1`` the larger of the
     projection and fc2, so the one extra gathered weight prefetch holds is ``weight0_1``;
     ``weight0_1_in`` the staged row-parallel shard. Off (or p = 1): one slot, ``weight0_0``, the
     largest weight, and ``_in``.
     """
-    from ..parallel import prefetch as pf
-
-    on = (pf.enabled() if prefetch is None else prefetch) and shape.p > 1
+    on = prefetch and shape.p > 1
     p, e, h, f = shape.p, shape.elt, shape.hidden, shape.ffn
     f1 = 2 * f if shape.swiglu else f
     col, row = max(h * shape.qkv_width, h * f1) * e, max(h * shape.heads * shape.head_dim, f * h) * e
@@ -526,7 +525,7 @@ def zero_weight_pool(shape: ModelShape, prefetch: bool | None = None) -> dict:
     return {"paradyse:weight0_0": max(col, row), "paradyse:weight0_0_in": row / p}
 
 
-def pool_buffers(strategy: str, shape: ModelShape, s: int, b: int, prefetch: bool | None = None) -> dict:
+def pool_buffers(strategy: str, shape: ModelShape, s: int, b: int, prefetch: bool = True) -> dict:
     """The communication pool a micro-batch allocates for ``strategy`` (or ``"nonlayer"``):
     ``{"name/dtype": bytes}``, the largest rank's, read off the strategies' code and equal to
     the profiler's pool rows (tests/test_costmodel_analytic.py, fp32, p = 2 and 4).
@@ -612,8 +611,9 @@ class AnalyticCostModel(CostModel):
 
     def __init__(self, shape: ModelShape, hardware: str = "cpu", hardware_path: str | None = None,
                  interconnect: str | None = None, interconnect_path: str | None = None,
-                 optimizer: str = "adam"):
+                 optimizer: str = "adam", prefetch: bool = True):
         self.shape = shape
+        self.prefetch = prefetch
         self.strategies = STRATEGIES
         self.num_layers = shape.num_layers
         hw_all = load_config("hardware.json", hardware_path)
@@ -661,7 +661,7 @@ class AnalyticCostModel(CostModel):
         return static_bytes(self.shape, self.optimizer)
 
     def pool(self, strategy: str, s: int, b: int) -> dict:
-        return pool_buffers(strategy_of(strategy), self.shape, s, b)  # st:rc's pool is st's
+        return pool_buffers(strategy_of(strategy), self.shape, s, b, self.prefetch)  # st:rc's pool is st's
 
     def nonlayer(self, s, b: int) -> LayerCost:
         sh = self.shape

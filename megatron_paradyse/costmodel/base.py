@@ -55,6 +55,7 @@ class CostModel:
 
     strategies: tuple = ()
     num_layers: int = 0
+    prefetch: bool = True  # the run's ZeRO weight prefetch (RuntimeOptions.prefetch): the pool's gathered weights
 
     def layer(self, strategy: str, s, b: int) -> LayerCost:
         """One layer under ``strategy`` at ``s`` (a length or a pack) and ``b``."""

@@ -100,7 +100,7 @@ def uncalibrated(cm: FittedCostModel) -> FittedCostModel:
     if "calibration" not in cm.meta:
         return cm
     meta = {k: v for k, v in cm.meta.items() if k != "calibration"}
-    return FittedCostModel(meta, cm.boosters, cm.path)
+    return FittedCostModel(meta, cm.boosters, cm.path, cm.prefetch)
 
 
 def apply(cm: FittedCostModel, record: dict, host: dict | None = None) -> FittedCostModel:
@@ -108,7 +108,7 @@ def apply(cm: FittedCostModel, record: dict, host: dict | None = None) -> Fitted
     meta = copy.deepcopy(uncalibrated(cm).meta)
     meta["calibration"] = dict(record, host=host or hardware(None, device.current().type),
                                made=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-    return FittedCostModel(meta, cm.boosters, cm.path)
+    return FittedCostModel(meta, cm.boosters, cm.path, cm.prefetch)
 
 
 def summary(cm: FittedCostModel) -> str:

@@ -98,8 +98,9 @@ def fade(s: float, s_max: float) -> float:
 class FittedCostModel(CostModel):
     kind = "fitted"
 
-    def __init__(self, meta: dict, boosters: dict, path: str):
+    def __init__(self, meta: dict, boosters: dict, path: str, prefetch: bool = True):
         self.meta = meta
+        self.prefetch = prefetch
         self.path = path
         self.shape = ModelShape.from_dict(meta["shape"])
         self.strategies = tuple(meta["strategies"])
@@ -115,8 +116,10 @@ class FittedCostModel(CostModel):
 
     # ---------------------------------------------------------------- loading
     @classmethod
-    def load(cls, path: str, shape: ModelShape | None = None, strategies=None) -> "FittedCostModel":
-        """Load ``path`` (the metadata JSON); with ``shape``, refuse a model made for another."""
+    def load(cls, path: str, shape: ModelShape | None = None, strategies=None,
+             prefetch: bool = True) -> "FittedCostModel":
+        """Load ``path`` (the metadata JSON); with ``shape``, refuse a model made for another.
+        ``prefetch``: the run's weight prefetch, which the ZeRO strategies' pool depends on."""
         if not os.path.isfile(path):
             raise CostModelFileError(f"cost model file {path!r} does not exist")
         try:
@@ -163,7 +166,7 @@ class FittedCostModel(CostModel):
             for tg in TARGETS:
                 if tg not in meta["targets"].get(st, {}):
                     raise CostModelFileError(f"cost model file {path!r} lacks target {tg!r} of strategy {st!r}")
-        return cls(meta, boosters, path)
+        return cls(meta, boosters, path, prefetch)
 
     # ---------------------------------------------------------------- predicting
     def _phi(self, st, tg, s, b):
@@ -359,8 +362,8 @@ class FittedCostModel(CostModel):
     def pool(self, strategy: str, s, b: int) -> dict:
         """The pool's buffers from the profile's pool rows (empty for a model fitted without
         them); a pack's from its padded length's (``analytic.pack_pool``). A ZeRO strategy's
-        gathered weights are ``analytic.zero_weight_pool``'s, with prefetch as it is set now
-        (a profile records them with prefetch as it was then; they do not depend on s or b)."""
+        gathered weights are ``analytic.zero_weight_pool``'s, with this model's ``prefetch`` (the
+        run's; a profile records them with prefetch as it was then; they do not depend on s or b)."""
         strategy = strategy_of(strategy)  # a recomputed layer's pool is its strategy's
         if packs.is_pack(s):
             return analytic.pack_pool(strategy, self.shape.p, s, self.pool(strategy, *as_tokens(s, b, self.shape.p)))
@@ -369,7 +372,7 @@ class FittedCostModel(CostModel):
         if got and strategy in analytic.ZERO:
             out = {n: v for n, v in out.items() if not n.startswith("paradyse:weight0_")}
             dt = analytic._DTYPE_NAME[self.shape.dtype]
-            out.update({f"{n}/{dt}": float(v) for n, v in analytic.zero_weight_pool(self.shape).items()})
+            out.update({f"{n}/{dt}": float(v) for n, v in analytic.zero_weight_pool(self.shape, self.prefetch).items()})
         return out
 
 

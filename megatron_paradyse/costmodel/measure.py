@@ -26,11 +26,12 @@ import argparse
 import gc
 import statistics
 import time
+import types
 
 import torch
 import torch.distributed as dist
 
-from .. import device
+from .. import device, runtime
 from ..memory import pass_memory
 from ..model import (FUSION_SWITCHES, add_model_args, build_gpt_from_args, complete_model_args,
                      transformer_config)
@@ -41,7 +42,7 @@ from . import kernels
 from .ranks import init_parallel
 from .shape import ModelShape
 
-_TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_TORCH_DTYPE = types.MappingProxyType({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16})
 
 # The profiler's defaults for the model flags (the demo's shape, as the shipped profiles were
 # measured): 4 layers, hidden 128, 8 heads, byte-level vocabulary, RoPE, no dropout (no
@@ -175,7 +176,6 @@ class _HeldWork:
         return getattr(self._work, name)
 
 
-_PATCHED = {}
 
 
 def _fill_receives(ops):
@@ -200,7 +200,9 @@ def _fill_broadcast(args, kwargs):
 
 
 def _hold_async_buffers():
-    if _PATCHED:
+    """``torch.distributed``'s collectives wrapped for the fake backend (the registry's patches
+    named ``fake_collectives``, ``runtime.py``; the wrappers pass through on other backends)."""
+    if runtime.is_installed("fake_collectives"):
         return
 
     def wrap(name):
@@ -221,12 +223,11 @@ def _hold_async_buffers():
                 return res
             return _HeldWork(res, tensors)
 
-        _PATCHED[name] = fn
-        setattr(dist, name, patched)
+        return runtime.Patch(dist, name, patched)
 
-    for name in ("batch_isend_irecv", "broadcast", "reduce", "all_reduce",  # not isend/irecv: P2POp checks them
-                 "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"):
-        wrap(name)
+    names = ("batch_isend_irecv", "broadcast", "reduce", "all_reduce",  # not isend/irecv: P2POp checks them
+             "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
+    runtime.install("fake_collectives", *[wrap(name) for name in names])
 
 
 def is_fake() -> bool:

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import torch
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+DTYPE_BYTES = types.MappingProxyType({"fp32": 4, "bf16": 2, "fp16": 2})
 
 
 @dataclasses.dataclass(frozen=True)

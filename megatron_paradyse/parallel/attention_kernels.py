@@ -17,10 +17,12 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import types
 
 import torch
 import torch.nn.functional as F
 
+from .. import runtime
 from . import kernel_select, math_attention
 
 log = logging.getLogger(__name__)
@@ -73,23 +75,20 @@ def _load_flash_attn():
 
 
 _FA, FLASH_ATTN_VERSION = _load_flash_attn()
-_FA_ON = [True]
 
 
 def _fa():
-    """flash-attn's kernels where installed and not turned off (:func:`torch_kernels_only`)."""
-    return _FA if _FA_ON[0] else None
+    """flash-attn's kernels where installed and not turned off (the runtime options'
+    ``flash_attn``, :func:`torch_kernels_only`)."""
+    return _FA if runtime.options().flash_attn else None
 
 
 @contextlib.contextmanager
 def torch_kernels_only():
     """torch's block kernels inside, even where flash-attn is installed (the check runs every
-    plan with both)."""
-    old, _FA_ON[0] = _FA_ON[0], False
-    try:
+    plan with both): the runtime options with ``flash_attn`` off."""
+    with runtime.using(flash_attn=False):
         yield
-    finally:
-        _FA_ON[0] = old
 
 
 @contextlib.contextmanager
@@ -180,9 +179,13 @@ def _fwd_cpu(q, k, v, causal, scale):
     return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)[:2]
 
 
-_FORWARD = {kernel_select.FLASH_ATTN: _fwd_flash_attn, kernel_select.TORCH_FLASH: _fwd_torch_flash,
-            kernel_select.TORCH_EFFICIENT: _expanded(_fwd_efficient), kernel_select.CPU_FLASH: _expanded(_fwd_cpu),
-            kernel_select.MATH: _expanded(math_attention.forward)}
+_FORWARD = types.MappingProxyType({
+    kernel_select.FLASH_ATTN: _fwd_flash_attn,
+    kernel_select.TORCH_FLASH: _fwd_torch_flash,
+    kernel_select.TORCH_EFFICIENT: _expanded(_fwd_efficient),
+    kernel_select.CPU_FLASH: _expanded(_fwd_cpu),
+    kernel_select.MATH: _expanded(math_attention.forward),
+})
 
 
 def attn_forward(q, k, v, causal: bool, scale: float):
@@ -216,9 +219,10 @@ def _bwd_cpu(dout, q, k, v, out, lse, causal, scale):
 def _bwd_flash_attn(dout, q, k, v, out, lse, causal, scale):
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     t = lambda x: x.transpose(1, 2)  # noqa: E731 - [b, s, h, d] views, written in place
-    # deterministic: torch's global setting (Megatron-LM's --deterministic-mode sets it)
+    # deterministic: the runtime options' (default torch's global setting, which Megatron-LM's
+    # --deterministic-mode sets)
     _FA[1](t(dout), t(q), t(k), t(v), t(out), dense(lse), t(dq), t(dk), t(dv), 0.0, scale, causal,
-           -1, -1, 0.0, None, torch.are_deterministic_algorithms_enabled())
+           -1, -1, 0.0, None, runtime.options().is_deterministic())
     return dq, dk, dv
 
 
@@ -239,9 +243,13 @@ def _bwd_efficient(dout, q, k, v, out, lse, causal, scale):
     return dq, dk, dv
 
 
-_BACKWARD = {kernel_select.FLASH_ATTN: _bwd_flash_attn, kernel_select.TORCH_FLASH: _bwd_torch_flash,
-             kernel_select.TORCH_EFFICIENT: _reduced(_bwd_efficient), kernel_select.CPU_FLASH: _reduced(_bwd_cpu),
-             kernel_select.MATH: _reduced(math_attention.backward)}
+_BACKWARD = types.MappingProxyType({
+    kernel_select.FLASH_ATTN: _bwd_flash_attn,
+    kernel_select.TORCH_FLASH: _bwd_torch_flash,
+    kernel_select.TORCH_EFFICIENT: _reduced(_bwd_efficient),
+    kernel_select.CPU_FLASH: _reduced(_bwd_cpu),
+    kernel_select.MATH: _reduced(math_attention.backward),
+})
 
 
 def merge_lse(out, lse, blk_out, blk_lse):

@@ -2,59 +2,65 @@
 
 :func:`install` wraps ``SelfAttention.forward`` and ``MLP.forward`` so that a module
 carrying a strategy name dispatches to that strategy; a module without one runs stock
-megatron code. Nothing else is patched, parameters are untouched, and :func:`uninstall`
-restores the stock methods. :func:`set_plan` only sets attributes, so it costs nothing,
+megatron code. Parameters are untouched; every replaced method is a patch of the registry
+(``runtime.py``, names ``dispatch``, ``recompute``, ``groups``, ``grad_order``), and
+:func:`uninstall` restores the stock methods. :func:`set_plan` only sets attributes, so it costs nothing,
 needs no communication, and can change before every micro-batch: autograd replays
 whichever strategy ran in forward.
 """
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 
+from .. import runtime
 from . import context, grad_order, groups, prefetch, recompute, strategies
 from .packing import documents_from, pad_pack
 from .plan_check import PlanMismatchError, verify_plans
 from .plans import normalize_plan, split_entry
 from .strategies.base import STOCK_FORWARD, STRATEGY_ATTR
 
-_ORIGINAL: dict = {}
 _ATTR = STRATEGY_ATTR
+_NAME = "dispatch"  # the registry's name of these patches
 
 
 def installed() -> bool:
-    return bool(_ORIGINAL)
+    return runtime.is_installed(_NAME)
+
+
+@functools.lru_cache(maxsize=None)
+def _classes() -> tuple:
+    """megatron's patched classes (imported on first use: the package imports without megatron)."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    return DotProductAttention, SelfAttention, MLP, GPTModel, TransformerLayer
 
 
 def install() -> None:
     """Patch megatron.core's attention, MLP, layer and GPT forwards and its checkpoint function
-    (a recompute re-runs the plan of its forward, ``recompute.py``); idempotent."""
-    if _ORIGINAL:
+    (a recompute re-runs the plan of its forward, ``recompute.py``); idempotent. The patches
+    are the registry's (``runtime.py``, name ``dispatch``)."""
+    if installed():
         return
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.attention import SelfAttention
-    from megatron.core.transformer.mlp import MLP
-    from megatron.core.transformer.transformer_layer import TransformerLayer
-
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    _ORIGINAL["dpa_init"] = DotProductAttention.__init__
-    DotProductAttention.__init__ = _dpa_init
-    _ORIGINAL["attention"] = SelfAttention.forward
-    _ORIGINAL["mlp"] = MLP.forward
-    _ORIGINAL["gpt"] = GPTModel.forward
-    _ORIGINAL["layer"] = TransformerLayer.forward
-    _ORIGINAL["attn_block"] = TransformerLayer._forward_attention
-    _ORIGINAL["mlp_block"] = TransformerLayer._forward_mlp
-    setattr(SelfAttention, STOCK_FORWARD, _ORIGINAL["attention"])
-    setattr(MLP, STOCK_FORWARD, _ORIGINAL["mlp"])
-    SelfAttention.forward = _attention_forward
-    MLP.forward = _mlp_forward
-    GPTModel.forward = _gpt_forward
-    TransformerLayer.forward = _layer_forward
-    TransformerLayer._forward_attention = _attention_block
-    TransformerLayer._forward_mlp = _mlp_block
+    DotProductAttention, SelfAttention, MLP, GPTModel, TransformerLayer = _classes()
+    runtime.install(
+        _NAME,
+        runtime.Patch(DotProductAttention, "__init__", _dpa_init),
+        # the stock forwards, kept where strategies call them (``strategies/base.py``)
+        runtime.Patch(SelfAttention, STOCK_FORWARD, SelfAttention.forward),
+        runtime.Patch(MLP, STOCK_FORWARD, MLP.forward),
+        runtime.Patch(SelfAttention, "forward", _attention_forward),
+        runtime.Patch(MLP, "forward", _mlp_forward),
+        runtime.Patch(GPTModel, "forward", _gpt_forward),
+        runtime.Patch(TransformerLayer, "forward", _layer_forward),
+        runtime.Patch(TransformerLayer, "_forward_attention", _attention_block),
+        runtime.Patch(TransformerLayer, "_forward_mlp", _mlp_block))
     recompute.install()
     groups.install()  # the weight communicators, created now or with megatron's parallel state
     grad_order.install()  # DDP's overlapped gradient reductions in bucket order on every replica
@@ -62,27 +68,20 @@ def install() -> None:
 
 def uninstall() -> None:
     """Restore stock megatron-core behaviour; idempotent. Plans set on models are ignored."""
-    if not _ORIGINAL:
+    if not installed():
         return
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.attention import SelfAttention
-    from megatron.core.transformer.mlp import MLP
-
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from megatron.core.transformer.transformer_layer import TransformerLayer
-
-    DotProductAttention.__init__ = _ORIGINAL.pop("dpa_init")
-    SelfAttention.forward = _ORIGINAL.pop("attention")
-    MLP.forward = _ORIGINAL.pop("mlp")
-    GPTModel.forward = _ORIGINAL.pop("gpt")
-    TransformerLayer.forward = _ORIGINAL.pop("layer")
-    TransformerLayer._forward_attention = _ORIGINAL.pop("attn_block")
-    TransformerLayer._forward_mlp = _ORIGINAL.pop("mlp_block")
+    runtime.restore(_NAME)
     recompute.uninstall()
     groups.uninstall()
     grad_order.uninstall()
-    delattr(SelfAttention, STOCK_FORWARD)
-    delattr(MLP, STOCK_FORWARD)
+
+
+_DPA, _ATTENTION, _MLP, _GPT, _LAYER = range(5)  # _classes()'s order
+
+
+def _original(cls: int, attribute: str):
+    """megatron's own ``attribute`` of ``_classes()[cls]``, which the plugin replaced."""
+    return runtime.original(_NAME, _classes()[cls], attribute)
 
 
 # Fail closed: a strategy runs only on arguments it handles. Every other argument must be
@@ -104,19 +103,19 @@ def _dpa_init(self, config, *args, **kwargs):
     if getattr(config, "context_parallel_size", 1) > 1:
         config = copy.copy(config)
         config.context_parallel_size = 1
-    _ORIGINAL["dpa_init"](self, config, *args, **kwargs)
+    _original(_DPA, "__init__")(self, config, *args, **kwargs)
 
 
 def _layer_forward(self, *args, **kwargs):
-    return recompute.layer_forward(_ORIGINAL["layer"], self, args, kwargs)
+    return recompute.layer_forward(_original(_LAYER, "forward"), self, args, kwargs)
 
 
 def _attention_block(self, *args, **kwargs):
-    return recompute.block_forward(_ORIGINAL["attn_block"], self, "attn", args, kwargs)
+    return recompute.block_forward(_original(_LAYER, "_forward_attention"), self, "attn", args, kwargs)
 
 
 def _mlp_block(self, *args, **kwargs):
-    return recompute.block_forward(_ORIGINAL["mlp_block"], self, "mlp", args, kwargs)
+    return recompute.block_forward(_original(_LAYER, "_forward_mlp"), self, "mlp", args, kwargs)
 
 
 def _attention_forward(self, hidden_states, attention_mask=None, *args, **kwargs):
@@ -128,7 +127,7 @@ def _attention_forward(self, hidden_states, attention_mask=None, *args, **kwargs
             "(stock megatron runs CP with Transformer Engine only); set a ParaDySe plan on every layer "
             "(megatron_paradyse.set_plan, or --paradyse)")
     if name is None:
-        return _ORIGINAL["attention"](self, hidden_states, attention_mask, *args, **kwargs)
+        return _original(_ATTENTION, "forward")(self, hidden_states, attention_mask, *args, **kwargs)
     if args:
         raise TypeError(f"ParaDySe strategy {name!r}: attention takes its optional arguments by "
                         f"keyword only (got {len(args)} more positional)")
@@ -154,7 +153,7 @@ def _attention_forward(self, hidden_states, attention_mask=None, *args, **kwargs
 def _mlp_forward(self, hidden_states, *args, **kwargs):
     name = recompute.lookup(self, _ATTR)
     if name is None:
-        return _ORIGINAL["mlp"](self, hidden_states, *args, **kwargs)
+        return _original(_MLP, "forward")(self, hidden_states, *args, **kwargs)
     if args:
         raise TypeError(f"ParaDySe strategy {name!r}: MLP takes its optional arguments by "
                         f"keyword only (got {len(args)} more positional)")
@@ -168,21 +167,21 @@ def _mlp_forward(self, hidden_states, *args, **kwargs):
 def _gpt_forward(self, input_ids, position_ids, attention_mask, *args, **kwargs):
     plan = getattr(self, "_paradyse_plan", None)
     if plan is None or input_ids is None:
-        return _ORIGINAL["gpt"](self, input_ids, position_ids, attention_mask, *args, **kwargs)
+        return _original(_GPT, "forward")(self, input_ids, position_ids, attention_mask, *args, **kwargs)
     p = self.config.tensor_model_parallel_size
     s = input_ids.shape[1]
     params = kwargs.get("packed_seq_params")
     cp = getattr(self.config, "context_parallel_size", 1)
     if cp > 1:
         _check_cp_batch(input_ids, params, s, cp, p)
-        return _ORIGINAL["gpt"](self, input_ids, position_ids, attention_mask, *args, **kwargs)
+        return _original(_GPT, "forward")(self, input_ids, position_ids, attention_mask, *args, **kwargs)
     if params is None:
         if s % p:
             raise ValueError(
                 f"sequence length {s} is not divisible by the switching group size p={p}: every "
                 f"strategy keeps [s/p, b, h] between layers; pad the batch to a multiple of {p} "
                 "(megatron_paradyse.data.pad_to_multiple does this and masks the padding)")
-        return _ORIGINAL["gpt"](self, input_ids, position_ids, attention_mask, *args, **kwargs)
+        return _original(_GPT, "forward")(self, input_ids, position_ids, attention_mask, *args, **kwargs)
     if input_ids.shape[0] != 1:
         raise ValueError(f"a packed micro-batch is one row of tokens [1, T] (THD), got {tuple(input_ids.shape)}")
     if args:
@@ -192,7 +191,7 @@ def _gpt_forward(self, input_ids, position_ids, attention_mask, *args, **kwargs)
         input_ids, position_ids = _pad_row(input_ids, pad), _pad_row(position_ids, pad, positions=True)
         if kwargs.get("labels") is not None:
             kwargs["labels"] = _pad_row(kwargs["labels"], pad)
-    out = _ORIGINAL["gpt"](self, input_ids, position_ids, attention_mask, **kwargs)
+    out = _original(_GPT, "forward")(self, input_ids, position_ids, attention_mask, **kwargs)
     # the last stage's [b, T] loss or logits lose the padding; an earlier pipeline stage's
     # output is the padded [T/p, 1, h] activation the next stage receives
     return out[:, :s] if pad and torch.is_tensor(out) and self.post_process else out

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import functools
 
-_ORIGINAL: dict = {}
+from .. import runtime
+
+_NAME = "grad_order"  # the registry's name of the patch (``runtime.py``)
 
 
 class GradCountError(RuntimeError):
@@ -128,24 +130,20 @@ def order_grad_sync(ddp) -> None:
 
 def install() -> None:
     """Order the gradient reductions of every megatron ``DistributedDataParallel`` built from now on."""
-    if _ORIGINAL:
+    if runtime.is_installed(_NAME):
         return
     from megatron.core.distributed import DistributedDataParallel
 
     init = DistributedDataParallel.__init__
-    _ORIGINAL["init"] = init
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
         init(self, *args, **kwargs)
         order_grad_sync(self)
 
-    DistributedDataParallel.__init__ = __init__
+    runtime.install(_NAME, runtime.Patch(DistributedDataParallel, "__init__", __init__))
 
 
 def uninstall() -> None:
     """Restore megatron's constructor (models built meanwhile keep their order)."""
-    if _ORIGINAL:
-        from megatron.core.distributed import DistributedDataParallel
-
-        DistributedDataParallel.__init__ = _ORIGINAL.pop("init")
+    runtime.restore(_NAME)

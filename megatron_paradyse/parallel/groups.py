@@ -21,13 +21,14 @@ import functools
 import torch
 import torch.distributed as dist
 
+from .. import runtime
 from ..device import current as current_device
 from . import communicators
 
 _STATE = {"world": None, "twins": {}, "created": None, "host": None}  # twins: tuple of global ranks -> group
 # (None: not a member); created: communicators.create_all's report of the last initialisation;
 # host: a gloo group over the world under NCCL (host_group)
-_ORIGINAL: dict = {}
+_NAME = "groups"  # the registry's name of the patch (``runtime.py``)
 
 
 def weight_group(group):
@@ -90,9 +91,8 @@ def install() -> None:
     parallel state from now on; idempotent."""
     from megatron.core import parallel_state
 
-    if not _ORIGINAL:
+    if not runtime.is_installed(_NAME):
         original = parallel_state.initialize_model_parallel
-        _ORIGINAL["init"] = original
 
         @functools.wraps(original)
         def initialize_model_parallel(*args, **kwargs):
@@ -101,13 +101,11 @@ def install() -> None:
             _STATE["created"] = communicators.create_all()  # before any budget is measured
             return out
 
-        parallel_state.initialize_model_parallel = initialize_model_parallel
+        runtime.install(_NAME, runtime.Patch(parallel_state, "initialize_model_parallel",
+                                             initialize_model_parallel))
     create()
 
 
 def uninstall() -> None:
     """Restore megatron's ``initialize_model_parallel`` (the twins made stay, unused by stock code)."""
-    from megatron.core import parallel_state
-
-    if _ORIGINAL:
-        parallel_state.initialize_model_parallel = _ORIGINAL.pop("init")
+    runtime.restore(_NAME)

@@ -9,14 +9,21 @@ preferred order, the families that may run a tensor; a family that raises anyway
 this table does not know) is marked failed for that device, dtype and head size, logged once,
 and the next is tried (:func:`run`). The last family of every list (``math`` on CUDA, the CPU
 flash kernel then ``math`` on CPU) runs anything. Out-of-memory errors are never swallowed.
+
+What a call runs also depends on the runtime options (``runtime.RuntimeOptions``: ``kernel``,
+one family wherever its rules allow; :func:`only`), and the choices and failures are kept in
+the registry's cache ``kernel_select`` (``runtime.cache``), not in this module.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import logging
+import types
 
 import torch
+
+from .. import runtime
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +61,17 @@ def call_of(q) -> Call:
     return Call(q.device.type, cap, q.dtype, int(q.shape[-1]))
 
 
-_CHOSEN: dict = {}  # (Call key, flash_attn, only) -> candidates: every block call asks, the rules run once
+_CACHE = "kernel_select"  # the registry's cache of this module's state
+
+
+def _state() -> dict:
+    """``chosen``: (Call key, flash_attn, kernel option) -> candidates (every block call asks, the
+    rules run once); ``failed``: (family, Call key) -> the error that made it fall back;
+    ``logged``: the (family, Call key) skips logged once."""
+    state = runtime.cache(_CACHE)
+    if not state:
+        state.update(chosen={}, failed={}, logged=set())
+    return state
 
 
 def _sm80(c: Call) -> str:
@@ -82,43 +99,38 @@ def _efficient_rule(c: Call) -> str:
     return ""
 
 
-RULES = {FLASH_ATTN: _flash_rule, TORCH_FLASH: _flash_rule, TORCH_EFFICIENT: _efficient_rule,
-         MATH: lambda c: "", CPU_FLASH: lambda c: ""}
-_FAILED: dict = {}  # (family, Call.key()) -> the error that made it fall back
-_LOGGED: set = set()
-
-
-_ONLY: list = [None]
+RULES = types.MappingProxyType({FLASH_ATTN: _flash_rule, TORCH_FLASH: _flash_rule,
+                                TORCH_EFFICIENT: _efficient_rule, MATH: lambda c: "", CPU_FLASH: lambda c: ""})
 
 
 @contextlib.contextmanager
 def only(family: str):
     """Inside, every call runs ``family`` where its rules allow it (the check runs each kernel
-    the device takes, not just the first choice)."""
-    old, _ONLY[0] = _ONLY[0], family
-    try:
+    the device takes, not just the first choice): the runtime options' ``kernel``."""
+    with runtime.using(kernel=family):
         yield
-    finally:
-        _ONLY[0] = old
 
 
 def candidates(c: Call, flash_attn: bool) -> list:
     """The families that may run ``c``, in order (``flash_attn``: installed and turned on)."""
-    key = (c.key(), flash_attn, _ONLY[0])
-    got = _CHOSEN.get(key)
+    chosen = _state()["chosen"]
+    key = (c.key(), flash_attn, runtime.options().kernel)
+    got = chosen.get(key)
     if got is None:
-        got = _CHOSEN[key] = _candidates(c, flash_attn)
+        got = chosen[key] = _candidates(c, flash_attn)
     return list(got)
 
 
 def _candidates(c: Call, flash_attn: bool) -> list:
     order = ORDER_CPU if c.device == "cpu" else ORDER_CUDA
-    if _ONLY[0] is not None:
-        order = [f for f in order if f == _ONLY[0]] or order
+    only_family = runtime.options().kernel
+    if only_family is not None:
+        order = [f for f in order if f == only_family] or order
+    failed = _state()["failed"]
     out = []
     for family in order:
         why = "not installed or turned off" if family == FLASH_ATTN and not flash_attn else RULES[family](c)
-        why = why or _FAILED.get((family, c.key()), "")
+        why = why or failed.get((family, c.key()), "")
         if why:
             _log_skip(family, c, why)
         else:
@@ -129,9 +141,9 @@ def _candidates(c: Call, flash_attn: bool) -> list:
 def _log_skip(family: str, c: Call, why: str) -> None:
     if family == FLASH_ATTN and why == "not installed or turned off":
         return  # the usual case: torch's kernels, said once by the check's env section
-    key = (family, c.key())
-    if key not in _LOGGED:
-        _LOGGED.add(key)
+    key, logged = (family, c.key()), _state()["logged"]
+    if key not in logged:
+        logged.add(key)
         log.info("attention kernel %s not used for %s %s head_dim %d: %s; falling back",
                  family, c.device, str(c.dtype).replace("torch.", ""), c.head_dim, why)
 
@@ -147,16 +159,16 @@ def run(c: Call, families: list, kernels: dict, *args):
         except (RuntimeError, ValueError, NotImplementedError) as err:
             if i == len(families) - 1:
                 raise
-            _CHOSEN.clear()
-            _FAILED[(family, c.key())] = f"raised {type(err).__name__}: {str(err).splitlines()[0][:160]}"
+            state = _state()
+            state["chosen"].clear()
+            why = state["failed"][(family, c.key())] = \
+                f"raised {type(err).__name__}: {str(err).splitlines()[0][:160]}"
             log.warning("attention kernel %s failed for %s %s head_dim %d (%s); falling back to %s",
                         family, c.device, str(c.dtype).replace("torch.", ""), c.head_dim,
-                        _FAILED[(family, c.key())], families[i + 1])
+                        why, families[i + 1])
     raise RuntimeError(f"no attention kernel can run {c}")
 
 
 def forget_failures() -> None:
     """Forget the families marked failed (tests; a new device)."""
-    _FAILED.clear()
-    _LOGGED.clear()
-    _CHOSEN.clear()
+    runtime.cache(_CACHE).clear()

@@ -18,6 +18,7 @@ logs, the cross-rank check, the planner) goes through this module:
 from __future__ import annotations
 
 import hashlib
+import types
 
 from .strategies import get as _get_strategy
 
@@ -27,9 +28,9 @@ RC = ":rc"  # the suffix of a plan entry whose layer is recomputed in backward
 RC_ATTN = ":rc-attn"  # ... whose attention block (input norm, attention, residual add) is
 RC_MLP = ":rc-mlp"  # ... whose MLP block (pre-MLP norm, MLP, residual add) is
 # what a plan entry recomputes in backward, by suffix: the whole layer or one of its two blocks
-RECOMPUTE = {RC: "layer", RC_ATTN: "attn", RC_MLP: "mlp"}
+RECOMPUTE = types.MappingProxyType({RC: "layer", RC_ATTN: "attn", RC_MLP: "mlp"})
 KINDS = tuple(RECOMPUTE.values())
-SUFFIX = {kind: suffix for suffix, kind in RECOMPUTE.items()}
+SUFFIX = types.MappingProxyType({kind: suffix for suffix, kind in RECOMPUTE.items()})
 
 _HASH_BITS = 62
 

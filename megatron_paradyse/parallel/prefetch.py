@@ -21,20 +21,22 @@ at most one extra gathered weight is held: the larger of the projection and fc2 
 staged row-parallel shard, ``weight0_1_in``). Off, every gather is blocking into ``weight0_0``
 as before; so at p = 1, where a gather is a copy with nothing to overlap. The cost model prices both (``costmodel.analytic.zero_weight_pool``).
 
-Switch: :func:`enabled`, :func:`set_enabled`, the context manager :func:`disabled` (the
-trainers' ``--paradyse-no-prefetch``). Toggle between passes, not inside one.
+Switch: the runtime options' ``prefetch`` (``runtime.RuntimeOptions``, built by the trainers
+from ``--paradyse-no-prefetch``); :func:`enabled` reads it, :func:`set_enabled` and the context
+manager :func:`disabled` change it. Toggle between passes, not inside one.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import NamedTuple
 
 import torch
 
+from .. import runtime
 from . import buffers, collectives, groups
 from .buffers import weight_slot
 
-_ON = [True]
 TRACE: list | None = None  # a list to record ("issue" | "wait" | "gather" | "drop" | "use", shard)
 
 
@@ -49,7 +51,7 @@ class Target(NamedTuple):
 
     @property
     def slot(self) -> str:
-        return weight_slot(0, self.role if _ON[0] else 0)
+        return weight_slot(0, self.role if enabled() else 0)
 
     def key(self) -> tuple:
         return self.shard.data_ptr(), tuple(self.shard.shape), self.shard_dim
@@ -62,14 +64,14 @@ class _Gather(NamedTuple):
 
 
 def enabled() -> bool:
-    """Whether ZeRO weight gathers are prefetched (the default)."""
-    return _ON[0]
+    """Whether ZeRO weight gathers are prefetched (the default): the runtime options' ``prefetch``."""
+    return runtime.options().prefetch
 
 
 def set_enabled(on: bool) -> None:
     """Turn prefetch on or off (any gather in flight is waited for first)."""
     buffers.settle_all()
-    _ON[0] = bool(on)
+    runtime.set_options(dataclasses.replace(runtime.options(), prefetch=bool(on)))
 
 
 @contextlib.contextmanager
@@ -87,7 +89,7 @@ def weight(target: Target, then: Target | None = None) -> torch.Tensor:
     """``target``'s gathered weight (its prefetch waited on, else gathered now), after posting
     the gather of ``then`` (the next ZeRO weight) when prefetch is on."""
     w = _take(target)
-    if then is not None and _ON[0]:
+    if then is not None and enabled():
         issue(then, busy=target.slot)
     _trace("use", target)
     return w

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import threading
 
+from .. import runtime
+
 _STATE = threading.local()
 RC_ATTR = "_paradyse_recompute"
 
@@ -84,7 +86,14 @@ class Replayed:
         return out
 
 
-_ORIGINAL: dict = {}
+_NAME = "recompute"  # the registry's name of the patch (``runtime.py``)
+
+
+def _modules() -> tuple:
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel import random as tp_random
+
+    return tensor_parallel, tp_random
 
 
 def checkpoint(function, distribute_saved_activations, *args):
@@ -96,28 +105,19 @@ def checkpoint(function, distribute_saved_activations, *args):
     module a third time."""
     if inside_checkpoint():
         return function(*args)
-    return _ORIGINAL["checkpoint"](Replayed(function), distribute_saved_activations, *args)
+    stock = runtime.original(_NAME, _modules()[1], "checkpoint")
+    return stock(Replayed(function), distribute_saved_activations, *args)
 
 
 def install() -> None:
     """Route megatron's ``tensor_parallel.checkpoint`` through :func:`checkpoint`; idempotent."""
-    if _ORIGINAL:
-        return
-    from megatron.core import tensor_parallel
-    from megatron.core.tensor_parallel import random as tp_random
-
-    _ORIGINAL["checkpoint"] = tp_random.checkpoint
-    tensor_parallel.checkpoint = checkpoint
-    tp_random.checkpoint = checkpoint
+    tensor_parallel, tp_random = _modules()
+    runtime.install(_NAME, runtime.Patch(tp_random, "checkpoint", checkpoint),
+                    runtime.Patch(tensor_parallel, "checkpoint", checkpoint))
 
 
 def uninstall() -> None:
-    if not _ORIGINAL:
-        return
-    from megatron.core import tensor_parallel
-    from megatron.core.tensor_parallel import random as tp_random
-
-    tensor_parallel.checkpoint = tp_random.checkpoint = _ORIGINAL.pop("checkpoint")
+    runtime.restore(_NAME)
 
 
 def layer_forward(original, layer, args, kwargs):

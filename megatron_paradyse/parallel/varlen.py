@@ -16,8 +16,11 @@ once per ``Documents`` on the device (``Documents.on_device``). Views are taken 
 """
 from __future__ import annotations
 
+import types
+
 import torch
 
+from .. import runtime
 from . import attention_kernels as K
 from . import kernel_select
 from .attention_kernels import attn_backward, attn_forward, causal_attention, dense, expand_kv, reduce_kv
@@ -125,9 +128,13 @@ def _fwd_documents(q, k, v, docs, scale):
     return tuple(_per_document(lambda *t: attn_forward(*t, True, scale), docs, q, k, v))
 
 
-_FORWARD = {kernel_select.FLASH_ATTN: _fwd_flash_attn, kernel_select.TORCH_FLASH: _fwd_torch_flash,
-            kernel_select.TORCH_EFFICIENT: _fwd_efficient, kernel_select.MATH: _fwd_documents,
-            kernel_select.CPU_FLASH: _fwd_documents}
+_FORWARD = types.MappingProxyType({
+    kernel_select.FLASH_ATTN: _fwd_flash_attn,
+    kernel_select.TORCH_FLASH: _fwd_torch_flash,
+    kernel_select.TORCH_EFFICIENT: _fwd_efficient,
+    kernel_select.MATH: _fwd_documents,
+    kernel_select.CPU_FLASH: _fwd_documents,
+})
 
 
 # -- backward kernels: (dout, q, k, v, out, lse, docs, scale) -> (dq, dk, dv) with k's heads -----
@@ -136,7 +143,7 @@ def _bwd_flash_attn(dout, q, k, v, out, lse, docs, scale):
     cu, mx = _lengths(docs, q)
     dq, dk, dv = (torch.empty(_thd(x).shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     _FAV[1](_thd(dout), _thd(q), _thd(k), _thd(v), _thd(out), dense(lse.select(0, 0)), dq, dk, dv, cu, cu,
-            mx, mx, 0.0, scale, True, -1, -1, 0.0, None, torch.are_deterministic_algorithms_enabled())
+            mx, mx, 0.0, scale, True, -1, -1, 0.0, None, runtime.options().is_deterministic())
     return _bhsd(dq), _bhsd(dk), _bhsd(dv)
 
 
@@ -169,9 +176,13 @@ def _bwd_documents(dout, q, k, v, out, lse, docs, scale):
                                docs, dout, q, k, v, out, lse4))
 
 
-_BACKWARD = {kernel_select.FLASH_ATTN: _bwd_flash_attn, kernel_select.TORCH_FLASH: _bwd_torch_flash,
-             kernel_select.TORCH_EFFICIENT: _bwd_efficient, kernel_select.MATH: _bwd_documents,
-             kernel_select.CPU_FLASH: _bwd_documents}
+_BACKWARD = types.MappingProxyType({
+    kernel_select.FLASH_ATTN: _bwd_flash_attn,
+    kernel_select.TORCH_FLASH: _bwd_torch_flash,
+    kernel_select.TORCH_EFFICIENT: _bwd_efficient,
+    kernel_select.MATH: _bwd_documents,
+    kernel_select.CPU_FLASH: _bwd_documents,
+})
 
 
 def _families(q):

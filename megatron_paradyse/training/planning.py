@@ -12,6 +12,7 @@ from ..device import is_cpu
 from ..errors import UserError
 from ..planner import MicroBatchView  # noqa: F401  (trainer.py takes the planner's view from here)
 from ..planner import PipelinePlanner, build_planner, make_plan_fn, make_step_plan_fn
+from ..runtime import RuntimeOptions
 from ..units import GiB
 from .arguments import default_memory_budget_gib
 
@@ -19,8 +20,10 @@ log = logging.getLogger(__name__)
 
 
 def cost_model_from_args(args):
-    """``--paradyse-cost-model``, else the model shipped for the run's shape, else the analytic one."""
-    return build_cost_model(ModelShape.from_args(args), path=args.paradyse_cost_model)
+    """``--paradyse-cost-model``, else the model shipped for the run's shape, else the analytic one;
+    its pool priced with the run's weight prefetch (the runtime options of ``args``)."""
+    return build_cost_model(ModelShape.from_args(args), path=args.paradyse_cost_model,
+                            prefetch=RuntimeOptions.from_args(args).prefetch)
 
 
 def calibrated_cost_model(args):

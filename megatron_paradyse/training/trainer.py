@@ -39,14 +39,15 @@ from ..device import select as select_device
 from ..device import synchronize
 from ..memory import PeakMemory, static_bytes
 from ..model import build_gpt_from_args
-from ..parallel import groups, prefetch
+from .. import runtime
+from ..parallel import groups
 from ..parallel.buffers import release_pool
 from ..paths import shown
 from ..parallel.dispatch import install
 from ..parallel.plan_check import collective_device
 from ..parallel.plans import describe_plans, parse_plan, rule_plan_fn
 from ..units import GiB, MiB
-from . import checkpointing, pipeline
+from . import checkpointing, p2p_shapes
 from .arguments import parse_args, transformer_config_from_args
 from .faults import FailFast
 from .forward_step import forward_step
@@ -133,7 +134,8 @@ class Trainer:
         if dist.get_world_size() != self.args.world_size:
             raise RuntimeError(f"arguments were validated for world size {self.args.world_size}, "
                                f"but the process group has {dist.get_world_size()} ranks")
-        prefetch.set_enabled(not getattr(self.args, "paradyse_no_prefetch", False))  # before any cost model
+        self.options = runtime.RuntimeOptions.from_args(self.args)  # prefetch, kernels, determinism
+        runtime.set_options(self.options)
         self._calibrate()
         self._init_parallel()
         self._build_model_and_optimizer()
@@ -354,7 +356,7 @@ class Trainer:
         t0 = time.perf_counter()
         micro = self.data_iterator.prefetch()
         if args.paradyse and self.pp_size > 1:
-            pipeline.expect([pipeline.micro_batch_shape(mb, args.hidden_size, args.tensor_model_parallel_size,
+            p2p_shapes.expect([p2p_shapes.micro_batch_shape(mb, args.hidden_size, args.tensor_model_parallel_size,
                                                         self.config.sequence_parallel, self.cp_size)
                              for mb in micro])
         self.model.zero_grad_buffer()
@@ -368,7 +370,7 @@ class Trainer:
         )
         if args.paradyse:
             release_pool()  # nothing of the pool outlives the step (see forward_step)
-            pipeline.clear()
+            p2p_shapes.clear()
             if self.iteration + 1 < self._read_ahead_until and not args.paradyse_no_read_ahead:
                 self.data_iterator.read_ahead()  # step k+1's host work while step k's kernels run
         ok, grad_norm, _ = self.optimizer.step()
@@ -377,7 +379,7 @@ class Trainer:
         total = torch.zeros(3, dtype=torch.float64)
         for r in reports:  # the last pipeline stage's: the others have none
             total[:2] += r["lm loss"].detach().double().cpu()
-        total[:2] = pipeline.sum_over_stages(total[:2], collective_device())
+        total[:2] = p2p_shapes.sum_over_stages(total[:2], collective_device())
         if self.cp_size > 1:  # each CP rank's losses are its own chunks'
             t = total[:2].to(collective_device())
             dist.all_reduce(t, group=self.cp_group)

@@ -8,6 +8,8 @@ gather is prefetched: posted by the ZeRO linear before it, in forward and in bac
 """
 from __future__ import annotations
 
+import types
+
 import torch
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
@@ -17,7 +19,8 @@ from .base import (STRATEGY_ATTR, apply_activation, apply_rope, bias_of, rope_fr
                    switching_group, weight_grad, wgrad_fusion)
 from .registry import REGISTRY
 
-_ROLE = {"linear_qkv": 0, "linear_proj": 1, "linear_fc1": 0, "linear_fc2": 1}  # alternating pool slots
+# alternating pool slots
+_ROLE = types.MappingProxyType({"linear_qkv": 0, "linear_proj": 1, "linear_fc1": 0, "linear_fc2": 1})
 
 
 class ZeroLinear(torch.autograd.Function):

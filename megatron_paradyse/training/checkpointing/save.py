@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import queue
 
+from ... import runtime
 from . import atomic
 from .atomic import checkpoint_dir
 from .collective import decide, gather_to_rank0
@@ -31,11 +32,12 @@ def in_process_results_queue():
     if getattr(fa, "_results_queue", "absent") is not None:  # absent, or the user's own queue
         yield
         return
-    fa._results_queue = queue.Queue()
+    # the registry's patch named ``checkpoint_results_queue`` (``runtime.py``), for the save
+    runtime.install("checkpoint_results_queue", runtime.Patch(fa, "_results_queue", queue.Queue()))
     try:
         yield
     finally:
-        fa._results_queue = None
+        runtime.restore("checkpoint_results_queue")
 
 
 def _finalize_save(root: str, tmp: str, final: str, iteration: int, digests: list) -> str:

@@ -9,7 +9,8 @@
 
 The entry point installs hooks into ``megatron.training`` and then runs the user's script
 as ``__main__`` (its directory first on ``sys.path``, as ``python
-script.py`` would). The hooks (:func:`install_hooks`, idempotent):
+script.py`` would). The hooks (:func:`install_hooks`, idempotent; the patches named
+``megatron_lm`` of the registry, ``megatron_paradyse/runtime.py``):
 
 * ``megatron.training.arguments.parse_args`` (and the copy ``initialize.py`` imported): the
   script's ``extra_args_provider`` (ModelOpt's, or none) is composed with

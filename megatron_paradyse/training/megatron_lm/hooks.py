@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from ...parallel import prefetch
+from ... import runtime
 from ...parallel.dispatch import install
 from ..arguments import ArgumentError
 from .args import check_paradyse_args, compose_args_providers
 from .providers import paradyse_datasets_provider, paradyse_forward_step
 from .schedule import wrap_get_forward_backward_func
 
-_HOOKS: dict = {}
+_NAME = "megatron_lm"  # the registry's name of the hooks (``runtime.py``)
 
 
 def _wrap_parse_args(orig):
@@ -41,7 +41,7 @@ def _wrap_validate_args(orig):
             raise ArgumentError(str(e)) from None
         if getattr(args, "paradyse", False):
             install()
-        prefetch.set_enabled(not getattr(args, "paradyse_no_prefetch", False))
+        runtime.set_options(runtime.RuntimeOptions.from_args(args))  # prefetch, kernels, determinism
         return out
 
     validate_args._paradyse = True
@@ -76,27 +76,25 @@ def _wrap_pretrain(orig):
     return pretrain
 
 
-def _prebuilt_dataset_helpers() -> None:
+def _prebuilt_dataset_helpers() -> list:
     """megatron-core's pip wheel ships ``datasets/helpers_cpp`` compiled, without the Makefile
     that ``compile_helpers`` (called by Megatron-LM's ``initialize_megatron`` on rank 0) runs:
     with a wheel's megatron-core, ``make`` fails and Megatron-LM exits. Skip the build when the
     compiled module already imports (a source checkout keeps its own ``make``)."""
     from megatron.core.datasets import utils as dutils
 
-    orig = dutils.compile_helpers
-    if getattr(orig, "_paradyse", False):
-        return
+    if getattr(dutils.compile_helpers, "_paradyse", False):
+        return []
     try:
         from megatron.core.datasets import helpers_cpp  # noqa: F401
     except ImportError:
-        return
+        return []
 
     def compile_helpers():
         return None
 
     compile_helpers._paradyse = True
-    _HOOKS[(dutils, "compile_helpers")] = orig
-    dutils.compile_helpers = compile_helpers
+    return [runtime.Patch(dutils, "compile_helpers", compile_helpers)]
 
 
 def _wrap_init_process_group(orig):
@@ -115,31 +113,30 @@ def _wrap_init_process_group(orig):
 
 
 def install_hooks() -> None:
-    """Install the hooks into ``megatron.training`` (idempotent). Needs ``megatron.training``."""
-    if _HOOKS:
+    """Install the hooks into ``megatron.training`` (idempotent; the registry's patches named
+    ``megatron_lm``, ``runtime.py``). Needs ``megatron.training``."""
+    if runtime.is_installed(_NAME):
         return
-    _prebuilt_dataset_helpers()
+    patches = _prebuilt_dataset_helpers()
     import megatron.training as mt
     from megatron.training import arguments, initialize, training
 
     for mod in (arguments, initialize):
         if hasattr(mod, "parse_args"):
-            _HOOKS[(mod, "parse_args")] = mod.parse_args
-            mod.parse_args = _wrap_parse_args(mod.parse_args)
+            patches.append(runtime.Patch(mod, "parse_args", _wrap_parse_args(mod.parse_args)))
         if hasattr(mod, "validate_args"):
-            _HOOKS[(mod, "validate_args")] = mod.validate_args
-            mod.validate_args = _wrap_validate_args(mod.validate_args)
+            patches.append(runtime.Patch(mod, "validate_args", _wrap_validate_args(mod.validate_args)))
     new = _wrap_pretrain(training.pretrain)
-    for mod in (training, mt):
-        _HOOKS[(mod, "pretrain")] = mod.pretrain
-        mod.pretrain = new
-    # pipeline stages: the schedule's micro-batches read ahead, their p2p shapes (schedule.py)
-    _HOOKS[(training, "get_forward_backward_func")] = training.get_forward_backward_func
-    _HOOKS[(torch.distributed, "init_process_group")] = torch.distributed.init_process_group
-    torch.distributed.init_process_group = _wrap_init_process_group(torch.distributed.init_process_group)
-    training.get_forward_backward_func = wrap_get_forward_backward_func(training.get_forward_backward_func)
+    patches += [runtime.Patch(mod, "pretrain", new) for mod in (training, mt)]
+    patches += [
+        runtime.Patch(torch.distributed, "init_process_group",
+                      _wrap_init_process_group(torch.distributed.init_process_group)),
+        # pipeline stages: the schedule's micro-batches read ahead, their p2p shapes (schedule.py)
+        runtime.Patch(training, "get_forward_backward_func",
+                      wrap_get_forward_backward_func(training.get_forward_backward_func))]
+    runtime.install(_NAME, *patches)
 
 
 def original(module, name: str):
     """What the hook on ``module.name`` replaced."""
-    return _HOOKS[(module, name)]
+    return runtime.original(_NAME, module, name)

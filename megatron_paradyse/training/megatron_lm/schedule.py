@@ -9,7 +9,7 @@ their own lengths, so each transfer has its micro-batch's shape. Megatron-LM's
 schedule call first reads, plans and checks its micro-batches on every stage
 (``iterator.prefetch_step``; the first stage reads, ``batches.pipeline_batch`` broadcasts),
 sets ``variable_seq_lengths`` on the model's config (Megatron-LM has no flag for it) and
-queues the micro-batches' ``[s/p, b, h]`` shapes (``training/pipeline.py``: megatron's shape
+queues the micro-batches' ``[s/p, b, h]`` shapes (``training/p2p_shapes.py``: megatron's shape
 exchange is answered from the queue), runs the schedule, and clears the queue. Reading inside
 the schedule instead would leave a later stage waiting in its first receive while the first
 stage waits in the plan check. Without pipeline stages, or stock, the schedule runs as is.
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 
-from .. import pipeline
+from .. import p2p_shapes
 
 log = logging.getLogger(__name__)
 _SAID = [False]
@@ -57,7 +57,7 @@ def _wrap_schedule(schedule):
         try:
             return schedule(**kwargs)
         finally:
-            pipeline.clear()
+            p2p_shapes.clear()
 
     forward_backward._paradyse = True
     return forward_backward
@@ -78,7 +78,7 @@ def _plan_step(kwargs) -> None:
             holder.variable_seq_lengths = True  # after its checks (0.16 refuses it with dense allgather MoE)
     micro = prefetch_step(data, model, kwargs["num_microbatches"])
     args = get_args()
-    pipeline.expect([pipeline.micro_batch_shape(mb, args.hidden_size, args.tensor_model_parallel_size,
+    p2p_shapes.expect([p2p_shapes.micro_batch_shape(mb, args.hidden_size, args.tensor_model_parallel_size,
                                                 args.sequence_parallel, int(args.context_parallel_size or 1))
                      for mb in micro])
     if not _SAID[0]:

@@ -20,9 +20,23 @@ import collections
 import torch
 import torch.distributed as dist
 
-_ORIGINAL: dict = {}
-_QUEUES = {"forward": collections.deque(), "backward": collections.deque()}
-_ACTIVE = [False]  # a step's shapes are queued: its receives are answered from them
+from .. import runtime
+
+_NAME = "p2p_shapes"  # the registry's name of the patch (``runtime.py``)
+
+
+def _state() -> dict:
+    """The step's queued shapes per direction, and ``active`` (a step's shapes are queued: its
+    receives are answered from them); kept in the registry."""
+    state = runtime.cache(_NAME)
+    if not state:
+        state.update(forward=collections.deque(), backward=collections.deque(), active=False)
+    return state
+
+
+def _queues() -> tuple:
+    state = _state()
+    return state["forward"], state["backward"]
 
 
 def activation_shape(seq_length: int, micro_batch: int, hidden: int, tp: int, sequence_parallel: bool) -> list:
@@ -50,51 +64,50 @@ def micro_batch_shape(mb, hidden: int, tp: int, sequence_parallel: bool, cp: int
 def expect(shapes: list) -> None:
     """The step's activation shapes in run order: what this rank's receives will be."""
     install()
-    for q in _QUEUES.values():
+    for q in _queues():
         q.clear()
         q.extend(tuple(int(x) for x in s) for s in shapes)
-    _ACTIVE[0] = True
+    _state()["active"] = True
 
 
 def clear() -> None:
     """Forget the step's shapes (megatron's exchange answers until the next :func:`expect`)."""
-    for q in _QUEUES.values():
+    for q in _queues():
         q.clear()
-    _ACTIVE[0] = False
+    _state()["active"] = False
 
 
 def pending() -> dict:
     """Shapes not yet received, per direction (a finished step leaves none)."""
-    return {k: list(q) for k, q in _QUEUES.items()}
+    fwd, bwd = _queues()
+    return {"forward": list(fwd), "backward": list(bwd)}
+
+
+def _communicator():
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    return P2PCommunicator
 
 
 def install() -> None:
     """Answer megatron's p2p shape exchange from the queues; idempotent."""
-    if _ORIGINAL:
-        return
-    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-
-    _ORIGINAL["shapes"] = P2PCommunicator._communicate_shapes
-    P2PCommunicator._communicate_shapes = _communicate_shapes
+    runtime.install(_NAME, runtime.Patch(_communicator(), "_communicate_shapes", _communicate_shapes))
 
 
 def uninstall() -> None:
-    if not _ORIGINAL:
-        return
-    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-
-    P2PCommunicator._communicate_shapes = _ORIGINAL.pop("shapes")
-    clear()
+    if runtime.restore(_NAME):
+        clear()
 
 
 def _communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
-    if not _ACTIVE[0]:
-        return _ORIGINAL["shapes"](self, tensor_send_next, tensor_send_prev, recv_prev, recv_next)
-    fwd, bwd = _QUEUES["forward"], _QUEUES["backward"]
+    if not _state()["active"]:
+        stock = runtime.original(_NAME, _communicator(), "_communicate_shapes")
+        return stock(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next)
+    fwd, bwd = _queues()
     if (recv_prev and not fwd) or (recv_next and not bwd):
         # the peer answers from its queue too: falling back to the exchange would hang it
         raise RuntimeError("ParaDySe: the pipeline received more activations than the step's "
-                           "micro-batches (training/pipeline.py expect); the schedule ran micro-batches "
+                           "micro-batches (training/p2p_shapes.py expect); the schedule ran micro-batches "
                            "the planned iterator did not give it")
     prev = list(fwd.popleft()) if recv_prev else [0, 0, 0]
     nxt = list(bwd.popleft()) if recv_next else [0, 0, 0]
