@@ -80,8 +80,10 @@ class BenchConfig:
 
     def _check_context_parallel(self) -> None:
         """What context parallelism cannot run here (ValueError naming the flag)."""
-        if self.pp > 1:
-            raise ValueError("--cp > 1 with --pp > 1 is not supported (as in training)")
+        from ..layout import ParallelDims
+        from ..training.dims import check_layout
+
+        check_layout(ParallelDims(cp=self.cp, pp=self.pp), paradyse=True)  # the trainers' layout check
         bad = [s for s in self.systems if s not in CP_SYSTEMS]
         if bad:
             raise ValueError(f"with --cp > 1 these systems cannot run: {bad} (stock megatron's local attention "

@@ -59,6 +59,7 @@ class System:
                                                finalize_model_grads)
 
         self.name, self.args, self.plan_fn = name, args, plan_fn
+        self.dims = args.paradyse_dims  # the layout parse_args built and checked
         self.config = transformer_config_from_args(args, **(config or {}))
         model = build_model(args, self.config)
         self.model = DistributedDataParallel(config=self.config, ddp_config=DistributedDataParallelConfig(),
@@ -77,13 +78,13 @@ class System:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         mbs = mb if isinstance(mb, list) else [mb]
-        staged = self.config.pipeline_model_parallel_size > 1
+        staged = self.dims.pp_on
         if staged:
-            _expect_shapes(mbs, self.config)
+            _expect_shapes(mbs, self.config.hidden_size, self.dims)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         reports = get_forward_backward_func()(
-            forward_step_func=partial(forward_step, paradyse=True, cp=self.config.context_parallel_size),
+            forward_step_func=partial(forward_step, paradyse=True, cp=self.dims.cp),
             data_iterator=iter(mbs),
             model=[self.model], num_microbatches=len(mbs), seq_length=max(m.seq_length for m in mbs),
             micro_batch_size=mbs[0].tokens.shape[0], forward_only=forward_only)
@@ -94,7 +95,7 @@ class System:
             self.optimizer.step()
         if not staged:
             r = reports[0]["lm loss"].detach().double() if reports else None
-            if r is not None and self.config.context_parallel_size > 1:
+            if r is not None and self.dims.cp_on:
                 dist.all_reduce(r, group=parallel_state.get_context_parallel_group())
             return None if r is None else float(r[0] / max(float(r[1]), 1.0))
         total = torch.zeros(2, dtype=torch.float64)
@@ -104,14 +105,13 @@ class System:
         return float(total[0] / max(float(total[1]), 1.0))
 
 
-def _expect_shapes(mbs, config) -> None:
+def _expect_shapes(mbs, hidden: int, dims) -> None:
     """ParaDySe's p2p shapes for a step whose micro-batches all have plans; stock (plan None)
     runs megatron's own shape exchange."""
     if any(m.plan is None for m in mbs):
         pipeline.clear()
         return
-    tp = config.tensor_model_parallel_size
-    pipeline.expect([pipeline.micro_batch_shape(m, config.hidden_size, tp, config.sequence_parallel) for m in mbs])
+    pipeline.expect([pipeline.micro_batch_shape(m, hidden, dims) for m in mbs])
 
 
 def _measure(system, mb, memory_pass: str = "separate", count_pool: bool = False):
@@ -167,7 +167,8 @@ def bench_world(rank, world, cfg):
     torch.set_num_threads(1)
     cpu_compat.apply()
     args = parse_args(cfg.argv, world_size=world)
-    init_parallel(args.tensor_model_parallel_size, seed=args.seed, context_parallel_size=cfg.cp)
+    dims = args.paradyse_dims
+    init_parallel(dims.tp, seed=args.seed, context_parallel_size=dims.cp)
     install()
     dataset = pdata.DocumentDataset(cfg.data_prefix, args.seq_length, seed=args.seed,
                                     long_docs=cfg.long_docs, vocab_size=args.vocab_size)
@@ -303,12 +304,13 @@ def pipeline_world(rank, world, cfg):
     torch.set_num_threads(1)
     cpu_compat.apply()
     args = parse_args(cfg.argv, world_size=world)
-    init_parallel(args.tensor_model_parallel_size, seed=args.seed, pipeline_model_parallel_size=cfg.pp)
+    dims = args.paradyse_dims
+    init_parallel(dims.tp, seed=args.seed, pipeline_model_parallel_size=dims.pp)
     install()
     stage = parallel_state.get_pipeline_model_parallel_rank()
     dataset = pdata.DocumentDataset(cfg.data_prefix, args.seq_length, seed=args.seed,
                                     long_docs=cfg.long_docs, vocab_size=args.vocab_size)
-    mult, M = args.tensor_model_parallel_size, cfg.pp_microbatches
+    mult, M = dims.seq_divisor, cfg.pp_microbatches
     mbs = [pdata.pad_to_multiple([dataset[g]], mult) for g in _documents(dataset, cfg)]
     steps = [mbs[k * M:(k + 1) * M] for k in range(cfg.steps)]
     specs, notes = build_systems(cfg, args)

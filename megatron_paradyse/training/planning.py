@@ -15,6 +15,7 @@ from ..planner import build_planner, make_plan_fn
 from ..planner.pipeline import PipelinePlanner, make_step_plan_fn
 from ..units import GiB
 from .arguments import default_memory_budget_gib
+from .dims import dims_of
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +50,13 @@ def with_context_parallel(args, cm):
     """``cm`` for ``--context-parallel-size C`` > 1: ``costmodel.cp.CPCostModel`` (the in-node
     model at s/C plus the CP ring on ``--paradyse-cp-links``), planning the in-node strategy of
     each layer at the global length; ``cm`` itself without CP."""
-    cp = getattr(args, "context_parallel_size", 1)
-    if cp == 1:
+    dims = dims_of(args)
+    if not dims.cp_on:
         return cm
     from ..costmodel.cp import CPCostModel, Links
 
     links = args.paradyse_cp_links or ("cpu_gloo,cpu_gloo" if is_cpu() else "nvlink4,ib_ndr")
-    return CPCostModel(cm, cp, Links.from_config(*links.split(",")), ModelShape.from_args(args))
+    return CPCostModel(cm, dims.cp, Links.from_config(*links.split(",")), ModelShape.from_args(args))
 
 
 def planner_from_args(args, can_refine: bool = True, cost_model=None):
@@ -89,10 +90,10 @@ def planner_from_args(args, can_refine: bool = True, cost_model=None):
     options = dict(gamma=args.paradyse_gamma, margin_bytes=margin, strategies=args.paradyse_planner_strategies,
                    refinement=True if refine else None, device_kind=current_device().type,
                    recompute=mode, recompute_chunk=chunk)
-    multiple = args.paradyse_pad_multiple or args.tensor_model_parallel_size
-    stages = getattr(args, "pipeline_model_parallel_size", 1)
-    if stages > 1:
-        planner = PipelinePlanner(args.paradyse_planner, cm, budget * GiB, stages,
+    dims = dims_of(args)
+    multiple = args.paradyse_pad_multiple or dims.seq_divisor
+    if dims.pp_on:
+        planner = PipelinePlanner(args.paradyse_planner, cm, budget * GiB, dims.pp,
                                   **dict(options, refinement=None))
         for stage in planner.stages if first else ():
             force_first_recomputed(stage, first)  # megatron's block recompute: per stage
@@ -104,7 +105,7 @@ def planner_from_args(args, can_refine: bool = True, cost_model=None):
         plan_fn = make_plan_fn(planner, args.paradyse_on_no_fit, multiple=multiple)  # plans packs too
     log.info(f"> planner: {describe_planner(planner)}; cost model {type(cm).__name__}"
              + (f" ({args.paradyse_cost_model})" if args.paradyse_cost_model else "")
-             + f"; on no fit: {args.paradyse_on_no_fit}; refinement {'on' if refine and stages == 1 else 'off'}")
+             + f"; on no fit: {args.paradyse_on_no_fit}; refinement {'on' if refine and not dims.pp_on else 'off'}")
     for note in (allocator_mismatch(cm), extrapolation_note(cm, args.seq_length)):
         if note:
             log_single_rank(log, logging.WARNING, f"> warning: {note}")
@@ -202,7 +203,7 @@ def longest_trainable(planner, args) -> int:
     plan."""
     from ..data import longest_fitting
 
-    m = args.paradyse_pad_multiple or args.tensor_model_parallel_size
+    m = args.paradyse_pad_multiple or dims_of(args).seq_divisor
     top = longest_fitting(planner, args.micro_batch_size, args.seq_length, m)
     if top < m:
         raise BudgetError(f"--paradyse-memory-budget {planner.budget / GiB:.4g} GiB per rank fits no "
