@@ -18,11 +18,12 @@ import torch
 
 from ..device import default_backend, usable_memory_bytes
 from ..errors import ArgumentParser, UserError
-from ..model import ModelArgsError, add_model_args, complete_model_args, transformer_config
+from ..model import ModelArgsError, add_model_args, transformer_config
 from ..parallel.plans import parse_plan, strategy_of
 from ..parallel.strategies import STRATEGIES, supports
 from ..units import GiB
-from .dims import (check_layout, check_pad_multiple, default_pad_multiple, dims_from_args,
+from .model_args import complete_model_args, model_flags, shape_from_args
+from .dims import (check_layout, check_pad_multiple, default_pad_multiple, dims_from_args, dims_of,
                    interleaving_flag)
 
 log = logging.getLogger(__name__)
@@ -540,7 +541,7 @@ def _check_packing(args) -> None:
 
 
 def _complete_model(args, tp: int) -> None:
-    """The model flags completed for the chosen device (``model.complete_model_args``)."""
+    """The model flags completed for the chosen device (``model_args.complete_model_args``)."""
     on_cpu = args.distributed_backend == "gloo"
     try:
         args.model_notes = complete_model_args(args, tp, torch.device("cpu" if on_cpu else "cuda"))
@@ -699,7 +700,7 @@ def check_cost_model(args) -> None:
     from ..costmodel.fitted import CostModelFileError, FittedCostModel
 
     try:
-        shape = ModelShape.from_args(args)
+        shape = shape_from_args(args)
     except ValueError:  # Megatron-LM's args before its tokenizer pads the vocabulary
         shape = None
     try:
@@ -718,4 +719,4 @@ def default_memory_budget_gib() -> float:
 
 def transformer_config_from_args(args, **overrides):
     """megatron-core's ``TransformerConfig`` for the parsed flags, recompute included (no collective)."""
-    return transformer_config(args, **{**recompute_config(args), **overrides})
+    return transformer_config(model_flags(args), dims_of(args), **{**recompute_config(args), **overrides})

@@ -11,7 +11,7 @@ as a parameter.
 """
 from __future__ import annotations
 
-from ..layout import ParallelDims
+from ..layout import DataConfig, ParallelDims
 
 
 class LayoutError(ValueError):
@@ -148,3 +148,16 @@ def default_pad_multiple(dims: ParallelDims, paradyse: bool) -> int:
     """The multiple micro-batches are padded to by default: the layout's divisor where the
     sequence is split (sequence parallelism, ``--paradyse``'s layout, CP), else 1."""
     return dims.seq_divisor if (dims.sequence_parallel or paradyse or dims.cp_on) else 1
+
+
+def data_config(args) -> DataConfig:
+    """The :class:`~megatron_paradyse.layout.DataConfig` of ``pretrain_gpt_paradyse.py``'s
+    validated flags (``--mock-data`` or one ``--data-path`` prefix, ``--paradyse-pad-multiple``
+    completed, ``--paradyse-pack*``)."""
+    paths = list(args.data_path or []) if not args.mock_data else []
+    if not args.mock_data and len(paths) != 1:
+        raise ValueError(f"--data-path: give one IndexedDataset prefix, got {paths}")
+    return DataConfig(seq_length=args.seq_length, vocab_size=args.vocab_size, seed=args.seed,
+                      data_path=paths[0] if paths else None, mock_min_length=args.paradyse_mock_min_length,
+                      long_docs=args.paradyse_long_docs, pad_multiple=args.paradyse_pad_multiple,
+                      pack=args.paradyse_pack, pack_tokens=args.paradyse_pack_tokens)

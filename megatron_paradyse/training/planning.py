@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 
-from ..costmodel import ModelShape, build_cost_model, extrapolation_note
+from ..costmodel import build_cost_model, extrapolation_note
 from ..device import current as current_device
 from ..device import is_cpu
 from ..errors import UserError
@@ -16,13 +16,14 @@ from ..planner.pipeline import PipelinePlanner, make_step_plan_fn
 from ..units import GiB
 from .arguments import default_memory_budget_gib
 from .dims import dims_of
+from .model_args import shape_from_args
 
 log = logging.getLogger(__name__)
 
 
 def cost_model_from_args(args):
     """``--paradyse-cost-model``, else the model shipped for the run's shape, else the analytic one."""
-    return build_cost_model(ModelShape.from_args(args), path=args.paradyse_cost_model)
+    return build_cost_model(shape_from_args(args), path=args.paradyse_cost_model)
 
 
 def calibrated_cost_model(args):
@@ -56,7 +57,7 @@ def with_context_parallel(args, cm):
     from ..costmodel.cp import CPCostModel, Links
 
     links = args.paradyse_cp_links or ("cpu_gloo,cpu_gloo" if is_cpu() else "nvlink4,ib_ndr")
-    return CPCostModel(cm, dims.cp, Links.from_config(*links.split(",")), ModelShape.from_args(args))
+    return CPCostModel(cm, dims.cp, Links.from_config(*links.split(",")), shape_from_args(args))
 
 
 def planner_from_args(args, can_refine: bool = True, cost_model=None):

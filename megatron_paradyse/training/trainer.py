@@ -38,7 +38,7 @@ from ..errors import EXIT_INTERRUPTED, exit_on_user_error
 from ..device import select as select_device
 from ..device import synchronize
 from ..memory import PeakMemory, static_bytes
-from ..model import build_gpt_from_args
+from ..model import build_gpt_for
 from ..parallel import groups, prefetch
 from ..parallel.buffers import release_pool
 from ..paths import shown
@@ -48,7 +48,8 @@ from ..parallel.plans import describe_plans, parse_plan, rule_plan_fn
 from ..units import GiB, MiB
 from . import checkpointing, pipeline
 from .arguments import parse_args, transformer_config_from_args
-from .dims import dims_of
+from .dims import data_config, dims_of
+from .model_args import model_flags
 from .faults import FailFast
 from .forward_step import forward_step
 from .iterator import PlannedIterator
@@ -63,7 +64,7 @@ log = logging.getLogger(__name__)
 def build_model(args, config):
     """The stock GPTModel for the parsed flags (megatron_paradyse.model: the builder the
     profiler and the check use too), on this process's device."""
-    return build_gpt_from_args(args, config)
+    return build_gpt_for(model_flags(args), config, seed=args.seed)
 
 
 def build_optimizer(args, model):
@@ -226,22 +227,23 @@ class Trainer:
         sampler, the loader and the planned iterator that gives each micro-batch its plan."""
         args = self.args
         max_fit = None if self.planner is None else longest_trainable(self.planner, args)
-        self.dataset = pdata.build_dataset(args, max_length=max_fit)
+        self.data = data_config(args)
+        self.dataset = pdata.build_dataset(self.data, max_length=max_fit)
         self.sampler = self.packer = None
         plan_fn = self.plan_fn or self._planner_fn
         if plan_fn is None and args.paradyse and self._step_plan_fn is None:
             plan_fn = rule_plan_fn(parse_plan(args.paradyse_plan, args.num_layers))
-        if args.paradyse_pack != "none":
+        if self.data.packed:
             self._build_packed_data(plan_fn if args.paradyse else None)
             return
         if args.paradyse_sampler == "length":
             self.sampler = pdata.LengthAwareSampler(
                 self.dataset, args.micro_batch_size, args.global_batch_size, self.dp_size, seed=args.seed,
-                window_steps=args.paradyse_sampler_window, multiple=args.paradyse_pad_multiple,
+                window_steps=args.paradyse_sampler_window, multiple=self.data.pad_multiple,
                 cost_fn=pdata.make_cost_fn(planner=self.planner))
         loader = pdata.MicroBatchLoader(
             self.dataset, args.micro_batch_size, args.global_batch_size, self.dp_rank, self.dp_size,
-            args.paradyse_pad_multiple, consumed_samples=self.iteration * args.global_batch_size,
+            self.data.pad_multiple, consumed_samples=self.iteration * args.global_batch_size,
             sampler=self.sampler)
         self.data_iterator = PlannedIterator(
             loader, plan_fn if args.paradyse else None, args.num_microbatches,
@@ -257,9 +259,9 @@ class Trainer:
         if self.planner is not None:
             cost_fn, fits_fn = pdata.make_pack_fns(self.planner)
         self.packer = pdata.PackScheduler(
-            self.dataset.length, args.global_batch_size, self.dp_size, token_cap=args.paradyse_pack_tokens,
-            seed=args.seed, mode=args.paradyse_pack, cost_fn=cost_fn, fits_fn=fits_fn)
-        loader = pdata.PackedLoader(self.dataset, self.packer, self.dp_rank, multiple=args.paradyse_pad_multiple,
+            self.dataset.length, args.global_batch_size, self.dp_size, token_cap=self.data.pack_tokens,
+            seed=self.data.seed, mode=self.data.pack, cost_fn=cost_fn, fits_fn=fits_fn)
+        loader = pdata.PackedLoader(self.dataset, self.packer, self.dp_rank, multiple=self.data.pad_multiple,
                                     start_step=self.iteration)
         self.data_iterator = PlannedIterator(
             loader, plan_fn, args.num_microbatches, group_index=self.dp_rank, num_groups=self.dp_size,
