@@ -189,7 +189,7 @@ def build_systems(cfg, args):
         _add_system(specs, notes, name, cfg, args, config, p, cost_model, budget)
         if full != name and len(specs) > before:
             specs[-1] = dataclasses.replace(specs[-1], name=full, packed=True, errors=[])
-        if cfg.pp > 1 and len(specs) > before:
+        if cfg.dims.pp_on and len(specs) > before:
             specs[-1].pipeline = _pipeline_of(specs[-1], cfg, cost_model, budget, notes)
     return specs, notes
 

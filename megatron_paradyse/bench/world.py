@@ -42,6 +42,7 @@ from ..parallel.plan_check import collective_device
 from ..parallel.plans import describe
 from ..training import pipeline
 from ..training.arguments import parse_args, transformer_config_from_args
+from ..training.dims import dims_of
 from ..training.forward_step import forward_step
 from ..training.run_report import max_per_stage, pool_bytes
 from ..training.trainer import build_model, build_optimizer
@@ -59,7 +60,7 @@ class System:
                                                finalize_model_grads)
 
         self.name, self.args, self.plan_fn = name, args, plan_fn
-        self.dims = args.paradyse_dims  # the layout parse_args built and checked
+        self.dims = dims_of(args)  # the layout parse_args built and checked
         self.config = transformer_config_from_args(args, **(config or {}))
         model = build_model(args, self.config)
         self.model = DistributedDataParallel(config=self.config, ddp_config=DistributedDataParallelConfig(),
@@ -162,12 +163,12 @@ def _documents(dataset, cfg) -> list:
 def bench_world(rank, world, cfg):
     """Run in every rank: returns (on rank 0) the per-system, per-step records (pipeline
     stages: :func:`pipeline_world`)."""
-    if cfg.pp > 1:
+    if cfg.dims.pp_on:
         return pipeline_world(rank, world, cfg)
     torch.set_num_threads(1)
     cpu_compat.apply()
     args = parse_args(cfg.argv, world_size=world)
-    dims = args.paradyse_dims
+    dims = dims_of(args)
     init_parallel(dims.tp, seed=args.seed, context_parallel_size=dims.cp)
     install()
     dataset = pdata.DocumentDataset(cfg.data_prefix, args.seq_length, seed=args.seed,
@@ -304,7 +305,7 @@ def pipeline_world(rank, world, cfg):
     torch.set_num_threads(1)
     cpu_compat.apply()
     args = parse_args(cfg.argv, world_size=world)
-    dims = args.paradyse_dims
+    dims = dims_of(args)
     init_parallel(dims.tp, seed=args.seed, pipeline_model_parallel_size=dims.pp)
     install()
     stage = parallel_state.get_pipeline_model_parallel_rank()

@@ -23,7 +23,7 @@ from ..parallel.plans import parse_plan, strategy_of
 from ..parallel.strategies import STRATEGIES, supports
 from ..units import GiB
 from .model_args import complete_model_args, model_flags, shape_from_args
-from .dims import (check_layout, check_pad_multiple, default_pad_multiple, dims_from_args, dims_of,
+from .dims import (attach, check_layout, check_pad_multiple, default_pad_multiple, dims_from_args, dims_of,
                    interleaving_flag)
 
 log = logging.getLogger(__name__)
@@ -439,7 +439,7 @@ def _check_parallel(args, world_size: int) -> None:
                      plan_given=args.paradyse_plan is not None, cp_links=args.paradyse_cp_links)
     except ValueError as e:
         _err(str(e))
-    args.paradyse_dims = dims
+    attach(args, dims)
     args.data_parallel_size = dims.dp
     args.sequence_parallel = dims.sequence_parallel  # as Megatron-LM: nothing to shard with TP = 1
     if args.num_layers % dims.pp:

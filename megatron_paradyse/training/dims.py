@@ -5,9 +5,9 @@ trainers (``arguments.validate_args``, ``megatron_lm.check_paradyse_args``) and 
 Each raises :class:`LayoutError` (a ``ValueError``) with one line naming the flags; each
 trainer maps it to its own error (``ArgumentError`` in ``pretrain_gpt_paradyse.py``'s parser,
 the ``ValueError`` Megatron-LM's entry point turns into one line). The built
-:class:`~megatron_paradyse.layout.ParallelDims` is attached to the parsed flags once, as
-``args.paradyse_dims`` (:func:`dims_of` reads it back); below ``training/`` the code gets it
-as a parameter.
+:class:`~megatron_paradyse.layout.ParallelDims` is attached to the parsed flags once
+(:func:`attach`; :func:`dims_of` reads it back); below ``training/`` the code gets it as a
+parameter.
 """
 from __future__ import annotations
 
@@ -51,13 +51,33 @@ def dims_from_args(args, world_size: int | None = None) -> ParallelDims:
         dynamic_cp=bool(getattr(args, "hybrid_context_parallel", False)))
 
 
-def dims_of(args) -> ParallelDims:
-    """The layout attached at the edge (``args.paradyse_dims``); built from ``args`` (and
-    attached) where no edge ran, e.g. a script that calls the hooks directly."""
-    dims = getattr(args, "paradyse_dims", None)
-    if dims is None:
-        dims = args.paradyse_dims = dims_from_args(args)
+# Megatron-LM pickles its args into every checkpoint and loads them with torch's weights-only
+# unpickler, which refuses classes it was not told of (a stock run loading the checkpoint would
+# fail): its namespace keeps no ParallelDims; the layout is kept here, by the namespace's id
+_KEPT: dict = {}
+
+
+def attach(args, dims: ParallelDims, in_namespace: bool = True) -> ParallelDims:
+    """Attach ``dims`` to the parsed flags ``args``: as ``args.paradyse_dims``
+    (``pretrain_gpt_paradyse.py``'s, the bench's), or with ``in_namespace=False`` beside it
+    (Megatron-LM's, which its checkpoints pickle)."""
+    if in_namespace:
+        args.paradyse_dims = dims
+    else:
+        _KEPT[id(args)] = (args, dims)
     return dims
+
+
+def dims_of(args) -> ParallelDims:
+    """The layout :func:`attach` attached at the edge; built from ``args`` (and attached beside
+    it) where no edge ran, e.g. a script that calls Megatron-LM's hooks directly."""
+    dims = getattr(args, "paradyse_dims", None)
+    if dims is not None:
+        return dims
+    kept = _KEPT.get(id(args))
+    if kept is not None and kept[0] is args:
+        return kept[1]
+    return attach(args, dims_from_args(args), in_namespace=False)
 
 
 def interleaving_flag(args) -> str | None:

@@ -8,7 +8,7 @@ import os
 from ..arguments import (LAYERNORM_RECOMPUTE_WITHOUT_TE, MLP_RECOMPUTE_WITH_BIAS,
                          OVERLAP_PARAM_GATHER_WITH_PARADYSE, te_installed, add_paradyse_args, add_planner_args,
                          check_fixed_plan, positions_error, validate_planner_args)
-from ..dims import check_layout, check_pad_multiple, dims_from_args, dims_of, interleaving_flag
+from ..dims import attach, check_layout, check_pad_multiple, dims_from_args, dims_of, interleaving_flag
 
 
 log = logging.getLogger(__name__)
@@ -57,9 +57,10 @@ def check_paradyse_args(args) -> None:
     """Check the ParaDySe flags against Megatron-LM's parsed ``args``; ValueError naming the flags.
 
     Local (no collective): runs on every rank inside Megatron-LM's ``validate_args``. The
-    parallel layout is built here once (``dims.py``) and attached as ``args.paradyse_dims``.
+    parallel layout is built here once (``dims.py``) and attached beside ``args`` (which
+    Megatron-LM pickles into its checkpoints).
     """
-    args.paradyse_dims = dims_from_args(args)
+    attach(args, dims_from_args(args), in_namespace=False)
     if getattr(args, "paradyse_document_data", False):  # absent where the script added the flags
         _check_document_data(args)
     elif getattr(args, "paradyse_pack", "none") != "none":
