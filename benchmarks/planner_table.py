@@ -29,7 +29,8 @@ def _rank(rank, world, cfg):
     from megatron_paradyse import data as pdata
     from megatron_paradyse.bench.__main__ import demo_argv
     from megatron_paradyse.bench.world import System, _max_over_ranks, _measure
-    from megatron_paradyse.costmodel import ModelShape, build_cost_model
+    from megatron_paradyse.costmodel import build_cost_model
+    from megatron_paradyse.training.model_args import shape_from_args
     from megatron_paradyse.memory import static_bytes
     from megatron_paradyse.planner import build_planner
     from megatron_paradyse.training.arguments import parse_args
@@ -46,7 +47,7 @@ def _rank(rank, world, cfg):
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=p)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     note = ""
-    shape = ModelShape.from_args(args)
+    shape = shape_from_args(args)
     try:
         cm = build_cost_model(shape)
     except Exception as e:  # noqa: BLE001 - a broken shipped model: say so, use the analytic one

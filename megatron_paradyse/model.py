@@ -12,20 +12,22 @@ refuses sequence parallelism) for RMSNorm on every image.
 Fusions follow Megatron-LM's switches and defaults on CUDA; one whose kernel is not installed
 (RoPE fusion needs Transformer Engine, gradient-accumulation fusion apex's
 ``fused_weight_gradient_mlp_cuda``, masked-softmax fusion megatron's
-``scaled_masked_softmax_cuda``) is turned off and said so (:func:`complete_model_args`
-returns the notes). On the CPU every fusion is off (megatron's fused kernels are CUDA or
+``scaled_masked_softmax_cuda``) is turned off and said so (:func:`complete_model` records
+the notes). On the CPU every fusion is off (megatron's fused kernels are CUDA or
 ``torch.compile`` code).
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
 
 from .device import current as current_device
 from .errors import UserError
+from .layout import ParallelDims
 from .norms import SPTorchNorm
 
 # Megatron-LM's fusion switches: flag -> (args attribute, TransformerConfig field)
@@ -85,64 +87,123 @@ def add_model_args(parser: argparse.ArgumentParser, defaults: dict | None = None
     return parser
 
 
-def complete_model_args(args, tp: int, device: torch.device | None = None) -> list:
-    """Derived values and local checks of the model flags, in place; returns notes (fusions
-    turned off, and why) for the log. Raises :class:`ModelArgsError` naming the flags."""
+@dataclass(frozen=True)
+class ModelFlags:
+    """The model's flags (:func:`add_model_args`'s, by their ``argparse`` names), typed; after
+    :func:`complete_model` also the derived values (``padded_vocab_size``, ``params_dtype``)
+    and the notes for the log. Built at each command line's edge from its parsed flags
+    (:meth:`from_flags`); below that, the code takes this object, never the parsed flags."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int | None = None
+    kv_channels: int | None = None
+    group_query_attention: bool = False
+    num_query_groups: int | None = 1
+    max_position_embeddings: int | None = None
+    position_embedding_type: str = "learned_absolute"
+    rotary_base: int = 10000
+    rotary_percent: float = 1.0
+    normalization: str = "LayerNorm"
+    norm_epsilon: float = 1e-5
+    swiglu: bool = False
+    disable_bias_linear: bool = False
+    untie_embeddings_and_output_weights: bool = False
+    init_method_std: float = 0.02
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    vocab_size: int | None = None
+    make_vocab_size_divisible_by: int = 128
+    bf16: bool = False
+    fp16: bool = False
+    use_cpu_initialization: bool = False
+    masked_softmax_fusion: bool = True
+    bias_gelu_fusion: bool = True
+    bias_swiglu_fusion: bool = True
+    bias_dropout_fusion: bool = True
+    apply_rope_fusion: bool = True
+    gradient_accumulation_fusion: bool = True
+    persist_layer_norm: bool = True
+    # completed (complete_model)
+    padded_vocab_size: int | None = None
+    params_dtype: torch.dtype | None = None
+    notes: tuple = ()
+
+    @classmethod
+    def from_flags(cls, values: dict) -> "ModelFlags":
+        """The model's flags out of ``values`` (a dict of parsed flag values by their
+        ``argparse`` names; the others are left out)."""
+        names = {f.name for f in fields(cls)} - {"notes"}
+        return cls(**{k: v for k, v in values.items() if k in names})
+
+    def as_flags(self) -> dict:
+        """The flag values by their ``argparse`` names (derived values included, notes not)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "notes"}
+
+    @property
+    def activation_fusion(self) -> bool:
+        """The bias-activation fusion of this model's activation (SwiGLU or GELU)."""
+        return self.bias_swiglu_fusion if self.swiglu else self.bias_gelu_fusion
+
+
+def complete_model(flags: ModelFlags, tp: int, device: torch.device | None = None) -> ModelFlags:
+    """``flags`` completed for TP = ``tp`` on ``device`` (default: this process's): derived
+    values and local checks, the fusions for the device; ``notes`` (fusions turned off, and
+    why) for the log. Raises :class:`ModelArgsError` naming the flags."""
     device = device or current_device()
-    if args.hidden_size % args.num_attention_heads and args.kv_channels is None:
+    f = flags
+    if f.hidden_size % f.num_attention_heads and f.kv_channels is None:
         raise ModelArgsError("--hidden-size must be divisible by --num-attention-heads (or give --kv-channels)")
-    if args.num_attention_heads % tp:
-        raise ModelArgsError(f"--num-attention-heads {args.num_attention_heads} must be divisible by "
+    if f.num_attention_heads % tp:
+        raise ModelArgsError(f"--num-attention-heads {f.num_attention_heads} must be divisible by "
                              f"--tensor-model-parallel-size {tp}")
-    if not args.group_query_attention:
-        args.num_query_groups = args.num_attention_heads
-    if args.num_attention_heads % args.num_query_groups or args.num_query_groups % tp:
-        raise ModelArgsError(f"--num-query-groups {args.num_query_groups} must divide --num-attention-heads "
+    groups = f.num_query_groups if f.group_query_attention else f.num_attention_heads
+    if f.num_attention_heads % groups or groups % tp:
+        raise ModelArgsError(f"--num-query-groups {groups} must divide --num-attention-heads "
                              f"and be divisible by --tensor-model-parallel-size {tp}")
-    if args.ffn_hidden_size is None:
-        args.ffn_hidden_size = (int((4 * args.hidden_size * 2 / 3) / 64) * 64 if args.swiglu
-                                else 4 * args.hidden_size)
-    if args.ffn_hidden_size % tp:
-        raise ModelArgsError(f"--ffn-hidden-size {args.ffn_hidden_size} must be divisible by TP {tp}")
-    if args.vocab_size is None or args.vocab_size < 2:
+    ffn = f.ffn_hidden_size
+    if ffn is None:
+        ffn = int((4 * f.hidden_size * 2 / 3) / 64) * 64 if f.swiglu else 4 * f.hidden_size
+    if ffn % tp:
+        raise ModelArgsError(f"--ffn-hidden-size {ffn} must be divisible by TP {tp}")
+    if f.vocab_size is None or f.vocab_size < 2:
         raise ModelArgsError("--vocab-size is required (token ids are 0 .. vocab-size-1)")
-    mult = args.make_vocab_size_divisible_by * tp
-    args.padded_vocab_size = -(-args.vocab_size // mult) * mult
-    if args.fp16:
+    mult = f.make_vocab_size_divisible_by * tp
+    if f.fp16:
         raise ModelArgsError("--fp16 is not supported (its loss scaler needs apex); use --bf16 or fp32")
-    args.params_dtype = torch.bfloat16 if args.bf16 else torch.float32
-    if device.type == "cpu":
-        args.use_cpu_initialization = True
-    return _complete_fusions(args, device)
+    f = replace(f, num_query_groups=groups, ffn_hidden_size=ffn, padded_vocab_size=-(-f.vocab_size // mult) * mult,
+                params_dtype=torch.bfloat16 if f.bf16 else torch.float32,
+                use_cpu_initialization=f.use_cpu_initialization or device.type == "cpu")
+    return _complete_fusions(f, device)
 
 
-def _complete_fusions(args, device) -> list:
+def _complete_fusions(f: ModelFlags, device) -> ModelFlags:
     """Megatron-LM's fusion defaults on CUDA, minus those whose kernel is missing; none on CPU."""
     if device.type == "cpu":
-        for dest, _ in FUSION_SWITCHES.values():
-            setattr(args, dest, False)
-        return ["fusions: off on the CPU"]
-    notes = []
-    act = "bias_swiglu_fusion" if args.swiglu else "bias_gelu_fusion"
-    if getattr(args, act) and not args.swiglu and args.disable_bias_linear:
-        setattr(args, act, False)  # as Megatron-LM: no bias, no bias-GELU fusion
-    if args.apply_rope_fusion and (args.position_embedding_type != "rope" or not _have_te_rope()):
-        if args.position_embedding_type == "rope":
+        return replace(f, notes=("fusions: off on the CPU",), **{dest: False for dest, _ in FUSION_SWITCHES.values()})
+    notes, off = [], {}
+    act = "bias_swiglu_fusion" if f.swiglu else "bias_gelu_fusion"
+    if getattr(f, act) and not f.swiglu and f.disable_bias_linear:
+        off[act] = False  # as Megatron-LM: no bias, no bias-GELU fusion
+    if f.apply_rope_fusion and (f.position_embedding_type != "rope" or not _have_te_rope()):
+        if f.position_embedding_type == "rope":
             notes.append("RoPE fusion off: it needs Transformer Engine (--no-rope-fusion silences this)")
-        args.apply_rope_fusion = False
-    if args.masked_softmax_fusion and not _importable("scaled_masked_softmax_cuda"):
+        off["apply_rope_fusion"] = False
+    if f.masked_softmax_fusion and not _importable("scaled_masked_softmax_cuda"):
         notes.append("masked-softmax fusion off: it needs megatron's scaled_masked_softmax_cuda "
                      "extension (--no-masked-softmax-fusion silences this)")
-        args.masked_softmax_fusion = False
-    if args.gradient_accumulation_fusion and not have_grad_accum_fusion():
+        off["masked_softmax_fusion"] = False
+    if f.gradient_accumulation_fusion and not have_grad_accum_fusion():
         notes.append("gradient-accumulation fusion off: it needs apex's fused_weight_gradient_mlp_cuda "
                      "(--no-gradient-accumulation-fusion silences this)")
-        args.gradient_accumulation_fusion = False
-    args.persist_layer_norm = False  # apex's persistent LayerNorm kernel; the torch norms have none
-    on = [n for n, v in (("masked-softmax", args.masked_softmax_fusion), ("bias-activation", getattr(args, act)),
-                         ("bias-dropout", args.bias_dropout_fusion), ("rope", args.apply_rope_fusion),
-                         ("gradient-accumulation", args.gradient_accumulation_fusion)) if v]
-    return [f"fusions on: {', '.join(on) or 'none'}"] + notes
+        off["gradient_accumulation_fusion"] = False
+    off["persist_layer_norm"] = False  # apex's persistent LayerNorm kernel; the torch norms have none
+    f = replace(f, **off)
+    on = [n for n, v in (("masked-softmax", f.masked_softmax_fusion), ("bias-activation", getattr(f, act)),
+                         ("bias-dropout", f.bias_dropout_fusion), ("rope", f.apply_rope_fusion),
+                         ("gradient-accumulation", f.gradient_accumulation_fusion)) if v]
+    return replace(f, notes=tuple([f"fusions on: {', '.join(on) or 'none'}"] + notes))
 
 
 def _have_te_rope() -> bool:
@@ -162,34 +223,33 @@ def _importable(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
-def transformer_config(args, **overrides):
-    """megatron-core's ``TransformerConfig`` for completed model flags (no collective)."""
+def transformer_config(flags: ModelFlags, dims: ParallelDims, **overrides):
+    """megatron-core's ``TransformerConfig`` for completed model flags over the layout ``dims``
+    (no collective)."""
     from megatron.core.transformer import TransformerConfig
 
-    tp = args.tensor_model_parallel_size
+    f = flags
     kw = dict(
-        num_layers=args.num_layers, hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-        kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
-        gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
-        add_bias_linear=not args.disable_bias_linear, normalization=args.normalization,
-        layernorm_epsilon=args.norm_epsilon, init_method_std=args.init_method_std,
-        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-        tensor_model_parallel_size=tp, sequence_parallel=bool(args.sequence_parallel and tp > 1),
-        use_cpu_initialization=args.use_cpu_initialization,
-        params_dtype=args.params_dtype, bf16=args.bf16, pipeline_dtype=args.params_dtype,
+        num_layers=f.num_layers, hidden_size=f.hidden_size,
+        num_attention_heads=f.num_attention_heads, num_query_groups=f.num_query_groups,
+        kv_channels=f.kv_channels, ffn_hidden_size=f.ffn_hidden_size,
+        gated_linear_unit=f.swiglu, activation_func=F.silu if f.swiglu else F.gelu,
+        add_bias_linear=not f.disable_bias_linear, normalization=f.normalization,
+        layernorm_epsilon=f.norm_epsilon, init_method_std=f.init_method_std,
+        hidden_dropout=f.hidden_dropout, attention_dropout=f.attention_dropout,
+        tensor_model_parallel_size=dims.tp, sequence_parallel=dims.sequence_parallel,
+        use_cpu_initialization=f.use_cpu_initialization,
+        params_dtype=f.params_dtype, bf16=f.bf16, pipeline_dtype=f.params_dtype,
         calculate_per_token_loss=True,
-        bias_activation_fusion=args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion,
-        bias_dropout_fusion=args.bias_dropout_fusion, masked_softmax_fusion=args.masked_softmax_fusion,
-        persist_layer_norm=False, gradient_accumulation_fusion=args.gradient_accumulation_fusion,
-        apply_rope_fusion=args.apply_rope_fusion,
+        bias_activation_fusion=f.activation_fusion,
+        bias_dropout_fusion=f.bias_dropout_fusion, masked_softmax_fusion=f.masked_softmax_fusion,
+        persist_layer_norm=False, gradient_accumulation_fusion=f.gradient_accumulation_fusion,
+        apply_rope_fusion=f.apply_rope_fusion,
+        pipeline_model_parallel_size=dims.pp, context_parallel_size=dims.cp,
     )
-    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
-    kw.update(pipeline_model_parallel_size=pp,
-              context_parallel_size=int(getattr(args, "context_parallel_size", 1) or 1))
     kw.update(overrides)
     config = TransformerConfig(**kw)
-    if pp > 1:
+    if dims.pp_on:
         # each micro-batch's p2p shape follows its length (training/p2p_shapes.py supplies them);
         # set after the checks, which refuse it with the default MoE dispatcher of a dense model
         config.variable_seq_lengths = True
@@ -253,15 +313,15 @@ def build_gpt(config, vocab_size: int, max_sequence_length: int, *, position_emb
     return model
 
 
-def build_gpt_from_args(args, config):
+def build_gpt_for(flags: ModelFlags, config, seed: int | None = None):
     """:func:`build_gpt` for completed model flags, wrapped in ``Float16Module`` for bf16 (as
     Megatron-LM)."""
-    model = build_gpt(config, args.padded_vocab_size, args.max_position_embeddings,
-                      position_embedding_type=args.position_embedding_type,
-                      rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
-                      share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                      seed=args.seed)
-    if args.bf16:
+    model = build_gpt(config, flags.padded_vocab_size, flags.max_position_embeddings,
+                      position_embedding_type=flags.position_embedding_type,
+                      rotary_percent=flags.rotary_percent, rotary_base=flags.rotary_base,
+                      share_embeddings_and_output_weights=not flags.untie_embeddings_and_output_weights,
+                      seed=seed)
+    if flags.bf16:
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(config, model)

@@ -101,18 +101,18 @@ class Recorder:
             got = self._members[id(pg)] = (pg, pg.group_name, members)
         return got[1], got[2]
 
-    def _record(self, pg, method: str, args) -> None:
+    def _record(self, pg, method: str, call_args: tuple) -> None:
         name, members = self._group(pg)
-        ts = _tensors(args)
+        ts = _tensors(call_args)
         how = _METHODS[method]
         numel = sum(t.numel() for t in ts) if how != "none" and ts else None
         dtype = str(ts[0].dtype).replace("torch.", "") if ts else None
         peer = root = None
         if how == "p2p":
-            local = int(args[1])
+            local = int(call_args[1])
             peer = members[local] if local < len(members) else local
         elif method in _ROOTED:
-            opts = args[-1] if args else None
+            opts = call_args[-1] if call_args else None
             local = getattr(opts, "rootRank", None)
             if local is not None and local < len(members):
                 root = members[local]

@@ -3,7 +3,7 @@ out of memory on some ranks.
 
 * The profiler's model flags give the trainer's ``TransformerConfig`` (every field) for the
   same command-line flags, fusion switches included, completed for a CUDA device and for the
-  CPU (``complete_model_args`` takes the device; no GPU is needed to compare).
+  CPU (``complete_model`` takes the device; no GPU is needed to compare).
 * The single-device mode (one process as rank 0 of a fake 4-rank group) builds through the
   trainer's builder: with RMSNorm under sequence parallelism and the CPU's sequence-parallel
   norm shim switched off (as on a GPU host, where no shim applies) the layer builds and runs.
@@ -70,7 +70,9 @@ def test_profiler_config_equals_trainers(name, dev, monkeypatch):
     done = M.complete({k: getattr(pargs, k) for k in M.model_flag_names()}, tp, torch.device(dev), max_seq=512)
     want, got = _fields(transformer_config_from_args(targs)), _fields(M.model_config(done))
     assert got == want, {k: (got[k], want[k]) for k in want if got[k] != want[k]}
-    assert M.shape_of(done) == M.shape_of(targs)
+    from megatron_paradyse.training.model_args import shape_from_args
+
+    assert M.shape_of(done) == shape_from_args(targs)
     if dev == "cuda" and "fusions" in name:  # the switches left on by the flags are on for CUDA
         assert got["bias_activation_fusion"] and got["bias_dropout_fusion"]
         # masked softmax: on where megatron's extension is installed (never here, nor on the H100 image)
@@ -93,7 +95,7 @@ def test_fake_mode_builds_through_the_trainers_builder(tmp_path, monkeypatch):
              "RMSNorm", "--swiglu", "--vocab-size", "100"]
     pargs = P.build_parser().parse_args(flags + ["--p", "4", "-o", "unused"])
     model_args = {k: getattr(pargs, k) for k in M.model_flag_names()}
-    shape = P.shape_from_args(pargs, 4)
+    shape = P.shape_of_flags(model_args, 4)
     cfg = P.ProfileConfig(seqs=[64], strategies=["tp_sp", "ulysses"], parts=["layer"], warmup=0, repeats=1,
                           nonlayer=False, fake_world=4, fake_rank=0, command="test", model_args=model_args,
                           backend="gloo")  # the CPU plays the rank (on a GPU host the default is its GPU)

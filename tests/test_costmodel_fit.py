@@ -282,7 +282,9 @@ def test_shape_constructors():
                               group_query_attention=False, ffn_hidden_size=512, swiglu=False,
                               add_bias_linear=True, disable_bias_linear=False, vocab_size=258,
                               make_vocab_size_divisible_by=128, tensor_model_parallel_size=4, bf16=False)
-    assert ModelShape.from_args(args) == demo_shape(4)
+    from megatron_paradyse.training.model_args import shape_from_args
+
+    assert shape_from_args(args) == demo_shape(4)
     from megatron_paradyse.testing.models import TinyGPT
 
     cfg = TinyGPT(num_layers=4, hidden_size=128, num_attention_heads=8, ffn_hidden_size=512).transformer_config(4, True)

@@ -181,6 +181,7 @@ def _expected_shape(kind, shape, spec, world):
     import torch
 
     from megatron_paradyse.data.datasets import MicroBatch
+    from megatron_paradyse.layout import ParallelDims
     from megatron_paradyse.training import p2p_shapes
 
     cp = C if world > 1 else 1
@@ -188,7 +189,7 @@ def _expected_shape(kind, shape, spec, world):
     bounds = None if kind == "rows" else tuple([0] + [sum(shape[:i + 1]) for i in range(len(shape))])
     z = torch.zeros(b, s, dtype=torch.long)
     mb = MicroBatch(z, z, z.float(), z, (s,) * b, cu_seqlens=bounds)
-    return p2p_shapes.micro_batch_shape(mb, spec.hidden_size, world // cp, world > 1, cp)
+    return p2p_shapes.micro_batch_shape(mb, spec.hidden_size, ParallelDims(tp=world // cp, cp=cp, sequence_parallel=world > 1))
 
 
 def _usable(spec_kw):

@@ -111,7 +111,7 @@ def test_the_rules_as_read():
     rules = _rules()
     product = [r for r in rules if r != "testing"]
     assert all("testing" not in rules[r][0] for r in product)
-    assert rules["parallel"][0] == {"device", "units", "runtime"} and rules["units"][0] == set()
+    assert rules["parallel"][0] == {"device", "units", "runtime", "layout"} and rules["units"][0] == set()
     assert [r for r in rules if "training" in rules[r][0]] == ["check", "bench"]
     assert rules["testing"][1] == {f"{PKG}.check.compare"} and "check" not in rules["testing"][0]
 
@@ -199,3 +199,55 @@ def test_the_planner_package_init_only_re_exports():
         doc = isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
         names = isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["__all__"]
         assert doc or names or isinstance(node, (ast.Import, ast.ImportFrom)), ast.dump(node)[:200]
+def _args_violations() -> list:
+    """Where a module of a row above ``training/`` in the layer table takes or reads the
+    trainers' parsed flags (the ``argparse`` namespace, named ``args`` by both trainers).
+
+    The rule, per function (methods and nested functions each on their own):
+
+    * no parameter is named ``args``, unless the function also takes ``kwargs``: then ``args``
+      are the positional arguments of a wrapped call (a dispatch hook, a worker's call);
+    * ``args`` is read as a namespace (``args.x``, ``getattr``/``setattr``/``hasattr``/``vars``
+      of it) only in a function that binds it itself from ``<parser>.parse_args(...)`` or
+      ``parse_known_args(...)``: a module's own command line parsing its own argv keeps its
+      namespace inside that function.
+    """
+    rows = list(_rules())
+    below = set(rows[:rows.index("training")])
+    bad = []
+    for name, path in sorted(_modules().items()):
+        if _layer(name) not in below:
+            continue
+        for fn in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            a = fn.args
+            params = {p.arg for p in a.posonlyargs + a.args + a.kwonlyargs}
+            where = f"{path.relative_to(ROOT.parent)}:{fn.lineno} {fn.name}"
+            if "args" in params and "kwargs" not in params and (a.kwarg is None or a.kwarg.arg != "kwargs"):
+                bad.append(f"{where}: takes a parameter named args")
+            body = [n for stmt in fn.body for n in ast.walk(stmt)]
+            parses = any(isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "args"
+                                                           for t in n.targets)
+                         and isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Attribute)
+                         and n.value.func.attr in ("parse_args", "parse_known_args") for n in body)
+            if parses:
+                continue
+            reads = [n.lineno for n in body
+                     if (isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "args")
+                     or (isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                         and n.func.id in ("getattr", "setattr", "hasattr", "vars") and n.args
+                         and isinstance(n.args[0], ast.Name) and n.args[0].id == "args")]
+            if reads and ("args" in params or not parses):
+                bad.append(f"{where}: reads args as a namespace (lines {sorted(set(reads))})")
+    return bad
+
+
+def test_no_args_below_training():
+    """Below ``training/`` (the rows above it in the layer table: ``model.py``, ``parallel/``,
+    ``costmodel/``, ``planner/``, ``data/``, ...) no function takes the trainers' parsed flags:
+    the parallel layout arrives as ``layout.ParallelDims``, the data settings as
+    ``layout.DataConfig``, the model as ``model.ModelFlags`` or a ``TransformerConfig``, the
+    rest as explicit values (see :func:`_args_violations` for the rule as checked)."""
+    bad = _args_violations()
+    assert not bad, f"{len(bad)} functions below training/ take or read args:\n" + "\n".join(bad)

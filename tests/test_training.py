@@ -540,7 +540,7 @@ def test_bad_flags_fail_before_any_collective():
         (_argv(2, ["--pipeline-model-parallel-size", "3"]), 6, "must be divisible by --pipeline-model-parallel-size"),
         (_argv(2, ["--pipeline-model-parallel-size", "2"]), 6, "not divisible by --tensor-model-parallel-size 2 x"),
         (_argv(2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]), 4,
-         "the interleaved .virtual.pipeline. schedule is not supported"),
+         "selects the interleaved .virtual.pipeline. schedule, which is not supported"),
         (_argv(2, ["--pipeline-model-parallel-size", "2", "--paradyse", "--paradyse-refine", "on"]), 4,
          "not available with pipeline stages"),
     ]

@@ -90,11 +90,10 @@ def build_parser():
 def pipeline_argv(pp: int, microbatches: int, cp: int = 1) -> list:
     """The flags of ``pp`` pipeline stages (none for 1), a step of ``microbatches`` micro-batches;
     of ``cp`` context-parallel ranks."""
-    if cp > 1:
-        return ["--context-parallel-size", str(cp)]
-    if pp <= 1:
-        return []
-    return ["--pipeline-model-parallel-size", str(pp), "--global-batch-size", str(microbatches)]
+    out = ["--context-parallel-size", str(cp)] if cp > 1 else []
+    if pp > 1:
+        out += ["--pipeline-model-parallel-size", str(pp), "--global-batch-size", str(microbatches)]
+    return out
 
 
 def resolve_budget(a, args_argv, p):
@@ -131,6 +130,7 @@ def main(argv=None) -> int:
         raise UserError(f"--pp and --cp must be >= 1, got {a.pp} and {a.cp}")
     world = a.pp * a.cp * a.p
     argv_ = demo_argv(a.p, a.seq_length, a.seed, pipeline_argv(a.pp, a.pp_microbatches, a.cp))
+    parse_args(argv_, world_size=world)  # the ranks' layout, built and checked as the trainer's (one line if bad)
     budget, why = resolve_budget(a, argv_, world)
     default = CP_SYSTEMS if a.cp > 1 else ALL_SYSTEMS if a.pp == 1 else PIPELINE_SYSTEMS
     listed = a.systems or ",".join(default)

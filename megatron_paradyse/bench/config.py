@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..layout import ParallelDims
+
 STATIC = ("tp_sp", "ulysses", "ring", "colossal", "metp")
 # "<strategy>+rc": every layer recomputed in backward, every step (plan entries "<strategy>:rc");
 # "stock+rc": stock megatron-core with its own --recompute-granularity full --recompute-method
@@ -68,20 +70,26 @@ class BenchConfig:
         bad = [s for s in self.systems if s not in ALL_SYSTEMS]
         if bad:
             raise ValueError(f"unknown systems {bad}; choose from {ALL_SYSTEMS}")
-        if self.pp > 1:
+        if self.dims.pp_on:
             self._check_pipeline()
-        if self.cp > 1:
+        if self.dims.cp_on:
             self._check_context_parallel()
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The world's layout without its TP size (``argv``'s): ``cp`` x ``pp`` (x p)."""
+        return ParallelDims(cp=self.cp, pp=self.pp)
 
     @property
     def documents(self) -> int:
         """Documents the run trains: one per step, or ``pp_microbatches`` per step with stages."""
-        return self.steps * (self.pp_microbatches if self.pp > 1 else 1)
+        return self.steps * (self.pp_microbatches if self.dims.pp_on else 1)
 
     def _check_context_parallel(self) -> None:
         """What context parallelism cannot run here (ValueError naming the flag)."""
-        if self.pp > 1:
-            raise ValueError("--cp > 1 with --pp > 1 is not supported (as in training)")
+        from ..training.dims import check_layout
+
+        check_layout(self.dims, paradyse=True)  # the trainers' layout check (CP with pipeline stages: refused)
         bad = [s for s in self.systems if s not in CP_SYSTEMS]
         if bad:
             raise ValueError(f"with --cp > 1 these systems cannot run: {bad} (stock megatron's local attention "

@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..costmodel import ModelShape, build_cost_model
+from ..costmodel import build_cost_model
 from ..costmodel.analytic import AnalyticCostModel
 from ..parallel.packing import PackShape
 from ..parallel.plans import make_entry
 from ..parallel.strategies import supports
 from ..planner import PipelinePlanner, build_planner
 from ..training.arguments import transformer_config_from_args
+from ..training.model_args import shape_from_args
 
 UNIFORM = ("tp_sp", "ulysses", "ring", "colossal", "metp")
 STOCK_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -148,7 +149,7 @@ def _length(s):
 
 
 def load_cost_model(args, path=None):
-    """``(cost_model, note)``: ``build_cost_model(ModelShape.from_args(args), path)`` if it exists;
+    """``(cost_model, note)``: ``build_cost_model(shape_from_args(args), path)`` if it exists;
     with context parallelism wrapped in ``costmodel.cp.CPCostModel`` (``training.planning.with_context_parallel``)."""
     from ..training.planning import with_context_parallel
 
@@ -157,7 +158,7 @@ def load_cost_model(args, path=None):
 
 
 def _load_cost_model(args, path=None):
-    shape = ModelShape.from_args(args)
+    shape = shape_from_args(args)
     try:
         return build_cost_model(shape, path), None
     except Exception as e:  # noqa: BLE001
@@ -187,7 +188,7 @@ def build_systems(cfg, args):
         _add_system(specs, notes, name, cfg, args, config, p, cost_model, budget)
         if full != name and len(specs) > before:
             specs[-1] = dataclasses.replace(specs[-1], name=full, packed=True, errors=[])
-        if cfg.pp > 1 and len(specs) > before:
+        if cfg.dims.pp_on and len(specs) > before:
             specs[-1].pipeline = _pipeline_of(specs[-1], cfg, cost_model, budget, notes)
     return specs, notes
 

@@ -42,6 +42,7 @@ from ..parallel.plan_check import collective_device
 from ..parallel.plans import describe
 from ..training import p2p_shapes
 from ..training.arguments import parse_args, transformer_config_from_args
+from ..training.dims import dims_of
 from ..training.forward_step import forward_step
 from ..training.run_report import max_per_stage, pool_bytes
 from ..training.trainer import build_model, build_optimizer
@@ -59,6 +60,7 @@ class System:
                                                finalize_model_grads)
 
         self.name, self.args, self.plan_fn = name, args, plan_fn
+        self.dims = dims_of(args)  # the layout parse_args built and checked
         self.config = transformer_config_from_args(args, **(config or {}))
         model = build_model(args, self.config)
         self.model = DistributedDataParallel(config=self.config, ddp_config=DistributedDataParallelConfig(),
@@ -77,13 +79,13 @@ class System:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         mbs = mb if isinstance(mb, list) else [mb]
-        staged = self.config.pipeline_model_parallel_size > 1
+        staged = self.dims.pp_on
         if staged:
-            _expect_shapes(mbs, self.config)
+            _expect_shapes(mbs, self.config.hidden_size, self.dims)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         reports = get_forward_backward_func()(
-            forward_step_func=partial(forward_step, paradyse=True, cp=self.config.context_parallel_size),
+            forward_step_func=partial(forward_step, paradyse=True, cp=self.dims.cp),
             data_iterator=iter(mbs),
             model=[self.model], num_microbatches=len(mbs), seq_length=max(m.seq_length for m in mbs),
             micro_batch_size=mbs[0].tokens.shape[0], forward_only=forward_only)
@@ -94,7 +96,7 @@ class System:
             self.optimizer.step()
         if not staged:
             r = reports[0]["lm loss"].detach().double() if reports else None
-            if r is not None and self.config.context_parallel_size > 1:
+            if r is not None and self.dims.cp_on:
                 dist.all_reduce(r, group=parallel_state.get_context_parallel_group())
             return None if r is None else float(r[0] / max(float(r[1]), 1.0))
         total = torch.zeros(2, dtype=torch.float64)
@@ -104,14 +106,13 @@ class System:
         return float(total[0] / max(float(total[1]), 1.0))
 
 
-def _expect_shapes(mbs, config) -> None:
+def _expect_shapes(mbs, hidden: int, dims) -> None:
     """ParaDySe's p2p shapes for a step whose micro-batches all have plans; stock (plan None)
     runs megatron's own shape exchange."""
     if any(m.plan is None for m in mbs):
         p2p_shapes.clear()
         return
-    tp = config.tensor_model_parallel_size
-    p2p_shapes.expect([p2p_shapes.micro_batch_shape(m, config.hidden_size, tp, config.sequence_parallel) for m in mbs])
+    p2p_shapes.expect([p2p_shapes.micro_batch_shape(m, hidden, dims) for m in mbs])
 
 
 def _measure(system, mb, memory_pass: str = "separate", count_pool: bool = False):
@@ -162,12 +163,13 @@ def _documents(dataset, cfg) -> list:
 def bench_world(rank, world, cfg):
     """Run in every rank: returns (on rank 0) the per-system, per-step records (pipeline
     stages: :func:`pipeline_world`)."""
-    if cfg.pp > 1:
+    if cfg.dims.pp_on:
         return pipeline_world(rank, world, cfg)
     torch.set_num_threads(1)
     cpu_compat.apply()
     args = parse_args(cfg.argv, world_size=world)
-    init_parallel(args.tensor_model_parallel_size, seed=args.seed, context_parallel_size=cfg.cp)
+    dims = dims_of(args)
+    init_parallel(dims.tp, seed=args.seed, context_parallel_size=dims.cp)
     install()
     dataset = pdata.DocumentDataset(cfg.data_prefix, args.seq_length, seed=args.seed,
                                     long_docs=cfg.long_docs, vocab_size=args.vocab_size)
@@ -303,12 +305,13 @@ def pipeline_world(rank, world, cfg):
     torch.set_num_threads(1)
     cpu_compat.apply()
     args = parse_args(cfg.argv, world_size=world)
-    init_parallel(args.tensor_model_parallel_size, seed=args.seed, pipeline_model_parallel_size=cfg.pp)
+    dims = dims_of(args)
+    init_parallel(dims.tp, seed=args.seed, pipeline_model_parallel_size=dims.pp)
     install()
     stage = parallel_state.get_pipeline_model_parallel_rank()
     dataset = pdata.DocumentDataset(cfg.data_prefix, args.seq_length, seed=args.seed,
                                     long_docs=cfg.long_docs, vocab_size=args.vocab_size)
-    mult, M = args.tensor_model_parallel_size, cfg.pp_microbatches
+    mult, M = dims.seq_divisor, cfg.pp_microbatches
     mbs = [pdata.pad_to_multiple([dataset[g]], mult) for g in _documents(dataset, cfg)]
     steps = [mbs[k * M:(k + 1) * M] for k in range(cfg.steps)]
     specs, notes = build_systems(cfg, args)

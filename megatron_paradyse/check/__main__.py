@@ -34,7 +34,8 @@ from ..errors import ArgumentParser, UserError, command
 from ..paths import writable_file
 from ..cpu_compat import RANK_ENV
 from ..device import default_backend
-from ..model import ModelArgsError, add_model_args, complete_model_args
+from ..model import ModelArgsError, add_model_args
+from ..training.model_args import complete_model_args
 from ..training.faults import FailFast
 from . import megatron_lm, timing, worker
 from .results import FAIL, Line, failed, from_json, table, to_json

@@ -16,7 +16,6 @@ is finite and positive.
 from __future__ import annotations
 
 import contextlib
-import copy
 import importlib.util
 import math
 import statistics
@@ -27,10 +26,10 @@ import torch.distributed as dist
 
 from .. import device
 from ..costmodel import analytic
-from ..costmodel.measure import complete, free_after_oom, packed_params
+from ..costmodel.measure import complete, free_after_oom, model_config, packed_params, shape_of
 from ..costmodel.ranks import init_parallel
 from ..costmodel.shape import ModelShape
-from ..model import build_gpt_from_args, transformer_config
+from ..model import build_gpt_for
 from ..parallel.dispatch import install, set_plan
 from ..parallel.packing import PackShape
 from ..parallel.strategies import STRATEGIES, supports
@@ -80,13 +79,11 @@ def prefetch_modes() -> tuple:
 
 def build(model_args, p: int, layers: int, on_gpu: bool, max_tokens: int) -> tuple:
     """``(shape, config, model)``: the check's model with ``layers`` layers at TP = p on this device."""
-    a = copy.copy(model_args)
-    a.num_layers, a.bf16, a.max_position_embeddings = layers, on_gpu, max_tokens
-    a = complete(a, p)
+    done = complete({**vars(model_args), "num_layers": layers, "bf16": on_gpu, "max_position_embeddings": max_tokens}, p)
     init_parallel(p, seed=SEED)
     install()
-    config = transformer_config(a, hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False)
-    return ModelShape.from_args(a), config, build_gpt_from_args(a, config)
+    config = model_config(done, hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False)
+    return shape_of(done), config, build_gpt_for(done.flags, config, seed=done.seed)
 
 
 def batch(s, vocab: int) -> tuple:

@@ -7,7 +7,6 @@ whole job within seconds (``training.faults.FailFast``), never a hang.
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import datetime
 import importlib
@@ -19,7 +18,8 @@ import torch.distributed as dist
 
 from .. import cpu_compat
 from ..device import current, select
-from ..model import transformer_config
+from ..layout import ParallelDims
+from ..model import ModelFlags, transformer_config
 from ..parallel import attention_kernels as K
 from ..parallel import kernel_select
 from ..parallel.kernel_check import kernel_choices, kernel_families, packed_selfcheck, ring_blocks_selfcheck
@@ -46,11 +46,9 @@ class ExactSpec:
         return self.args.padded_vocab_size
 
     def config(self, tp: int, dtype):
-        a = copy.copy(self.args)
-        a.tensor_model_parallel_size, a.sequence_parallel = tp, tp > 1
-        a.params_dtype, a.bf16 = dtype, dtype == torch.bfloat16
-        return transformer_config(a, num_layers=self.num_layers, hidden_dropout=0.0, attention_dropout=0.0,
-                                  use_cpu_initialization=True)
+        flags = dataclasses.replace(ModelFlags.from_flags(vars(self.args)), params_dtype=dtype, bf16=dtype == torch.bfloat16)
+        return transformer_config(flags, ParallelDims(tp=tp, sequence_parallel=tp > 1), num_layers=self.num_layers,
+                                  hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True)
 
 
 def env_lines(opts, notes, model_args) -> list:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..layout import ParallelDims
 from ..parallel.plans import split_entry
 from . import analytic, packs
 from .base import CostModel, LayerCost
@@ -155,7 +156,7 @@ class CPCostModel(CostModel):
         if packs.is_pack(s):
             raise ValueError("packs (PackShape) are out of scope of CPCostModel: the plugin's CP pack split "
                              "(context.py) is not priced")
-        unit = 2 * self.cp * self.shape.p
+        unit = ParallelDims(tp=self.shape.p, cp=self.cp).seq_divisor
         if isinstance(s, bool) or int(s) != s or s < 1 or b < 1:
             raise ValueError(f"CP of size {self.cp} needs a length >= 1 and b >= 1 (got s={s}, b={b})")
         return -(-int(s) // unit) * unit

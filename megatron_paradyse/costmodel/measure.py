@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+from dataclasses import dataclass, replace
 import statistics
 import time
 import types
@@ -33,8 +34,8 @@ import torch.distributed as dist
 
 from .. import device, runtime
 from ..memory import pass_memory
-from ..model import (FUSION_SWITCHES, add_model_args, build_gpt_from_args, complete_model_args,
-                     transformer_config)
+from ..layout import ParallelDims
+from ..model import FUSION_SWITCHES, ModelFlags, add_model_args, build_gpt_for, complete_model, transformer_config
 from ..parallel.buffers import pool_sizes, release_pool
 from ..parallel.dispatch import install, set_plan
 from ..parallel.packing import PackShape
@@ -102,44 +103,66 @@ def model_args_for_shape(shape: ModelShape, **overrides) -> argparse.Namespace:
     return args
 
 
-def complete(args, p: int | None = None, dev: torch.device | None = None,
-             max_seq: int | None = None) -> argparse.Namespace:
-    """A completed copy of the model flags ``args`` (Namespace or dict) for TP = ``p`` on
-    ``dev`` (default this process's device), as the trainer completes them
-    (``model.complete_model_args``: derived sizes, padded vocabulary, dtype, fusions for the
-    device); sequence parallelism on for p > 1; ``max_position_embeddings``
+@dataclass(frozen=True)
+class ProfiledModel:
+    """Model flags completed for TP = ``p`` (sequence parallelism on for p > 1) and the seed
+    the model is built with: what :func:`complete` and :func:`build` return."""
+
+    flags: ModelFlags
+    p: int
+    seed: int = 1234
+
+    @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(tp=self.p, sequence_parallel=self.p > 1)
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self.flags.vocab_size
+
+
+def complete(model_args: dict, p: int | None = None, dev: torch.device | None = None,
+             max_seq: int | None = None) -> ProfiledModel:
+    """The model flags ``model_args`` (a dict of flag values, :func:`add_model_flags`'s names)
+    completed for TP = ``p`` (default the dict's ``tensor_model_parallel_size``) on ``dev``
+    (default this process's device), as the trainer completes them (``model.complete_model``:
+    derived sizes, padded vocabulary, dtype, fusions for the device); ``max_position_embeddings``
     ``max_seq`` where not given. Raises ``model.ModelArgsError``."""
-    a = argparse.Namespace(**(dict(args) if isinstance(args, dict) else vars(args)))
-    p = int(p if p is not None else a.tensor_model_parallel_size)
-    a.tensor_model_parallel_size = p
-    a.sequence_parallel = p > 1
-    if a.num_query_groups is None:
-        a.num_query_groups = 1 if a.group_query_attention else a.num_attention_heads
-    if a.max_position_embeddings is None and max_seq is not None:
-        a.max_position_embeddings = int(max_seq)
-    a.model_notes = complete_model_args(a, p, dev if dev is not None else device.current())
-    return a
+    values = dict(model_args)
+    p = int(p if p is not None else values["tensor_model_parallel_size"])
+    flags = ModelFlags.from_flags(values)
+    if flags.num_query_groups is None:
+        flags = replace(flags, num_query_groups=1 if flags.group_query_attention else flags.num_attention_heads)
+    if flags.max_position_embeddings is None and max_seq is not None:
+        flags = replace(flags, max_position_embeddings=int(max_seq))
+    done = complete_model(flags, p, dev if dev is not None else device.current())
+    return ProfiledModel(done, p, int(values.get("seed", 1234) or 1234))
 
 
-def model_config(args, **overrides):
+def model_config(done: ProfiledModel, **overrides):
     """megatron-core's ``TransformerConfig`` of completed model flags (``model.transformer_config``,
     the trainer's)."""
-    return transformer_config(args, **overrides)
+    return transformer_config(done.flags, done.dims, **overrides)
 
 
-def shape_of(args) -> ModelShape:
+def shape_of(done: ProfiledModel) -> ModelShape:
     """The ``ModelShape`` of completed model flags."""
-    return ModelShape.from_args(args)
+    f = done.flags
+    dtype = "bf16" if f.bf16 else ("fp16" if f.fp16 else "fp32")
+    return ModelShape(num_layers=f.num_layers, hidden=f.hidden_size, heads=f.num_attention_heads,
+                      query_groups=f.num_query_groups or f.num_attention_heads,
+                      ffn=f.ffn_hidden_size or 4 * f.hidden_size, swiglu=bool(f.swiglu),
+                      bias=not f.disable_bias_linear, vocab=int(f.padded_vocab_size), p=done.p, dtype=dtype)
 
 
-def describe_args(args) -> dict:
+def describe_model(done: ProfiledModel) -> dict:
     """What of the completed flags shapes a layer's cost beyond ``ModelShape`` (for a profile's
     header): norm, position embedding, fusions, dropout, tying."""
     keys = ["normalization", "norm_epsilon", "position_embedding_type", "rotary_percent", "rotary_base",
             "kv_channels", "hidden_dropout", "attention_dropout", "untie_embeddings_and_output_weights",
             "sequence_parallel", "max_position_embeddings"] + [d for d, _ in FUSION_SWITCHES.values()]
-    out = {k: getattr(args, k, None) for k in keys}
-    out["notes"] = list(getattr(args, "model_notes", []) or [])
+    out = {k: done.dims.sequence_parallel if k == "sequence_parallel" else getattr(done.flags, k) for k in keys}
+    out["notes"] = list(done.flags.notes)
     return out
 
 
@@ -235,25 +258,27 @@ def is_fake() -> bool:
 
 
 def build(shape: ModelShape, num_layers: int | None = None, max_seq: int = 8192, seed: int = 1234,
-          args=None):
+          model_args: dict | None = None):
     """Megatron initialised over the current world (TP = p) and the stock GPT the trainer
-    builds for ``args`` (model flags, completed here for this process's device; default the
-    profiler's flags for ``shape``), with ``num_layers`` layers (default all), on this
-    process's device. Returns ``(completed args, model)``; the model is wrapped in
-    ``Float16Module`` under bf16, as the trainer's."""
+    builds for ``model_args`` (a dict of model flag values, completed here for this process's
+    device; default the profiler's flags for ``shape``, seeded with ``seed``), with
+    ``num_layers`` layers (default all), on this process's device. Returns
+    ``(ProfiledModel, model)``; the model is wrapped in ``Float16Module`` under bf16, as the
+    trainer's."""
     if dist.get_world_size() % shape.p:
         raise ValueError(f"the world has {dist.get_world_size()} ranks, not a multiple of the shape's p={shape.p}")
-    a = complete(args if args is not None else model_args_for_shape(shape), shape.p, max_seq=max_seq)
+    given = model_args is not None
+    a = complete(model_args if given else vars(model_args_for_shape(shape)), shape.p, max_seq=max_seq)
     if shape_of(a) != shape:
         raise ValueError(f"the model flags describe {shape_of(a).describe()}, not {shape.describe()}")
-    if args is None:
-        a.seed = seed
+    if not given:
+        a = replace(a, seed=seed)
     if num_layers is not None:
-        a.num_layers = num_layers
+        a = replace(a, flags=replace(a.flags, num_layers=num_layers))
     kw = {"create_gloo_process_groups": False} if is_fake() else {}
     init_parallel(shape.p, seed=a.seed, **kw)
     install()
-    return a, build_gpt_from_args(a, model_config(a))
+    return a, build_gpt_for(a.flags, model_config(a), seed=a.seed)
 
 
 def make_batch(vocab: int, batch: int, seq: int, seed: int):

@@ -157,10 +157,10 @@ class ProfileConfig:
                              f"{sorted(k for k in nets if not k.startswith('_'))}")
 
 
-def shape_from_args(args, p: int | None = None) -> ModelShape:
-    """The ``ModelShape`` of the parsed model flags (completed on the CPU: the shape does not
-    depend on the device)."""
-    return M.shape_of(M.complete(args, p, torch.device("cpu")))
+def shape_of_flags(model_args: dict, p: int | None = None) -> ModelShape:
+    """The ``ModelShape`` of model flag values (``measure.add_model_flags``'s names; completed on
+    the CPU: the shape does not depend on the device)."""
+    return M.shape_of(M.complete(model_args, p, torch.device("cpu")))
 
 
 def parse_ints(text: str, what: str) -> list:
@@ -334,7 +334,7 @@ def _header(shape: ModelShape, cfg: ProfileConfig, mode: str, dev_type: str, don
     return {"type": "header", "format": FORMAT, "shape": shape.key(), "p": shape.p, "dtype": shape.dtype,
             "mode": mode, "fake_rank": cfg.fake_rank, "interconnect": cfg.interconnect if mode == "fake" else None,
             "hardware": hardware(None if mode == "torchrun" else RANK_ENV, dev_type),
-            "versions": versions(), "model": M.describe_args(done),
+            "versions": versions(), "model": M.describe_model(done),
             "warmup": cfg.warmup, "repeats": cfg.repeats,
             "seqs": list(cfg.seqs), "batches": list(cfg.batches), "strategies": list(cfg.strategies),
             "packs": list(cfg.packs), "packs_per_length": cfg.packs_per_length, "pack_seed": cfg.pack_seed,
@@ -455,11 +455,24 @@ def main(argv=None):
     if args.append and not os.path.isfile(args.output):  # before -o's folder is made
         ap.error(f"--append: profile {shown(args.output)!r} does not exist")
     writable_file(args.output, "-o")
-    try:
-        cfg = _config(args, argv)
+    try:  # the sweep the flags ask for
+        cfg = ProfileConfig(
+            seqs=parse_ints(args.seqs, "--seqs"), batches=parse_ints(args.batches, "--batches"),
+            strategies=[s for s in args.strategies.split(",") if s], parts=[x for x in args.parts.split(",") if x],
+            packs=parse_ints(args.packs, "--packs") if args.packs.strip() else (),
+            packs_per_length=args.packs_per_length, pack_seed=args.pack_seed,
+            warmup=args.warmup, repeats=args.repeats, memory_limit=_bytes(args.memory_limit),
+            nonlayer=not (args.no_nonlayer or args.recompute_only),
+            kernels=not (args.no_kernels or args.recompute_only),
+            pool_only=args.pool_only, backend=args.backend, recompute=not args.no_recompute,
+            recompute_only=args.recompute_only, recompute_points=args.recompute_points,
+            recompute_seqs=parse_ints(args.recompute_seqs, "--recompute-seqs") if args.recompute_seqs.strip() else (),
+            fake_world=args.fake_world, fake_rank=args.fake_rank, interconnect=args.interconnect,
+            interconnect_path=args.interconnect_config, command=_command(argv),
+            model_args={k: getattr(args, k) for k in M.model_flag_names()})
     except ValueError as e:
         ap.error(str(e))
-    p = _world_p(ap, args, cfg.seqs)
+    p = _world_p(ap, cfg, args.nproc)
     nproc = None if args.fake_world else (args.nproc or (None if "WORLD_SIZE" in os.environ else p))
     mode = profile_mode(cfg, nproc)
     try:
@@ -486,23 +499,6 @@ def main(argv=None):
               f"{time.time() - t0:.0f} s")
 
 
-def _config(args, argv) -> ProfileConfig:
-    """The sweep the flags ask for (ValueError for a bad one)."""
-    return ProfileConfig(
-        seqs=parse_ints(args.seqs, "--seqs"), batches=parse_ints(args.batches, "--batches"),
-        strategies=[s for s in args.strategies.split(",") if s], parts=[x for x in args.parts.split(",") if x],
-        packs=parse_ints(args.packs, "--packs") if args.packs.strip() else (),
-        packs_per_length=args.packs_per_length, pack_seed=args.pack_seed,
-        warmup=args.warmup, repeats=args.repeats, memory_limit=_bytes(args.memory_limit),
-        nonlayer=not (args.no_nonlayer or args.recompute_only), kernels=not (args.no_kernels or args.recompute_only),
-        pool_only=args.pool_only, backend=args.backend, recompute=not args.no_recompute,
-        recompute_only=args.recompute_only, recompute_points=args.recompute_points,
-        recompute_seqs=parse_ints(args.recompute_seqs, "--recompute-seqs") if args.recompute_seqs.strip() else (),
-        fake_world=args.fake_world, fake_rank=args.fake_rank, interconnect=args.interconnect,
-        interconnect_path=args.interconnect_config, command=_command(argv),
-        model_args={k: getattr(args, k) for k in M.model_flag_names()})
-
-
 def _appendable(path: str, shape: ModelShape, cfg: ProfileConfig, dev_type: str) -> dict:
     """The header of ``path``, an existing profile that rows measured with ``cfg`` may join: the
     same shape and model (norm, position embedding, fusions: the header's ``model``), profiled
@@ -512,7 +508,7 @@ def _appendable(path: str, shape: ModelShape, cfg: ProfileConfig, dev_type: str)
         raise ProfileFileError(f"--append: profile {path!r} is of another shape ({header.get('shape')}), "
                                f"not {shape.key()}")
     _, done = _with_model_args(shape, cfg, dev_type)
-    mine = json.loads(json.dumps(M.describe_args(done)))
+    mine = json.loads(json.dumps(M.describe_model(done)))
     theirs = header.get("model")
     diff = sorted(k for k in set(mine) | set(theirs or {}) if mine.get(k) != (theirs or {}).get(k)
                   # the RoPE table's length is the longest --seqs of each run, not a model property
@@ -541,25 +537,27 @@ def append_section(path: str, header: dict, rows: list) -> None:
     _write_rows(path, [header] + old + [section] + body)
 
 
-def _world_p(ap, args, seqs) -> int:
-    """p, the group the layer runs over, and the flags that must agree with it."""
-    p = (args.fake_world or args.tensor_model_parallel_size or args.nproc
+def _world_p(ap, cfg: ProfileConfig, nproc: int | None) -> int:
+    """p, the group the layer runs over, and the flags that must agree with it (``--nproc``,
+    the model's flags in ``cfg.model_args``, ``cfg.seqs``)."""
+    m, seqs = cfg.model_args, cfg.seqs
+    p = (cfg.fake_world or m["tensor_model_parallel_size"] or nproc
          or int(os.environ.get("WORLD_SIZE", 0)) or None)
     if p is None:
         ap.error("give --tensor-model-parallel-size (or --nproc / --fake-world)")
-    if args.nproc and args.nproc != p:
-        ap.error(f"--nproc {args.nproc} differs from p = {p}: the layer runs over the whole world")
-    if (args.num_query_groups is not None and not args.group_query_attention
-            and args.num_query_groups != args.num_attention_heads):
-        ap.error(f"--num-query-groups {args.num_query_groups} without --group-query-attention: Megatron-LM "
+    if nproc and nproc != p:
+        ap.error(f"--nproc {nproc} differs from p = {p}: the layer runs over the whole world")
+    if (m["num_query_groups"] is not None and not m["group_query_attention"]
+            and m["num_query_groups"] != m["num_attention_heads"]):
+        ap.error(f"--num-query-groups {m['num_query_groups']} without --group-query-attention: Megatron-LM "
                  "(and the trainer) would ignore it and build multi-head attention; add "
                  "--group-query-attention to profile grouped-query attention")
     bad_s = [s for s in seqs if s % p]
     if bad_s:
         ap.error(f"sequence lengths {bad_s} are not divisible by p={p}")
-    if (args.position_embedding_type == "learned_absolute" and args.max_position_embeddings is not None
-            and max(seqs) > args.max_position_embeddings):
-        ap.error(f"--seqs up to {max(seqs)} exceed --max-position-embeddings {args.max_position_embeddings}")
+    if (m["position_embedding_type"] == "learned_absolute" and m["max_position_embeddings"] is not None
+            and max(seqs) > m["max_position_embeddings"]):
+        ap.error(f"--seqs up to {max(seqs)} exceed --max-position-embeddings {m['max_position_embeddings']}")
     return p
 
 

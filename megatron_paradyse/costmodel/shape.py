@@ -103,31 +103,6 @@ class ModelShape:
                    swiglu=bool(config.gated_linear_unit), bias=bool(config.add_bias_linear),
                    vocab=int(vocab), p=int(p), dtype=dtype)
 
-    @classmethod
-    def from_args(cls, args, vocab: int | None = None) -> "ModelShape":
-        """From a Megatron-LM ``args`` namespace (``--hidden-size`` ...).
-
-        ``vocab``: the padded vocabulary; default ``args.padded_vocab_size`` if set, else
-        ``args.vocab_size`` padded to a multiple of ``make_vocab_size_divisible_by * p``.
-        """
-        p = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
-        if vocab is None:
-            vocab = getattr(args, "padded_vocab_size", None)
-        if vocab is None:
-            raw = getattr(args, "vocab_size", None)
-            if raw is None:
-                raise ValueError("ModelShape.from_args needs vocab= or args.padded_vocab_size / args.vocab_size")
-            vocab = pad_vocab(raw, p, getattr(args, "make_vocab_size_divisible_by", 128) or 128)
-        heads = args.num_attention_heads
-        groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", True) else None
-        dtype = "bf16" if getattr(args, "bf16", False) else ("fp16" if getattr(args, "fp16", False) else "fp32")
-        return cls(num_layers=args.num_layers, hidden=args.hidden_size, heads=heads,
-                   query_groups=groups or heads,
-                   ffn=getattr(args, "ffn_hidden_size", None) or 4 * args.hidden_size,
-                   swiglu=bool(getattr(args, "swiglu", False)),
-                   bias=not getattr(args, "disable_bias_linear", False) and getattr(args, "add_bias_linear", True),
-                   vocab=int(vocab), p=p, dtype=dtype)
-
 
 def pad_vocab(vocab: int, p: int, divisible_by: int = 128) -> int:
     m = divisible_by * p

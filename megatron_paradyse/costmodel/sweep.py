@@ -66,7 +66,7 @@ class Sweep:
         self.fake = M.is_fake()
         self.dev = device.current()
         torch.manual_seed(0)
-        _, self.model = M.build(shape, num_layers=1, max_seq=max(cfg.seqs), args=cfg.model_args)
+        _, self.model = M.build(shape, num_layers=1, max_seq=max(cfg.seqs), model_args=cfg.model_args)
         self.runner = M.LayerRunner(self.model, shape)
         self.net = (analytic.load_config("interconnects.json", cfg.interconnect_path)[cfg.interconnect]
                     if self.fake else None)
@@ -544,7 +544,7 @@ def _nonlayer_rows(sw: Sweep, pool_points: list) -> None:
     cfg, shape = sw.cfg, sw.shape
     sw.runner = sw.model = None
     M.free_after_oom()  # the one-layer model's memory back before the whole model is built
-    spec, full = M.build(shape, num_layers=shape.num_layers, max_seq=max(cfg.seqs), args=cfg.model_args)
+    spec, full = M.build(shape, num_layers=shape.num_layers, max_seq=max(cfg.seqs), model_args=cfg.model_args)
     nl = M.NonLayerRunner(full, spec, shape)
     for s, b in pool_points:
         got, bad = sw.attempt(lambda: nl.pool(s, b), f"nonlayer pool s={s} b={b}", net_model=full)

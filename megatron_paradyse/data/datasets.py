@@ -37,6 +37,7 @@ import torch
 from .. import paths
 from ..device import copy_to
 from ..errors import UserError
+from ..layout import DataConfig
 from ..parallel.packing import PackShape
 from .preprocess import read_meta
 
@@ -292,27 +293,24 @@ def write_indexed_dataset(prefix: str, documents, vocab_size: int) -> None:
     builder.finalize(get_idx_path(prefix))
 
 
-def build_dataset(args, max_length: int | None = None):
-    """The training dataset the parsed arguments name (``--mock-data`` or ``--data-path``).
+def build_dataset(config: DataConfig, max_length: int | None = None):
+    """The training dataset ``config`` names (synthetic documents, ``--mock-data``, or the
+    IndexedDataset prefix ``config.data_path``).
 
     ``max_length``: the longest sequence the planner fits in the memory budget (documents
-    above it are handled by ``--paradyse-long-docs``, with a warning naming them).
+    above it are handled by ``config.long_docs``, with a warning naming them).
     """
-    if args.mock_data:
-        top = args.seq_length if max_length is None else min(args.seq_length, int(max_length))
-        if top < args.seq_length:
+    if config.mock:
+        top = config.seq_length if max_length is None else min(config.seq_length, int(max_length))
+        if top < config.seq_length:
             from megatron.core.utils import log_single_rank
 
             log_single_rank(log, logging.INFO, f"> --mock-data: documents of up to {top} tokens, the longest "
                                                f"sequence any plan fits in the memory budget (--seq-length "
-                                               f"{args.seq_length})")
-        return MockDataset(top, args.vocab_size, seed=args.seed, min_length=args.paradyse_mock_min_length)
-    paths = list(args.data_path or [])
-    if len(paths) != 1:
-        raise ValueError(f"--data-path: give one IndexedDataset prefix, got {paths}")
-    return DocumentDataset(paths[0], args.seq_length, seed=args.seed,
-                           long_docs=args.paradyse_long_docs,
-                           max_length=max_length, vocab_size=args.vocab_size)
+                                               f"{config.seq_length})")
+        return MockDataset(top, config.vocab_size, seed=config.seed, min_length=config.mock_min_length)
+    return DocumentDataset(config.data_path, config.seq_length, seed=config.seed, long_docs=config.long_docs,
+                           max_length=max_length, vocab_size=config.vocab_size)
 
 
 # --------------------------------------------------------------------------- batches

@@ -18,10 +18,13 @@ import torch
 
 from ..device import default_backend, usable_memory_bytes
 from ..errors import ArgumentParser, UserError
-from ..model import ModelArgsError, add_model_args, complete_model_args, transformer_config
+from ..model import ModelArgsError, add_model_args, transformer_config
 from ..parallel.plans import parse_plan, strategy_of
 from ..parallel.strategies import STRATEGIES, supports
 from ..units import GiB
+from .model_args import complete_model_args, model_flags, shape_from_args
+from .dims import (attach, check_layout, check_pad_multiple, default_pad_multiple, dims_from_args, dims_of,
+                   interleaving_flag)
 
 log = logging.getLogger(__name__)
 
@@ -402,16 +405,16 @@ def validate_args(args, world_size: int | None = None) -> argparse.Namespace:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args.world_size = world_size
     tp = args.tensor_model_parallel_size
-    _check_parallel(args, world_size, tp)
+    _check_parallel(args, world_size)
     _check_backend(args)
     _check_batches(args, world_size, tp)
     _check_data(args)
     _complete_model(args, tp)
-    check_recompute(args, args.num_layers // args.pipeline_model_parallel_size)
+    check_recompute(args, args.num_layers // args.paradyse_dims.pp)
     _check_schedule(args)
     if args.paradyse_memory_every < 1:
         _err(f"--paradyse-memory-every must be at least 1, got {args.paradyse_memory_every}")
-    _complete_padding(args, tp)
+    _complete_padding(args)
     _check_positions(args)
     _check_outputs(args)
     args.calculate_per_token_loss = True
@@ -423,81 +426,34 @@ def validate_args(args, world_size: int | None = None) -> argparse.Namespace:
     return args
 
 
-VIRTUAL_PIPELINE = (
-    "--num-layers-per-virtual-pipeline-stage / --virtual-pipeline-model-parallel-size: the "
-    "interleaved (virtual-pipeline) schedule is not supported; pipeline stages run megatron's "
-    "1F1B schedule (drop the flag; docs/pipeline.md says why)")
-
-
-def _check_parallel(args, world_size: int, tp: int) -> None:
-    """TP x PP x CP divides the world (the rest is data parallel); PP splits the layers evenly
-    (the 1F1B schedule; the interleaved one is refused); context parallelism with ``--paradyse``
-    only (:func:`_check_context_parallel`); the sequence-parallel layout ``--paradyse`` switches in."""
-    pp, cp = args.pipeline_model_parallel_size, args.context_parallel_size
-    if tp < 1 or pp < 1 or cp < 1 or world_size % (tp * pp * cp):
-        _err(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-             f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp}")
-    args.data_parallel_size = world_size // (tp * pp * cp)
-    if args.num_layers % pp:
-        _err(f"--num-layers {args.num_layers} must be divisible by --pipeline-model-parallel-size {pp} "
+def _check_parallel(args, world_size: int) -> None:
+    """The parallel layout: built and checked by ``dims.py`` (the one builder and validator of
+    both trainers; its ``LayoutError`` here an ``ArgumentError``) and attached as
+    ``args.paradyse_dims``; then what only this trainer needs: PP splits the layers evenly (the
+    1F1B schedule), no online refinement with stages, no overlapped parameter gather with
+    ``--paradyse``, local layers."""
+    try:
+        dims = dims_from_args(args, world_size)
+        check_layout(dims, paradyse=args.paradyse, seq_length=args.seq_length,
+                     interleaving=interleaving_flag(args), pack=args.paradyse_pack,
+                     plan_given=args.paradyse_plan is not None, cp_links=args.paradyse_cp_links)
+    except ValueError as e:
+        _err(str(e))
+    attach(args, dims)
+    args.data_parallel_size = dims.dp
+    args.sequence_parallel = dims.sequence_parallel  # as Megatron-LM: nothing to shard with TP = 1
+    if args.num_layers % dims.pp:
+        _err(f"--num-layers {args.num_layers} must be divisible by --pipeline-model-parallel-size {dims.pp} "
              "(megatron's even split of the layers over the stages)")
-    if args.num_layers_per_virtual_pipeline_stage is not None or args.virtual_pipeline_model_parallel_size is not None:
-        _err(VIRTUAL_PIPELINE)
-    if pp > 1 and args.paradyse_refine == "on":
+    if dims.pp_on and args.paradyse_refine == "on":
         _err("--paradyse-refine on is not available with pipeline stages: the step planner plans "
              "without online refinement (leave --paradyse-refine at auto or off)")
-    if cp > 1:
-        _check_context_parallel(args, tp)
-    if args.sequence_parallel and tp == 1:
-        args.sequence_parallel = False  # as Megatron-LM: nothing to shard
-    if args.paradyse and tp > 1 and not args.sequence_parallel:
-        _err("--paradyse needs --sequence-parallel: every strategy keeps the [s/p, b, h] "
-             "sequence-parallel layout between layers")
     if args.paradyse and args.overlap_param_gather:
         _err(OVERLAP_PARAM_GATHER_WITH_PARADYSE)
     if args.transformer_impl != "local":
         _err("--transformer-impl transformer_engine: this trainer builds megatron-core's local layer spec "
              "(Transformer Engine is not installable here and its layers are not switchable); give "
              "--transformer-impl local or leave the flag out")
-
-
-def _check_context_parallel(args, tp: int) -> None:
-    """What ``--context-parallel-size C > 1`` needs: ``--paradyse`` (stock megatron runs CP only
-    with Transformer Engine's attention, which this trainer does not build), no pipeline stages
-    (not yet), megatron's ring ('p2p') exchange, one CP level, sequences in 2 x CP x TP chunks."""
-    cp = args.context_parallel_size
-    if not args.paradyse:
-        _err(f"--context-parallel-size {cp} needs --paradyse: stock megatron-core runs context "
-             "parallelism only with Transformer Engine's attention, and this trainer builds the local "
-             "layer spec (give --paradyse, or drop the flag)")
-    if args.pipeline_model_parallel_size > 1:
-        _err("--context-parallel-size > 1 with --pipeline-model-parallel-size > 1 is not supported yet "
-             "(give one of them)")
-    if getattr(args, "cp_comm_type", None) not in (None, "p2p"):
-        _err(f"--cp-comm-type {args.cp_comm_type}: ParaDySe passes K/V on a ring over the CP group "
-             "(megatron's p2p); give --cp-comm-type p2p or leave it out")
-    if getattr(args, "hierarchical_context_parallel_sizes", None):
-        _err("--hierarchical-context-parallel-sizes is not supported: one CP ring across nodes")
-    if args.paradyse_pack != "none" and args.paradyse_plan is None:
-        _err("--paradyse-pack with --context-parallel-size > 1 needs --paradyse-plan: the planner's CP cost "
-             "model prices one sequence per row, not packs (give a plan or rule, or drop --paradyse-pack)")
-    if args.paradyse_cp_links is not None:
-        _check_cp_links(args.paradyse_cp_links)
-    if args.seq_length % (2 * cp * tp):
-        _err(f"--seq-length {args.seq_length} must be a multiple of 2 x --context-parallel-size x TP = "
-             f"{2 * cp * tp}: each CP rank holds two equal chunks, split over TP")
-
-
-def _check_cp_links(value: str) -> None:
-    from ..costmodel.cp import Links
-
-    names = value.split(",")
-    if len(names) != 2:
-        _err(f"--paradyse-cp-links {value!r}: give two names, INTRA,INTER (e.g. nvlink4,ib_ndr)")
-    try:
-        Links.from_config(*names)
-    except ValueError as e:
-        _err(f"--paradyse-cp-links: {e}")
 
 
 def _check_backend(args) -> None:
@@ -585,7 +541,7 @@ def _check_packing(args) -> None:
 
 
 def _complete_model(args, tp: int) -> None:
-    """The model flags completed for the chosen device (``model.complete_model_args``)."""
+    """The model flags completed for the chosen device (``model_args.complete_model_args``)."""
     on_cpu = args.distributed_backend == "gloo"
     try:
         args.model_notes = complete_model_args(args, tp, torch.device("cpu" if on_cpu else "cuda"))
@@ -613,15 +569,16 @@ def _check_schedule(args) -> None:
         _err("--log-interval must be >= 1")
 
 
-def _complete_padding(args, tp: int) -> None:
-    """Micro-batches padded to a multiple of TP where the layout is split (default: TP), and of
-    2 x CP x TP with context parallelism (two chunks per CP rank)."""
-    unit = 2 * args.context_parallel_size * tp if args.context_parallel_size > 1 else tp
+def _complete_padding(args) -> None:
+    """Micro-batches padded to the layout's divisor where the sequence is split (TP; 2 x CP x TP
+    with context parallelism: two chunks per CP rank), unless ``--paradyse-pad-multiple``."""
+    dims = args.paradyse_dims
     if args.paradyse_pad_multiple is None:
-        args.paradyse_pad_multiple = unit if (args.sequence_parallel or args.paradyse) else 1
-    if args.paradyse_pad_multiple < 1 or args.paradyse_pad_multiple % (unit if args.sequence_parallel else 1):
-        what = f"2 x CP x TP = {unit}" if args.context_parallel_size > 1 else f"TP {tp}"
-        _err(f"--paradyse-pad-multiple {args.paradyse_pad_multiple} must be a positive multiple of {what}")
+        args.paradyse_pad_multiple = default_pad_multiple(dims, args.paradyse)
+    try:
+        check_pad_multiple(dims, args.paradyse_pad_multiple)
+    except ValueError as e:
+        _err(str(e))
 
 
 def _check_positions(args) -> None:
@@ -743,7 +700,7 @@ def check_cost_model(args) -> None:
     from ..costmodel.fitted import CostModelFileError, FittedCostModel
 
     try:
-        shape = ModelShape.from_args(args)
+        shape = shape_from_args(args)
     except ValueError:  # Megatron-LM's args before its tokenizer pads the vocabulary
         shape = None
     try:
@@ -762,4 +719,4 @@ def default_memory_budget_gib() -> float:
 
 def transformer_config_from_args(args, **overrides):
     """megatron-core's ``TransformerConfig`` for the parsed flags, recompute included (no collective)."""
-    return transformer_config(args, **{**recompute_config(args), **overrides})
+    return transformer_config(model_flags(args), dims_of(args), **{**recompute_config(args), **overrides})

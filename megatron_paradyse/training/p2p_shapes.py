@@ -44,21 +44,21 @@ def activation_shape(seq_length: int, micro_batch: int, hidden: int, tp: int, se
     return [seq_length // tp if sequence_parallel else seq_length, micro_batch, hidden]
 
 
-def micro_batch_shape(mb, hidden: int, tp: int, sequence_parallel: bool, cp: int = 1) -> list:
-    """:func:`activation_shape` of a micro-batch on this rank: its length, or with context
-    parallelism this CP rank's ``s / cp`` tokens (the data are padded to a multiple of
-    ``2 cp p``); a pack's padded to a multiple of p without CP (the first stage pads it,
-    ``dispatch._gpt_forward``). A receive buffer of another shape than the peer sends is a
-    hang on NCCL (gloo raises)."""
-    s = mb.seq_length
-    if cp > 1:
-        if s % (2 * cp * tp):
-            raise ValueError(f"a micro-batch of {s} tokens under CP = {cp} x p = {tp}: the data must "
-                             f"be padded to a multiple of {2 * cp * tp}")
-        s //= cp
+def micro_batch_shape(mb, hidden: int, dims) -> list:
+    """:func:`activation_shape` of a micro-batch on this rank of the layout ``dims``
+    (``ParallelDims``): its length, or with context parallelism this CP rank's ``s / cp``
+    tokens (the data are padded to the layout's divisor, ``2 cp p``); a pack's padded to a
+    multiple of p without CP (the first stage pads it, ``dispatch._gpt_forward``). A receive
+    buffer of another shape than the peer sends is a hang on NCCL (gloo raises)."""
+    s, tp = mb.seq_length, dims.tp
+    if dims.cp_on:
+        if s % dims.seq_divisor:
+            raise ValueError(f"a micro-batch of {s} tokens under CP = {dims.cp} x p = {tp}: the data must "
+                             f"be padded to a multiple of {dims.seq_divisor}")
+        s //= dims.cp
     elif mb.cu_seqlens is not None:
         s += (-s) % tp
-    return activation_shape(s, mb.tokens.shape[0], hidden, tp, sequence_parallel)
+    return activation_shape(s, mb.tokens.shape[0], hidden, tp, dims.sequence_parallel)
 
 
 def expect(shapes: list) -> None:

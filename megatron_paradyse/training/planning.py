@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 
-from ..costmodel import ModelShape, build_cost_model, extrapolation_note
+from ..costmodel import build_cost_model, extrapolation_note
 from ..device import current as current_device
 from ..device import is_cpu
 from ..errors import UserError
@@ -15,6 +15,8 @@ from ..planner import PipelinePlanner, build_planner, make_plan_fn, make_step_pl
 from ..runtime import RuntimeOptions
 from ..units import GiB
 from .arguments import default_memory_budget_gib
+from .dims import dims_of
+from .model_args import shape_from_args
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +24,7 @@ log = logging.getLogger(__name__)
 def cost_model_from_args(args):
     """``--paradyse-cost-model``, else the model shipped for the run's shape, else the analytic one;
     its pool priced with the run's weight prefetch (the runtime options of ``args``)."""
-    return build_cost_model(ModelShape.from_args(args), path=args.paradyse_cost_model,
+    return build_cost_model(shape_from_args(args), path=args.paradyse_cost_model,
                             prefetch=RuntimeOptions.from_args(args).prefetch)
 
 
@@ -51,13 +53,13 @@ def with_context_parallel(args, cm):
     """``cm`` for ``--context-parallel-size C`` > 1: ``costmodel.cp.CPCostModel`` (the in-node
     model at s/C plus the CP ring on ``--paradyse-cp-links``), planning the in-node strategy of
     each layer at the global length; ``cm`` itself without CP."""
-    cp = getattr(args, "context_parallel_size", 1)
-    if cp == 1:
+    dims = dims_of(args)
+    if not dims.cp_on:
         return cm
     from ..costmodel.cp import CPCostModel, Links
 
     links = args.paradyse_cp_links or ("cpu_gloo,cpu_gloo" if is_cpu() else "nvlink4,ib_ndr")
-    return CPCostModel(cm, cp, Links.from_config(*links.split(",")), ModelShape.from_args(args))
+    return CPCostModel(cm, dims.cp, Links.from_config(*links.split(",")), shape_from_args(args))
 
 
 def planner_from_args(args, can_refine: bool = True, cost_model=None):
@@ -91,10 +93,10 @@ def planner_from_args(args, can_refine: bool = True, cost_model=None):
     options = dict(gamma=args.paradyse_gamma, margin_bytes=margin, strategies=args.paradyse_planner_strategies,
                    refinement=True if refine else None, device_kind=current_device().type,
                    recompute=mode, recompute_chunk=chunk, recompute_first=first)
-    multiple = args.paradyse_pad_multiple or args.tensor_model_parallel_size
-    stages = getattr(args, "pipeline_model_parallel_size", 1)
-    if stages > 1:
-        planner = PipelinePlanner(args.paradyse_planner, cm, budget * GiB, stages,
+    dims = dims_of(args)
+    multiple = args.paradyse_pad_multiple or dims.seq_divisor
+    if dims.pp_on:
+        planner = PipelinePlanner(args.paradyse_planner, cm, budget * GiB, dims.pp,
                                   **dict(options, refinement=None))  # block recompute: per stage
         plan_fn = make_step_plan_fn(planner, args.paradyse_on_no_fit, multiple=multiple)
     else:
@@ -102,7 +104,7 @@ def planner_from_args(args, can_refine: bool = True, cost_model=None):
         plan_fn = make_plan_fn(planner, args.paradyse_on_no_fit, multiple=multiple)  # plans packs too
     log.info(f"> planner: {describe_planner(planner)}; cost model {type(cm).__name__}"
              + (f" ({args.paradyse_cost_model})" if args.paradyse_cost_model else "")
-             + f"; on no fit: {args.paradyse_on_no_fit}; refinement {'on' if refine and stages == 1 else 'off'}")
+             + f"; on no fit: {args.paradyse_on_no_fit}; refinement {'on' if refine and not dims.pp_on else 'off'}")
     for note in (allocator_mismatch(cm), extrapolation_note(cm, args.seq_length)):
         if note:
             log_single_rank(log, logging.WARNING, f"> warning: {note}")
@@ -145,7 +147,7 @@ def longest_trainable(planner, args) -> int:
     plan."""
     from ..data import longest_fitting
 
-    m = args.paradyse_pad_multiple or args.tensor_model_parallel_size
+    m = args.paradyse_pad_multiple or dims_of(args).seq_divisor
     top = longest_fitting(planner, args.micro_batch_size, args.seq_length, m)
     if top < m:
         raise BudgetError(f"--paradyse-memory-budget {planner.budget / GiB:.4g} GiB per rank fits no "

@@ -38,7 +38,7 @@ from ..errors import EXIT_INTERRUPTED, exit_on_user_error
 from ..device import select as select_device
 from ..device import synchronize
 from ..memory import PeakMemory, static_bytes
-from ..model import build_gpt_from_args
+from ..model import build_gpt_for
 from .. import runtime
 from ..parallel import groups
 from ..parallel.buffers import release_pool
@@ -49,6 +49,8 @@ from ..parallel.plans import describe_plans, parse_plan, rule_plan_fn
 from ..units import GiB, MiB
 from . import checkpointing, p2p_shapes
 from .arguments import parse_args, transformer_config_from_args
+from .dims import data_config, dims_of
+from .model_args import model_flags
 from .faults import FailFast
 from .forward_step import forward_step
 from .iterator import PlannedIterator
@@ -63,7 +65,7 @@ log = logging.getLogger(__name__)
 def build_model(args, config):
     """The stock GPTModel for the parsed flags (megatron_paradyse.model: the builder the
     profiler and the check use too), on this process's device."""
-    return build_gpt_from_args(args, config)
+    return build_gpt_for(model_flags(args), config, seed=args.seed)
 
 
 def build_optimizer(args, model):
@@ -120,6 +122,7 @@ class Trainer:
 
     def __init__(self, args, plan_fn=None):
         self.args = args
+        self.dims = dims_of(args)  # the parallel layout, built and checked with the flags
         self.plan_fn = plan_fn
         self.history: list = []
         self.iteration = 0
@@ -166,9 +169,10 @@ class Trainer:
             install()
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
-                                                 pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-                                                 context_parallel_size=args.context_parallel_size)
+        dims = self.dims
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=dims.tp,
+                                                 pipeline_model_parallel_size=dims.pp,
+                                                 context_parallel_size=dims.cp)
         random.seed(args.seed)
         np.random.seed(args.seed)
         torch.manual_seed(args.seed)
@@ -180,7 +184,7 @@ class Trainer:
         self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()
         self.cp_size = parallel_state.get_context_parallel_world_size()
-        self.cp_group = parallel_state.get_context_parallel_group() if self.cp_size > 1 else None
+        self.cp_group = parallel_state.get_context_parallel_group() if dims.cp_on else None
         made = groups.created() if args.paradyse else None
         if made is not None:
             log.info(f"> {made.describe()}")
@@ -215,7 +219,7 @@ class Trainer:
         self.planner, self._planner_fn, self._step_plan_fn = None, None, None
         if args.paradyse and self.plan_fn is None and args.paradyse_plan is None:
             planner, fn = planner_from_args(args, cost_model=self.cost_model)
-            if self.pp_size > 1:  # a step's micro-batches planned together over the stages
+            if self.dims.pp_on:  # a step's micro-batches planned together over the stages
                 self.planner, self._step_plan_fn = MicroBatchView(planner), fn
             else:
                 self.planner, self._planner_fn = planner, fn
@@ -225,22 +229,23 @@ class Trainer:
         sampler, the loader and the planned iterator that gives each micro-batch its plan."""
         args = self.args
         max_fit = None if self.planner is None else longest_trainable(self.planner, args)
-        self.dataset = pdata.build_dataset(args, max_length=max_fit)
+        self.data = data_config(args)
+        self.dataset = pdata.build_dataset(self.data, max_length=max_fit)
         self.sampler = self.packer = None
         plan_fn = self.plan_fn or self._planner_fn
         if plan_fn is None and args.paradyse and self._step_plan_fn is None:
             plan_fn = rule_plan_fn(parse_plan(args.paradyse_plan, args.num_layers))
-        if args.paradyse_pack != "none":
+        if self.data.packed:
             self._build_packed_data(plan_fn if args.paradyse else None)
             return
         if args.paradyse_sampler == "length":
             self.sampler = pdata.LengthAwareSampler(
                 self.dataset, args.micro_batch_size, args.global_batch_size, self.dp_size, seed=args.seed,
-                window_steps=args.paradyse_sampler_window, multiple=args.paradyse_pad_multiple,
+                window_steps=args.paradyse_sampler_window, multiple=self.data.pad_multiple,
                 cost_fn=pdata.make_cost_fn(planner=self.planner))
         loader = pdata.MicroBatchLoader(
             self.dataset, args.micro_batch_size, args.global_batch_size, self.dp_rank, self.dp_size,
-            args.paradyse_pad_multiple, consumed_samples=self.iteration * args.global_batch_size,
+            self.data.pad_multiple, consumed_samples=self.iteration * args.global_batch_size,
             sampler=self.sampler)
         self.data_iterator = PlannedIterator(
             loader, plan_fn if args.paradyse else None, args.num_microbatches,
@@ -256,10 +261,9 @@ class Trainer:
         if self.planner is not None:
             cost_fn, fits_fn = pdata.make_pack_fns(self.planner)
         self.packer = pdata.PackScheduler(
-            self.dataset.length, args.global_batch_size, self.dp_size, token_cap=args.paradyse_pack_tokens,
-            seed=args.seed, mode=args.paradyse_pack, cost_fn=cost_fn, fits_fn=fits_fn)
-        multiple = args.paradyse_pad_multiple or args.tensor_model_parallel_size
-        loader = pdata.PackedLoader(self.dataset, self.packer, self.dp_rank, multiple=multiple,
+            self.dataset.length, args.global_batch_size, self.dp_size, token_cap=self.data.pack_tokens,
+            seed=self.data.seed, mode=self.data.pack, cost_fn=cost_fn, fits_fn=fits_fn)
+        loader = pdata.PackedLoader(self.dataset, self.packer, self.dp_rank, multiple=self.data.pad_multiple,
                                     start_step=self.iteration)
         self.data_iterator = PlannedIterator(
             loader, plan_fn, args.num_microbatches, group_index=self.dp_rank, num_groups=self.dp_size,
@@ -290,7 +294,7 @@ class Trainer:
         else:
             stats, measured, reserved = self.train_step(), None, None
         predicted, text, stages = None, "", None
-        if self.pp_size > 1 and measured is not None:
+        if self.dims.pp_on and measured is not None:
             stages = max_per_stage(measured, self.pp_rank, self.pp_size)  # every rank, the same step
         if self._planner_fn is not None:
             # with every > 1 the time is learnt from the untracked steps only
@@ -355,15 +359,13 @@ class Trainer:
         synchronize()
         t0 = time.perf_counter()
         micro = self.data_iterator.prefetch()
-        if args.paradyse and self.pp_size > 1:
-            p2p_shapes.expect([p2p_shapes.micro_batch_shape(mb, args.hidden_size, args.tensor_model_parallel_size,
-                                                        self.config.sequence_parallel, self.cp_size)
-                             for mb in micro])
+        if args.paradyse and self.dims.pp_on:
+            p2p_shapes.expect([p2p_shapes.micro_batch_shape(mb, args.hidden_size, self.dims) for mb in micro])
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         fwd_bwd = get_forward_backward_func()
         reports = fwd_bwd(
-            forward_step_func=partial(forward_step, paradyse=args.paradyse, cp=self.cp_size),
+            forward_step_func=partial(forward_step, paradyse=args.paradyse, cp=self.dims.cp),
             data_iterator=self.data_iterator, model=[self.model],
             num_microbatches=len(micro), seq_length=max(mb.seq_length for mb in micro),
             micro_batch_size=args.micro_batch_size, forward_only=False,
@@ -380,7 +382,7 @@ class Trainer:
         for r in reports:  # the last pipeline stage's: the others have none
             total[:2] += r["lm loss"].detach().double().cpu()
         total[:2] = p2p_shapes.sum_over_stages(total[:2], collective_device())
-        if self.cp_size > 1:  # each CP rank's losses are its own chunks'
+        if self.dims.cp_on:  # each CP rank's losses are its own chunks'
             t = total[:2].to(collective_device())
             dist.all_reduce(t, group=self.cp_group)
             total[:2] = t.cpu()
@@ -476,14 +478,7 @@ def describe_setup(args, custom_plan: bool = False, planner=None) -> str:
     mode = (f"with ParaDySe ({plan})" if args.paradyse
             else "with stock Megatron TP+SP" if args.sequence_parallel else "with stock Megatron TP")
     return (f"GPT {args.num_layers}L h{args.hidden_size} a{args.num_attention_heads} on "
-            f"{args.world_size} ranks (TP={args.tensor_model_parallel_size} x PP={args.pipeline_model_parallel_size} "
-            f"{_cp_text(args)}x DP={args.data_parallel_size}) "
-            f"{mode}")
-
-
-def _cp_text(args) -> str:
-    cp = getattr(args, "context_parallel_size", 1)
-    return f"x CP={cp} " if cp > 1 else ""
+            f"{args.world_size} ranks ({dims_of(args).describe()}) {mode}")
 
 
 def format_log_line(window: list, args, train_iters: int) -> str:

@@ -5,6 +5,7 @@ stage."""
 from __future__ import annotations
 
 from ... import data as pdata
+from ..dims import dims_of
 
 
 def tp_batches(holder: list, args, multiple: int):
@@ -12,7 +13,7 @@ def tp_batches(holder: list, args, multiple: int):
     ``None`` off TP rank 0), each cut after its last loss-bearing token (rounded up to
     ``multiple``). With pipeline stages every stage gets the whole micro-batch from the first
     stage (:func:`pipeline_batch`)."""
-    pipelined = int(getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1
+    pipelined = dims_of(args).pp_on
     while True:
         batch = pipeline_batch(holder[0], args) if pipelined else tp_batch(holder[0], args)
         mb = pdata.trim_to_multiple(batch["tokens"], batch["labels"], batch["loss_mask"], multiple,

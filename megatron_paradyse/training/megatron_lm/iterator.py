@@ -9,6 +9,7 @@ import torch
 
 from ...units import MiB
 from ...parallel.plans import describe_plans, parse_plan, rule_plan_fn
+from ..dims import dims_of
 from ..iterator import PlannedIterator
 from ...planner import MicroBatchView
 from ..planning import planner_from_args
@@ -90,7 +91,7 @@ def _plan_fns(args) -> tuple:
 
 
 def _pipelined(args) -> bool:
-    return int(getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1
+    return dims_of(args).pp_on
 
 
 def _megatron_planner(args):

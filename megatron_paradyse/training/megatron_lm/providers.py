@@ -6,6 +6,7 @@ import torch
 
 from ... import data as pdata
 from ...parallel.dispatch import install
+from ..dims import dims_of
 from ..forward_step import forward_step
 from .iterator import planned_iterator
 
@@ -38,7 +39,7 @@ def paradyse_forward_step(stock_forward_step=None):
             install()
         it = planned_iterator(data_iterator, model)
         # with context parallelism this rank runs its CP chunks of the micro-batch read whole
-        return forward_step(it, model, paradyse=paradyse, cp=int(args.context_parallel_size or 1))
+        return forward_step(it, model, paradyse=paradyse, cp=dims_of(args).cp)
 
     _forward_step._paradyse = True
     _forward_step.reads_planned = reads_planned  # schedule.py: pipeline stages read ahead

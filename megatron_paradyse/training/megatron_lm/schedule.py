@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 
 from .. import p2p_shapes
+from ..dims import dims_of
 
 log = logging.getLogger(__name__)
 _SAID = [False]
@@ -41,7 +42,7 @@ def planned_pipeline(forward_step_func) -> bool:
 
     args = get_args()
     reads = getattr(forward_step_func, "reads_planned", None)
-    return int(args.pipeline_model_parallel_size or 1) > 1 and reads is not None and reads(args)
+    return dims_of(args).pp_on and reads is not None and reads(args)
 
 
 def _wrap_schedule(schedule):
@@ -78,10 +79,10 @@ def _plan_step(kwargs) -> None:
             holder.variable_seq_lengths = True  # after its checks (0.16 refuses it with dense allgather MoE)
     micro = prefetch_step(data, model, kwargs["num_microbatches"])
     args = get_args()
-    p2p_shapes.expect([p2p_shapes.micro_batch_shape(mb, args.hidden_size, args.tensor_model_parallel_size,
-                                                args.sequence_parallel, int(args.context_parallel_size or 1))
+    dims = dims_of(args)
+    p2p_shapes.expect([p2p_shapes.micro_batch_shape(mb, args.hidden_size, dims)
                      for mb in micro])
     if not _SAID[0]:
         _SAID[0] = True
         log.info(" [paradyse] %d pipeline stages (1F1B): each transfer has its micro-batch's shape, "
-                 "from the micro-batches read ahead on every stage", args.pipeline_model_parallel_size)
+                 "from the micro-batches read ahead on every stage", dims.pp)

@@ -1,0 +1,183 @@
+"""The parallel layout from the command line: the one builder (:func:`dims_from_args`) and the
+one validator (:func:`check_layout`, :func:`check_pad_multiple`) of the layout flags, for both
+trainers (``arguments.validate_args``, ``megatron_lm.check_paradyse_args``) and the bench.
+
+Each raises :class:`LayoutError` (a ``ValueError``) with one line naming the flags; each
+trainer maps it to its own error (``ArgumentError`` in ``pretrain_gpt_paradyse.py``'s parser,
+the ``ValueError`` Megatron-LM's entry point turns into one line). The built
+:class:`~megatron_paradyse.layout.ParallelDims` is attached to the parsed flags once
+(:func:`attach`; :func:`dims_of` reads it back); below ``training/`` the code gets it as a
+parameter.
+"""
+from __future__ import annotations
+
+from ..layout import DataConfig, ParallelDims
+
+
+class LayoutError(ValueError):
+    """A parallel layout the flags ask for that cannot run (one line, naming the flags)."""
+
+
+# the flags that select the interleaved (virtual-pipeline) schedule, as each trainer spells
+# them (Megatron-LM's validate_args turns each into args.virtual_pipeline_model_parallel_size)
+VIRTUAL_PIPELINE_FLAGS = ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
+                          "pipeline_model_parallel_layout", "virtual_pipeline_model_parallel_size")
+
+
+def _size(args, name: str) -> int:
+    return int(getattr(args, name, 1) or 1)
+
+
+def dims_from_args(args, world_size: int | None = None) -> ParallelDims:
+    """The :class:`ParallelDims` of the parsed flags (either trainer's ``args``) in a world of
+    ``world_size`` ranks (default ``args.world_size``; without either, the data-parallel size
+    Megatron-LM computed, else 1). :class:`LayoutError` when TP x PP x CP does not divide it."""
+    tp = _size(args, "tensor_model_parallel_size")
+    pp = _size(args, "pipeline_model_parallel_size")
+    cp = _size(args, "context_parallel_size")
+    if world_size is None:
+        world_size = getattr(args, "world_size", None)
+    if world_size is None:
+        world_size = tp * pp * cp * _size(args, "data_parallel_size")
+    if tp < 1 or pp < 1 or cp < 1 or world_size % (tp * pp * cp):
+        raise LayoutError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+                          f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp}")
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    return ParallelDims(
+        tp=tp, cp=cp, pp=pp, dp=world_size // (tp * pp * cp), vpp=int(vpp) if vpp else None,
+        sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
+        cp_comm_type=getattr(args, "cp_comm_type", None) or ("p2p",),
+        hierarchical_cp=getattr(args, "hierarchical_context_parallel_sizes", None) or (),
+        dynamic_cp=bool(getattr(args, "hybrid_context_parallel", False)))
+
+
+# Megatron-LM pickles its args into every checkpoint and loads them with torch's weights-only
+# unpickler, which refuses classes it was not told of (a stock run loading the checkpoint would
+# fail): its namespace keeps no ParallelDims; the layout is kept here, by the namespace's id
+_KEPT: dict = {}
+
+
+def attach(args, dims: ParallelDims, in_namespace: bool = True) -> ParallelDims:
+    """Attach ``dims`` to the parsed flags ``args``: as ``args.paradyse_dims``
+    (``pretrain_gpt_paradyse.py``'s, the bench's), or with ``in_namespace=False`` beside it
+    (Megatron-LM's, which its checkpoints pickle)."""
+    if in_namespace:
+        args.paradyse_dims = dims
+    else:
+        _KEPT[id(args)] = (args, dims)
+    return dims
+
+
+def dims_of(args) -> ParallelDims:
+    """The layout :func:`attach` attached at the edge; built from ``args`` (and attached beside
+    it) where no edge ran, e.g. a script that calls Megatron-LM's hooks directly."""
+    dims = getattr(args, "paradyse_dims", None)
+    if dims is not None:
+        return dims
+    kept = _KEPT.get(id(args))
+    if kept is not None and kept[0] is args:
+        return kept[1]
+    return attach(args, dims_from_args(args), in_namespace=False)
+
+
+def interleaving_flag(args) -> str | None:
+    """The first interleaved-schedule flag given (``--flag-name``), else None."""
+    given = [k for k in VIRTUAL_PIPELINE_FLAGS if getattr(args, k, None) is not None]
+    return "--" + given[0].replace("_", "-") if given else None
+
+
+def check_layout(dims: ParallelDims, *, paradyse: bool, seq_length: int | None = None,
+                 interleaving: str | None = None, pack: str = "none", plan_given: bool = True,
+                 cp_links: str | None = None) -> None:
+    """What the plugin can run of ``dims`` (both trainers, the bench): megatron's 1F1B schedule
+    only (``interleaving``: the flag that selects the interleaved one); ``--paradyse`` keeps
+    the sequence-parallel layout with TP; context parallelism only with ``--paradyse``, one K/V
+    ring ('p2p') over one level of CP ranks, no dynamic CP, no pipeline stages, no packs for
+    the planner (``pack`` without ``plan_given``), links the planner knows (``cp_links``),
+    sequences (``seq_length``) in 2 x CP x TP equal pieces. :class:`LayoutError` naming the flag."""
+    if interleaving is not None or dims.vpp is not None:
+        flag = interleaving or "--" + VIRTUAL_PIPELINE_FLAGS[0].replace("_", "-")
+        raise LayoutError(f"{flag} selects the interleaved (virtual-pipeline) schedule, which is not supported: "
+                          f"only megatron's 1F1B schedule (one stage per pipeline rank) is supported with "
+                          f"--pipeline-model-parallel-size (drop {flag}; docs/pipeline.md says why)")
+    if paradyse and dims.tp > 1 and not dims.sequence_parallel:
+        raise LayoutError("--paradyse needs --sequence-parallel: every strategy keeps the "
+                          "[s/p, b, h] sequence-parallel layout between layers")
+    if dims.cp_on:
+        _check_context_parallel(dims, paradyse, seq_length, pack, plan_given, cp_links)
+
+
+def _check_context_parallel(dims, paradyse, seq_length, pack, plan_given, cp_links) -> None:
+    """``--context-parallel-size C > 1``: every strategy attends across the CP ranks itself
+    (megatron's local attention cannot; stock megatron runs CP only with Transformer Engine's
+    attention), with K/V on a ring, one CP level, no pipeline stages, 2 x C x TP pieces."""
+    cp = dims.cp
+    if not paradyse:
+        raise LayoutError(f"--context-parallel-size {cp} needs --paradyse: stock megatron-core runs context "
+                          "parallelism only with Transformer Engine's attention, and this trainer builds the local "
+                          "layer spec (give --paradyse, or drop the flag)")
+    if dims.pp_on:
+        raise LayoutError(f"--context-parallel-size {cp} with --pipeline-model-parallel-size {dims.pp} is not "
+                          "supported yet with --paradyse (give one of them)")
+    if any(c != "p2p" for c in dims.cp_comm_type):
+        raise LayoutError(f"--cp-comm-type {' '.join(dims.cp_comm_type)}: with --paradyse every strategy passes "
+                          "K/V on a ring over the CP group (megatron's p2p); give --cp-comm-type p2p or leave "
+                          "the flag out")
+    if dims.hierarchical_cp:
+        raise LayoutError("--hierarchical-context-parallel-sizes is not supported with --paradyse: one CP ring "
+                          "across nodes (drop the flag)")
+    if dims.dynamic_cp:
+        raise LayoutError("--hybrid-context-parallel is not supported with --paradyse: every micro-batch is "
+                          "split over all --context-parallel-size ranks (drop the flag)")
+    if pack != "none" and not plan_given:
+        raise LayoutError("--paradyse-pack with --context-parallel-size > 1 needs --paradyse-plan: the planner's "
+                          "CP cost model prices one sequence per row, not packs (give a plan or rule, or drop "
+                          "--paradyse-pack)")
+    if cp_links is not None:
+        check_cp_links(cp_links)
+    unit = dims.seq_divisor
+    if seq_length is not None and seq_length % unit:
+        raise LayoutError(f"--seq-length {seq_length} must be a multiple of 2 x --context-parallel-size x "
+                          f"--tensor-model-parallel-size = {unit} with --paradyse: each CP rank holds two "
+                          "equal chunks, each split over TP")
+
+
+def check_cp_links(value: str) -> None:
+    """``--paradyse-cp-links INTRA,INTER``: two link classes the CP cost model knows."""
+    from ..costmodel.cp import Links
+
+    names = value.split(",")
+    if len(names) != 2:
+        raise LayoutError(f"--paradyse-cp-links {value!r}: give two names, INTRA,INTER (e.g. nvlink4,ib_ndr)")
+    try:
+        Links.from_config(*names)
+    except ValueError as e:
+        raise LayoutError(f"--paradyse-cp-links: {e}") from None
+
+
+def check_pad_multiple(dims: ParallelDims, multiple: int) -> None:
+    """``--paradyse-pad-multiple``: a positive multiple of the layout's divisor where the
+    sequence is split (sequence parallelism or CP), else any positive number."""
+    unit = dims.seq_divisor if (dims.sequence_parallel or dims.cp_on) else 1
+    if multiple < 1 or multiple % unit:
+        what = f"2 x CP x TP = {unit}" if dims.cp_on else f"TP {dims.tp}"
+        raise LayoutError(f"--paradyse-pad-multiple {multiple} must be a positive multiple of {what}")
+
+
+def default_pad_multiple(dims: ParallelDims, paradyse: bool) -> int:
+    """The multiple micro-batches are padded to by default: the layout's divisor where the
+    sequence is split (sequence parallelism, ``--paradyse``'s layout, CP), else 1."""
+    return dims.seq_divisor if (dims.sequence_parallel or paradyse or dims.cp_on) else 1
+
+
+def data_config(args) -> DataConfig:
+    """The :class:`~megatron_paradyse.layout.DataConfig` of ``pretrain_gpt_paradyse.py``'s
+    validated flags (``--mock-data`` or one ``--data-path`` prefix, ``--paradyse-pad-multiple``
+    completed, ``--paradyse-pack*``)."""
+    paths = list(args.data_path or []) if not args.mock_data else []
+    if not args.mock_data and len(paths) != 1:
+        raise ValueError(f"--data-path: give one IndexedDataset prefix, got {paths}")
+    return DataConfig(seq_length=args.seq_length, vocab_size=args.vocab_size, seed=args.seed,
+                      data_path=paths[0] if paths else None, mock_min_length=args.paradyse_mock_min_length,
+                      long_docs=args.paradyse_long_docs, pad_multiple=args.paradyse_pad_multiple,
+                      pack=args.paradyse_pack, pack_tokens=args.paradyse_pack_tokens)
