@@ -26,12 +26,10 @@ def _rank(rank, world, cfg):
     import torch
     import torch.distributed as dist
 
-    from megatron_paradyse import data as pdata
     from megatron_paradyse.bench.__main__ import demo_argv
-    from megatron_paradyse.bench.world import System, _max_over_ranks, _measure
+    from megatron_paradyse.bench.world import System
     from megatron_paradyse.costmodel import build_cost_model
     from megatron_paradyse.training.model_args import shape_from_args
-    from megatron_paradyse.memory import static_bytes
     from megatron_paradyse.planner import build_planner
     from megatron_paradyse.training.arguments import parse_args
 
@@ -67,26 +65,8 @@ def _rank(rank, world, cfg):
             c = pl.choose(s, 1)
             chosen[k] = c
             plans.setdefault(f"{k} choice", c.layers)
-        measured = {}
-        for label, plan in plans.items():
-            if plan in measured:
-                continue
-            mb = pdata.pad_to_multiple([doc], p)
-            mb.plan = plan
-            if not sysm.static:
-                sysm.step(mb)
-                sysm.static = static_bytes(sysm.model, sysm.optimizer)
-            best = None
-            try:
-                _measure(sysm, mb)  # warm-up
-                for _ in range(cfg["reps"]):
-                    sec, peak, _ = _measure(sysm, mb)
-                    sec, peak = _max_over_ranks([sec, peak])
-                    best = (sec, peak) if best is None or sec < best[0] else (best[0], max(best[1], peak))
-            except Exception as e:  # noqa: BLE001
-                best = (float("nan"), float("nan"))
-                note += f" {label} at {s} failed: {e};"
-            measured[plan] = best
+        measured, failed = _measure_plans(sysm, plans, doc, p, cfg["reps"], s)
+        note += failed
         seen = set()
         for label, plan in plans.items():
             if plan in seen:
@@ -103,6 +83,37 @@ def _rank(rank, world, cfg):
     dist.barrier()
     return dict(rows=rows, budget=budget, margin=planners["optimal"].margin, cost_model=type(cm).__name__,
                 note=note) if rank == 0 else None
+
+
+def _measure_plans(sysm, plans: dict, doc, p: int, reps: int, s: int) -> tuple:
+    """Each distinct plan of ``plans`` run on ``doc`` (a warm-up, then ``reps`` timed runs; the
+    fastest time and the largest peak over the ranks): ``({plan: (seconds, peak)}, note)``,
+    a plan that fails measured as NaN and named in the note."""
+    from megatron_paradyse import data as pdata
+    from megatron_paradyse.bench.world import _max_over_ranks, _measure
+    from megatron_paradyse.memory import static_bytes
+
+    measured, note = {}, ""
+    for label, plan in plans.items():
+        if plan in measured:
+            continue
+        mb = pdata.pad_to_multiple([doc], p)
+        mb.plan = plan
+        if not sysm.static:
+            sysm.step(mb)
+            sysm.static = static_bytes(sysm.model, sysm.optimizer)
+        best = None
+        try:
+            _measure(sysm, mb)  # warm-up
+            for _ in range(reps):
+                sec, peak, _ = _measure(sysm, mb)
+                sec, peak = _max_over_ranks([sec, peak])
+                best = (sec, peak) if best is None or sec < best[0] else (best[0], max(best[1], peak))
+        except Exception as e:  # noqa: BLE001
+            best = (float("nan"), float("nan"))
+            note += f" {label} at {s} failed: {e};"
+        measured[plan] = best
+    return measured, note
 
 
 def render(res, p) -> str:

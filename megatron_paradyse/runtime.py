@@ -77,14 +77,6 @@ class RuntimeOptions:
     kernel: str | None = None
     deterministic: bool | None = None
 
-    @classmethod
-    def from_args(cls, args) -> "RuntimeOptions":
-        """The options of parsed trainer flags (``--paradyse-no-prefetch``; Megatron-LM's
-        ``--deterministic-mode`` where given)."""
-        deterministic = getattr(args, "deterministic_mode", None)
-        return cls(prefetch=not getattr(args, "paradyse_no_prefetch", False),
-                   deterministic=True if deterministic else None)
-
     def is_deterministic(self) -> bool:
         if self.deterministic is not None:
             return self.deterministic

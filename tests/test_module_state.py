@@ -38,6 +38,7 @@ ALLOWED = {
     "training/megatron_lm/iterator.py:_MEGATRON_ITERATORS": "Megatron-LM's data iterators wrapped, by id (Megatron-LM builds them, the hook finds them)",
     "training/megatron_lm/iterator.py:_MEGATRON_PLANNER": "the planner built at Megatron-LM's first step (its hooks have no object to hold it)",
     "training/megatron_lm/iterator.py:_EVAL_MICROBATCHES": "Megatron-LM's evaluation micro-batch count, read by its hooks",
+    "training/dims.py:_KEPT": "the layout of a Megatron-LM namespace, by id (its checkpoints pickle the namespace, whose loader refuses a ParallelDims)",
     "training/megatron_lm/schedule.py:_SAID": "a log line said once per process",
     "planner/core.py:_WARNED": "warnings said once per process",
     "bench/host_time.py:QUIET": _TABLE,

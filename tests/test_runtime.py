@@ -7,6 +7,7 @@ import types
 import pytest
 
 from megatron_paradyse import runtime
+from megatron_paradyse.training.dims import runtime_options
 
 
 class _Target:
@@ -100,11 +101,11 @@ def test_runtime_options_one_object_read_by_the_kernels():
 
     assert runtime.options() == runtime.RuntimeOptions()  # defaults: prefetch on, default kernels
     args = argparse.Namespace(paradyse_no_prefetch=True)
-    assert runtime.RuntimeOptions.from_args(args) == runtime.RuntimeOptions(prefetch=False)
-    assert runtime.RuntimeOptions.from_args(argparse.Namespace(deterministic_mode=True)).deterministic
+    assert runtime_options(args) == runtime.RuntimeOptions(prefetch=False)
+    assert runtime_options(argparse.Namespace(deterministic_mode=True)).deterministic
     with pytest.raises(Exception):
         runtime.options().prefetch = False  # frozen
-    old = runtime.set_options(runtime.RuntimeOptions.from_args(args))
+    old = runtime.set_options(runtime_options(args))
     try:
         assert not prefetch.enabled()
     finally:

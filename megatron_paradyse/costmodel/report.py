@@ -378,7 +378,7 @@ def main(argv=None):
     print(f"model {args.model} ({getattr(model, 'kind', '?')}), held-out {', '.join(args.profile)}: "
           f"{shape.describe()}\n")
     result = _report_layers(model, rows, errs)
-    _report_plots(args, model, errs, train, rows)
+    _report_plots(model, errs, train, rows, png=args.png, png_all=args.png_all, fake=args.fake)
     if args.steps:
         result["steps"] = _report_steps(model, shape, args.steps, args.step_repeats)
     if args.json:
@@ -405,17 +405,17 @@ def _report_layers(model, rows, errs) -> dict:
     return result
 
 
-def _report_plots(args, model, errs, train, rows) -> None:
+def _report_plots(model, errs, train, rows, png=None, png_all=None, fake=None) -> None:
     """``--png``, ``--png-all`` and ``--fake``: the plots written, the single-device table printed."""
-    if args.png:
-        plot(model, errs, train, args.png)
-        print(f"\nwrote {args.png}")
-    if args.png_all:
-        plot_all(model, args.png_all)
-        print(f"wrote {args.png_all}")
-    if args.fake:
+    if png:
+        plot(model, errs, train, png)
+        print(f"\nwrote {png}")
+    if png_all:
+        plot_all(model, png_all)
+        print(f"wrote {png_all}")
+    if fake:
         print("\nsingle-device profile beside the real one:\n")
-        print(fake_table(rows, args.fake))
+        print(fake_table(rows, fake))
 
 
 def _report_steps(model, shape, steps: str, repeats: int) -> list:

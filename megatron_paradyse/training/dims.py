@@ -12,6 +12,7 @@ parameter.
 from __future__ import annotations
 
 from ..layout import DataConfig, ParallelDims
+from ..runtime import RuntimeOptions
 
 
 class LayoutError(ValueError):
@@ -181,3 +182,11 @@ def data_config(args) -> DataConfig:
                       data_path=paths[0] if paths else None, mock_min_length=args.paradyse_mock_min_length,
                       long_docs=args.paradyse_long_docs, pad_multiple=args.paradyse_pad_multiple,
                       pack=args.paradyse_pack, pack_tokens=args.paradyse_pack_tokens)
+
+
+def runtime_options(args) -> RuntimeOptions:
+    """The run's :class:`~megatron_paradyse.runtime.RuntimeOptions` from either trainer's flags
+    (``--paradyse-no-prefetch``; Megatron-LM's ``--deterministic-mode`` where given)."""
+    deterministic = getattr(args, "deterministic_mode", None)
+    return RuntimeOptions(prefetch=not getattr(args, "paradyse_no_prefetch", False),
+                          deterministic=True if deterministic else None)

@@ -12,10 +12,10 @@ from ..device import is_cpu
 from ..errors import UserError
 from ..planner import MicroBatchView  # noqa: F401  (trainer.py takes the planner's view from here)
 from ..planner import PipelinePlanner, build_planner, make_plan_fn, make_step_plan_fn
-from ..runtime import RuntimeOptions
+
 from ..units import GiB
 from .arguments import default_memory_budget_gib
-from .dims import dims_of
+from .dims import dims_of, runtime_options
 from .model_args import shape_from_args
 
 log = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ def cost_model_from_args(args):
     """``--paradyse-cost-model``, else the model shipped for the run's shape, else the analytic one;
     its pool priced with the run's weight prefetch (the runtime options of ``args``)."""
     return build_cost_model(shape_from_args(args), path=args.paradyse_cost_model,
-                            prefetch=RuntimeOptions.from_args(args).prefetch)
+                            prefetch=runtime_options(args).prefetch)
 
 
 def calibrated_cost_model(args):

@@ -49,7 +49,7 @@ from ..parallel.plans import describe_plans, parse_plan, rule_plan_fn
 from ..units import GiB, MiB
 from . import checkpointing, p2p_shapes
 from .arguments import parse_args, transformer_config_from_args
-from .dims import data_config, dims_of
+from .dims import data_config, dims_of, runtime_options
 from .model_args import model_flags
 from .faults import FailFast
 from .forward_step import forward_step
@@ -137,7 +137,7 @@ class Trainer:
         if dist.get_world_size() != self.args.world_size:
             raise RuntimeError(f"arguments were validated for world size {self.args.world_size}, "
                                f"but the process group has {dist.get_world_size()} ranks")
-        self.options = runtime.RuntimeOptions.from_args(self.args)  # prefetch, kernels, determinism
+        self.options = runtime_options(self.args)  # prefetch, kernels, determinism
         runtime.set_options(self.options)
         self._calibrate()
         self._init_parallel()

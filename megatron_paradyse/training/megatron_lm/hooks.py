@@ -9,6 +9,7 @@ import torch
 from ... import runtime
 from ...parallel.dispatch import install
 from ..arguments import ArgumentError
+from ..dims import runtime_options
 from .args import check_paradyse_args, compose_args_providers
 from .providers import paradyse_datasets_provider, paradyse_forward_step
 from .schedule import wrap_get_forward_backward_func
@@ -41,7 +42,7 @@ def _wrap_validate_args(orig):
             raise ArgumentError(str(e)) from None
         if getattr(args, "paradyse", False):
             install()
-        runtime.set_options(runtime.RuntimeOptions.from_args(args))  # prefetch, kernels, determinism
+        runtime.set_options(runtime_options(args))  # prefetch, kernels, determinism
         return out
 
     validate_args._paradyse = True
