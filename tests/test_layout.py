@@ -251,3 +251,56 @@ def test_no_args_below_training():
     rest as explicit values (see :func:`_args_violations` for the rule as checked)."""
     bad = _args_violations()
     assert not bad, f"{len(bad)} functions below training/ take or read args:\n" + "\n".join(bad)
+
+
+# ---------------------------------------------------------------- the README's structure counts
+
+COUNTS = "## Structure counts"
+
+
+def structure_counts() -> dict:
+    """Per row of the layer table: ``(modules, lines, rows it imports)`` as the code has them."""
+    rules, mods, graph = _rules(), _modules(), _graph()
+    out = {}
+    for row in rules:
+        names = [m for m in mods if _layer(m) == row]
+        lines = sum(len(mods[m].read_text().splitlines()) for m in names)
+        uses = {_layer(t) for m in names for t in graph[m]} - {row}
+        out[row] = (len(names), lines, tuple(r for r in rules if r in uses))
+    return out
+
+
+def counts_markdown() -> str:
+    """The README's table of :func:`structure_counts` (``python tests/test_layout.py`` prints it)."""
+    rows = ["| row | modules | lines | imports from the package |", "|---|---|---|---|"]
+    for row, (n, lines, uses) in structure_counts().items():
+        shown = ", ".join(f"`{u}`" for u in uses) or "nothing"
+        rows.append(f"| {row} | {n} | {lines} | {shown} |")
+    return "\n".join(rows)
+
+
+def _readme_counts() -> dict:
+    text = (ROOT / "README.md").read_text()
+    assert COUNTS in text, f"megatron_paradyse/README.md has no {COUNTS!r} section"
+    out = {}
+    for line in text.split(COUNTS, 1)[1].splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[1].isdigit():
+            uses = tuple(re.findall(r"`([\w.]+)`", cells[3]))
+            out[cells[0]] = (int(cells[1]), int(cells[2]), uses)
+    return out
+
+
+def test_the_structure_counts_are_current():
+    """The package README's structure counts hold: per row, its modules and the rows it imports
+    exactly, its lines within 10% (regenerate the table with ``python tests/test_layout.py``)."""
+    have, said = structure_counts(), _readme_counts()
+    assert set(said) == set(have), f"rows: README {sorted(said)} vs code {sorted(have)}"
+    bad = [f"{row}: README {said[row]} vs code {have[row]}" for row in have
+           if said[row][0] != have[row][0] or said[row][2] != have[row][2]
+           or abs(said[row][1] - have[row][1]) > 0.1 * have[row][1]]
+    assert not bad, "the structure counts are stale (python tests/test_layout.py prints them):\n" + "\n".join(bad)
+
+
+if __name__ == "__main__":
+    print(counts_markdown())
