@@ -48,14 +48,27 @@ class _Memo(CostModel):
         return self._memo("static_bytes")
 
 
-def _brute(cm, pack, limit, entries=None):
+def _priced(cm, pack, entries, cache: dict | None = None) -> list:
+    """``(seconds, peak, layers)`` of every per-layer tuple of ``entries``; kept in ``cache``
+    (one test's, for one model) by pack and entries, so a test's budgets price them once."""
+    key = (pack, entries)
+    if cache is None or key not in cache:
+        memo = _Memo(cm)
+        got = [(c.seconds, c.peak_bytes, layers) for layers in itertools.product(entries, repeat=cm.num_layers)
+               for c in (memo.step(layers, pack, 1),)]
+        if cache is None:
+            return got
+        cache[key] = got
+    return cache[key]
+
+
+def _brute(cm, pack, limit, entries=None, cache: dict | None = None):
     """(seconds, layers) of the fastest per-layer tuple of ``entries`` (default the strategies)
     whose ordered peak fits, or None."""
-    best, memo = None, _Memo(cm)
-    for layers in itertools.product(entries or cm.strategies, repeat=cm.num_layers):
-        c = memo.step(layers, pack, 1)
-        if c.peak_bytes <= limit and (best is None or c.seconds < best[0]):
-            best = (c.seconds, layers)
+    best = None
+    for seconds, peak, layers in _priced(cm, pack, tuple(entries or cm.strategies), cache):
+        if peak <= limit and (best is None or seconds < best[0]):
+            best = (seconds, layers)
     return best
 
 
@@ -98,14 +111,14 @@ def test_optimal_with_recompute_on_packs_equals_brute_force_and_fits(which):
     if not cm.recomputes():
         pytest.skip(f"{type(cm).__name__} does not price recomputed layers")
     rng = random.Random(125 + which)
-    rc_used = 0
+    rc_used, priced = 0, {}
     for pack in _packs(rng, 1)[:2]:  # a random pack, (72, 900, 31)
         leanest = min(cm.step((st + ":rc",) * cm.num_layers, pack, 1).peak_bytes for st in cm.strategies)
         plain = min(cm.step((st,) * cm.num_layers, pack, 1).peak_bytes for st in cm.strategies)
         for budget in (leanest * 1.03, (leanest + plain) / 2, plain * 1.05):
             pl = build_planner("optimal", cm, budget)
             assert any(e.endswith(":rc") for e in pl.entries)
-            got, want = pl.choose(pack, 1), _brute(cm, pack, pl.limit, pl.entries)
+            got, want = pl.choose(pack, 1), _brute(cm, pack, pl.limit, pl.entries, priced)
             assert got.fits == (want is not None), (pack, budget)
             if want is None:
                 continue
