@@ -47,7 +47,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         mark = item.get_closest_marker("slow")
         if mark is not None:
-            why = mark.kwargs.get("reason", "")
+            why = mark.kwargs.get("reason") or (mark.args[0] if mark.args else "")
             item.add_marker(pytest.mark.skip(reason=f"slow, run with -m slow{': ' + why if why else ''}"))
 
 
