@@ -9,7 +9,8 @@ the absence of tracebacks from this package or megatron.
   position embeddings cannot hold, ``plan``'s and ``report``'s mistakes;
 * cost models say where they guess: ``fit`` refuses too few lengths, ``plan`` warns beyond the
   profiled range with the factor;
-* defaults that run: the CPU launcher at NPROC=2 with ``--train-iters 3`` (at NPROC=4:
+* defaults that run: the CPU launcher at NPROC=2 with ``--train-iters 4 --exit-interval 3``
+  (saved and exited with status 0 after iteration 3; at NPROC=4:
   ``tests/test_readme.py`` runs the README's line), its defaults giving way to the user's
   ``--paradyse-plan`` and ``--lr-warmup-iters``, ``--mock-data`` cut to the longest length that
   fits, megatron's Transformer Engine / Apex notices filtered;
@@ -184,17 +185,22 @@ def test_the_check_under_torchrun_makes_its_folder(tmp_path):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """The CPU launcher at NPROC=2 with its defaults and the user's --train-iters 3 (refused
-    against the launcher's own warm-up before), saving a checkpoint."""
+    """The CPU launcher at NPROC=2 with its defaults and the user's --train-iters 4 (refused
+    against the launcher's own warm-up before), a time-limited job: --exit-interval 3 saves a
+    checkpoint after iteration 3 and exits cleanly."""
     d = tmp_path_factory.mktemp("launcher2")
-    res = run(["bash", LAUNCHER, "--train-iters", "3", "--save", "ck"], d, timeout=240, NPROC="2")
+    res = run(["bash", LAUNCHER, "--train-iters", "4", "--exit-interval", "3", "--save", "ck"], d, timeout=240,
+              NPROC="2")
     return d, res
 
 
 def test_the_cpu_launcher_defaults_train_at_two_ranks(trained):
     d, res = trained
     assert res.returncode == 0, res.out[-4000:]
-    assert "iteration        3/       3" in res.out and (d / "ck" / "iter_0000003").is_dir()
+    assert "iteration        3/       4" in res.out and (d / "ck" / "iter_0000003").is_dir()
+    # --exit-interval 3: saved and exited with status 0 after iteration 3, every rank
+    assert "> exiting at iteration 3 (--exit-interval 3)" in res.out and "iteration        4/" not in res.out
+    assert not (d / "ck" / "iter_0000004").exists()
     # the budget fits only part of --seq-length: the mock documents were cut to it, no planning error
     assert re.search(r"--mock-data: documents of up to \d+ tokens, the longest sequence any plan fits", res.out)
     assert "Transformer Engine and Apex" not in res.out and "Apex is not installed" not in res.out

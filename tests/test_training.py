@@ -188,6 +188,7 @@ def _world_b(rank, world, ckpt_root):
     hist, _, trainer = _train(4, world, ["--load", f"{ckpt_root}/paradyse"] + load, paradyse=False)
     out["resume_pd_stock"] = _summary(hist)
     out["crash"] = _crash_during_save(trainer, f"{ckpt_root}/crash")
+    out["exits"] = _exit_and_resume(world, ckpt_root)
 
     # (c) a divergent plan planted on rank 3 at iteration 2
     from megatron_paradyse.training import arguments
@@ -216,6 +217,25 @@ def _world_b(rank, world, ckpt_root):
     out["padding"] = _padding_check()
     dist.barrier()
     return out
+
+
+def _exit_and_resume(world, ckpt_root):
+    """A time-limited job: from the step-7 checkpoint, --exit-duration-in-mins (so short it is
+    over after the first step) stops after iteration 8, saving; the run resumed from that with
+    --exit-interval 9 stops after iteration 9, saving. Both exit cleanly."""
+    from megatron_paradyse.training import checkpointing
+
+    t0 = time.perf_counter()
+    root = f"{ckpt_root}/exits"
+    legs = []
+    for extra in (["--load", f"{ckpt_root}/paradyse", "--ckpt-step", str(SAVE_AT), "--exit-duration-in-mins", "1e-9"],
+                  ["--load", root, "--exit-interval", str(SAVE_AT + 2)]):
+        lines = []
+        hist, _, trainer = _train(4, world, extra + ["--save", root], paradyse=True,
+                                  plan_fn_factory=_cycling_plan_fn, lines=lines)
+        legs.append(dict(steps=_summary(hist), reason=trainer.exit_reason, tracker=checkpointing.read_tracker(root),
+                         log=[x for x in lines if "exiting" in x or "saved checkpoint" in x]))
+    return dict(legs=legs, seconds=time.perf_counter() - t0)
 
 
 def _crash_during_save(trainer, root):
@@ -446,6 +466,47 @@ def test_resume_and_cross_loading(worlds):
         assert err < 1e-5
 
 
+def test_exit_interval_and_duration_resume_exactly(worlds):
+    """--exit-duration-in-mins and --exit-interval save, stop every rank at the same iteration
+    and resume to the uninterrupted run's losses (ParaDySe's bitwise; stock's within 1e-5)."""
+    a, b, _ = worlds
+    full_pd, full_stock = a[0]["paradyse"], a[0]["stock"]
+    legs = b[0]["exits"]["legs"]
+    print(f"\nexit and resume, 2 runs of 1 step: {b[0]['exits']['seconds']:.1f} s")
+    for r in b:  # every rank stopped after the same iteration
+        assert [[x["it"] for x in leg["steps"]] for leg in r["exits"]["legs"]] == [[8], [9]]
+    assert [leg["tracker"] for leg in legs] == [8, 9]
+    assert "--exit-duration-in-mins 1e-09" in legs[0]["reason"] and "--exit-interval 9" in legs[1]["reason"]
+    assert any(x.startswith("> exiting after") and "at iteration 8" in x and "resume with --load" in x
+               for x in legs[0]["log"])
+    assert any("saved checkpoint at iteration        9" in x for x in legs[1]["log"])
+    got = [x for leg in legs for x in leg["steps"]]
+    assert [x["loss"] for x in got] == [y["loss"] for y in full_pd[SAVE_AT:SAVE_AT + 2]]
+    err = max(_rel(x["loss"], y["loss"]) for x, y in zip(got, full_stock[SAVE_AT:SAVE_AT + 2]))
+    print(f"exit/resume steps {SAVE_AT + 1}-{SAVE_AT + 2}: max rel loss err vs uninterrupted stock {err:.2e}")
+    assert err < 1e-5
+
+
+def test_exit_check():
+    """The exit decision alone (one process): the interval, the duration, SIGTERM."""
+    import signal
+
+    from megatron_paradyse.training.exits import ExitCheck
+
+    assert ExitCheck().reason(5) is None
+    assert [ExitCheck(exit_interval=3).reason(i) is not None for i in (1, 2, 3, 6)] == [False, False, True, True]
+    assert ExitCheck(exit_duration_in_mins=1.0, start_time=time.time()).reason(1) is None
+    assert "minutes" in ExitCheck(exit_duration_in_mins=1.0, start_time=time.time() - 61).reason(1)
+    check = ExitCheck(signal_handler=True)
+    before = signal.getsignal(signal.SIGTERM)
+    with check.handling_signals():
+        assert check.reason(1) is None
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+        assert "SIGTERM" in check.reason(2)
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_interrupted_save_never_becomes_the_latest(worlds):
     _, b, _ = worlds
     c = b[0]["crash"]
@@ -537,6 +598,8 @@ def test_bad_flags_fail_before_any_collective():
         (_argv(4, ["--paradyse", "--paradyse-plan", "tp_sp", "--paradyse-planner", "optimal"]), 4,
          "give one or the other"),
         (_argv(4, ["--paradyse-gamma", "0.1"]), 4, "needs --paradyse"),
+        (_argv(4, ["--exit-interval", "0"]), 4, "--exit-interval must be positive"),
+        (_argv(4, ["--exit-duration-in-mins", "-1"]), 4, "--exit-duration-in-mins must be positive"),
         (_argv(2, ["--pipeline-model-parallel-size", "3"]), 6, "must be divisible by --pipeline-model-parallel-size"),
         (_argv(2, ["--pipeline-model-parallel-size", "2"]), 6, "not divisible by --tensor-model-parallel-size 2 x"),
         (_argv(2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]), 4,

@@ -107,7 +107,6 @@ def paradyse_args_provider(other=None):
 _IGNORED = {  # accepted for drop-in compatibility with Megatron-LM scripts; no effect here
     "--eval-interval": int, "--eval-iters": int, "--split": str, "--num-workers": int,
     "--data-cache-path": str, "--tensorboard-dir": str, "--wandb-project": str,
-    "--exit-interval": int,
 }
 _IGNORED_SWITCHES = ("--use-mcore-models", "--transformer-impl-local", "--log-throughput",
                      "--log-timers-to-tensorboard", "--no-async-tensor-model-parallel-allreduce")
@@ -325,6 +324,13 @@ def _add_checkpointing_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--finetune", action="store_true")
     g.add_argument("--ckpt-format", choices=("torch_dist",), default="torch_dist")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="save (with --save) and exit cleanly after the iteration that is a multiple of this")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="save (with --save) and exit cleanly after the first iteration that ends this many "
+                        "minutes after the start (all ranks stop at the same iteration): for wall-time limits")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM (any rank), save (with --save) and exit cleanly after the current iteration")
 
 
 def _add_logging_args(p: argparse.ArgumentParser) -> None:
@@ -567,6 +573,10 @@ def _check_schedule(args) -> None:
         _err("--save-interval needs --save DIR")
     if args.log_interval < 1:
         _err("--log-interval must be >= 1")
+    if args.exit_interval is not None and args.exit_interval <= 0:
+        _err(f"--exit-interval must be positive, got {args.exit_interval}")
+    if args.exit_duration_in_mins is not None and not args.exit_duration_in_mins > 0:
+        _err(f"--exit-duration-in-mins must be positive, got {args.exit_duration_in_mins:g}")
 
 
 def _complete_padding(args) -> None:

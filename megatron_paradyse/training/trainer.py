@@ -50,6 +50,7 @@ from ..units import GiB, MiB
 from . import checkpointing, p2p_shapes
 from .arguments import parse_args, transformer_config_from_args
 from .dims import data_config, dims_of, runtime_options
+from .exits import ExitCheck
 from .model_args import model_flags
 from .faults import FailFast
 from .forward_step import forward_step
@@ -414,17 +415,23 @@ class Trainer:
                  f"from iteration {self.iteration} to {end}")
         report = self._run_report()
         self._read_ahead_until = end
-        while self.iteration < end:
-            stats, extra = self.measured_step(report)
-            window.append(stats)
-            if stats.iteration % args.log_interval == 0 or stats.iteration == end:
-                log.info(format_log_line(window, args, end) + (f" {extra} |" if extra else ""))
-                window = []
-            if args.save and args.save_interval and stats.iteration % args.save_interval == 0:
-                self.save()
-                last_saved = stats.iteration
+        exits, stop = ExitCheck.from_args(args), None  # --exit-interval, --exit-duration-in-mins
+        with exits.handling_signals():
+            while self.iteration < end and stop is None:
+                stats, extra = self.measured_step(report)
+                window.append(stats)
+                stop = exits.reason(stats.iteration)  # the same on every rank
+                if stats.iteration % args.log_interval == 0 or stats.iteration == end or stop:
+                    log.info(format_log_line(window, args, end) + (f" {extra} |" if extra else ""))
+                    window = []
+                if args.save and args.save_interval and stats.iteration % args.save_interval == 0:
+                    self.save()
+                    last_saved = stats.iteration
         if args.save and last_saved != self.iteration and self.iteration > 0:
             self.save()
+        self.exit_reason = stop  # None: ran to the end
+        if stop is not None:
+            log.info(f"> exiting {stop}: {last_checkpoint_text(args)}")
         self.finish_param_gather()
         if report is not None:
             log.info(report.summary())
