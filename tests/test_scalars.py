@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from megatron_paradyse.training.scalars import ScalarWriter, plan_shares
+from megatron_paradyse.training.scalars import ScalarWriter, measure_scalars, plan_shares
 from megatron_paradyse.training.trainer import StepStats
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
@@ -35,6 +35,19 @@ def test_plan_shares():
                  "paradyse/strategy-share/stock": 1 / 8, "paradyse/strategy-share/tp_sp": 5 / 8,
                  "paradyse/recompute-share": 2 / 8}
     assert plan_shares([None, None]) == {}  # stock megatron: no plugin scalars
+
+
+def test_measure_scalars():
+    """Predicted beside measured: one switching group's (peak None: not measured this step), a
+    pipeline's (the highest stage of each), none without a planner (the measured seconds)."""
+    st = _stats(1)
+    got = measure_scalars(dict(pred_seconds=0.4, pred_peak=3 * 2**20, peak=None), st)
+    assert got == {"paradyse/step-seconds/measured": 0.5, "paradyse/step-seconds/predicted": 0.4,
+                   "paradyse/peak-MiB/predicted": 3.0}
+    pp = dict(pred_seconds=0.3, pred_stage_peaks=[2 * 2**20, 5 * 2**20], stage_peaks=[6 * 2**20, 1 * 2**20])
+    got = measure_scalars(pp, st)
+    assert got["paradyse/peak-MiB/predicted"] == 5.0 and got["paradyse/peak-MiB/measured"] == 6.0
+    assert measure_scalars(None, st) == {"paradyse/step-seconds/measured": 0.5}
 
 
 def test_writer_tags_read_back_by_tensorboard(tmp_path):
