@@ -32,8 +32,10 @@ setup(
         # Not triton (about 1 GB): without it and without CUDA, cpu_compat_training stands in
         # for the one module that imports it (megatron-core's batch-invariant kernels).
         "megatron-lm": ["six", "regex", "pyyaml"],
-        "test": ["pytest>=7", "pytest-xdist", "matplotlib", "six", "regex", "pyyaml"],
+        "test": ["pytest>=7", "pytest-xdist", "matplotlib", "six", "regex", "pyyaml", "tensorboard"],
         "plots": ["matplotlib"],
+        # --tensorboard-dir (torch.utils.tensorboard writes, tests read back); --wandb-project: pip install wandb
+        "tensorboard": ["tensorboard"],
         # GPU machines: flash-attn builds against the installed CUDA torch. Transformer Engine
         # must be installed with its torch part ("transformer-engine[pytorch]"): the bare
         # meta package makes `import megatron.core` crash. Never install the PyPI package

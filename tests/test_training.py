@@ -132,7 +132,10 @@ def _world_a(rank, world, ckpt_root):
     reported_lines = []
     hist, _, trainer = _train(4, world, ["--paradyse-memory-budget", PLANNER_BUDGET_GIB, "--paradyse-refine", "on",
                                          "--paradyse-run-report", f"{ckpt_root}/report",
-                                         "--paradyse-memory-every", "2"],
+                                         "--paradyse-memory-every", "2",
+                                         # TensorBoard (training/scalars.py), the issue's launcher line
+                                         "--tensorboard-dir", f"{ckpt_root}/tb", "--log-timers-to-tensorboard",
+                                         "--eval-interval", "5", "--eval-iters", "2"],
                               paradyse=True, steps=REPORTED_STEPS, lines=reported_lines)
     ref = trainer.planner.refinement
     out["reported"] = dict(steps=_summary(hist), log=reported_lines if rank == 0 else None,
@@ -441,6 +444,28 @@ def test_run_report_keeps_the_refinement(worlds):
     assert [s_["tracked"] for s_ in written] == [True, False, True]
     assert all(s_["predicted_seconds"] > 0 and s_["predicted_peak_bytes"] > 0 for s_ in written)
     assert [s_["peak_bytes"] is not None and s_["peak_bytes"] > 0 for s_ in written] == [True, False, True]
+
+
+def test_tensorboard_scalars_of_a_run(worlds):
+    """--tensorboard-dir on the reported run: the last rank wrote an event file; TensorBoard's
+    own reader finds Megatron-LM's tags and the plugin's, one point per step (the writer's
+    tags in detail, validation and wandb: tests/test_scalars.py)."""
+    from tests.test_scalars import read_scalars
+
+    a, _, root = worlds
+    got = read_scalars(f"{root}/tb")
+    steps = list(range(1, REPORTED_STEPS + 1))
+    for tag in ("lm loss", "learning-rate", "grad-norm", "batch-size", "throughput", "iteration-time",
+                "paradyse/recompute-share", "paradyse/step-seconds/predicted",
+                "paradyse/step-seconds/measured", "paradyse/peak-MiB/predicted", "paradyse/planner-seconds"):
+        assert [s_ for s_, _ in got[tag]] == steps, tag
+    assert [s_ for s_, _ in got["lm loss vs samples"]] == [4, 8, 12]  # consumed samples, batch 4
+    assert [v for _, v in got["lm loss"]] == pytest.approx([x["loss"] for x in a[0]["reported"]["steps"]])
+    assert [s_ for s_, _ in got["paradyse/peak-MiB/measured"]] == [1, 3]  # --paradyse-memory-every 2
+    shares = [k for k in got if k.startswith("paradyse/strategy-share/")]
+    assert shares and all(0 <= v <= 1 for k in shares for _, v in got[k])
+    for i in range(REPORTED_STEPS):  # the shares of a step add up to one
+        assert sum(got[k][i][1] for k in shares) == pytest.approx(1.0)
 
 
 def test_resume_and_cross_loading(worlds):

@@ -23,6 +23,7 @@ from ..parallel.plans import parse_plan, strategy_of
 from ..parallel.strategies import STRATEGIES, supports
 from ..units import GiB
 from .model_args import complete_model_args, model_flags, shape_from_args
+from .scalars import check_args as check_scalar_args
 from .dims import (attach, check_layout, check_pad_multiple, default_pad_multiple, dims_from_args, dims_of,
                    interleaving_flag)
 
@@ -106,10 +107,10 @@ def paradyse_args_provider(other=None):
 # ---------------------------------------------------------------------------- full parser
 _IGNORED = {  # accepted for drop-in compatibility with Megatron-LM scripts; no effect here
     "--eval-interval": int, "--eval-iters": int, "--split": str, "--num-workers": int,
-    "--data-cache-path": str, "--tensorboard-dir": str, "--wandb-project": str,
+    "--data-cache-path": str,
 }
 _IGNORED_SWITCHES = ("--use-mcore-models", "--transformer-impl-local", "--log-throughput",
-                     "--log-timers-to-tensorboard", "--no-async-tensor-model-parallel-allreduce")
+                     "--no-async-tensor-model-parallel-allreduce")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -334,9 +335,20 @@ def _add_checkpointing_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_logging_args(p: argparse.ArgumentParser) -> None:
-    """The log interval and the run report."""
+    """The log interval, TensorBoard and wandb (Megatron-LM's names, training/scalars.py), the run report."""
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--tensorboard-dir", type=str, default=None,
+                   help="write TensorBoard scalars here (last rank): Megatron-LM's tags and paradyse/*")
+    g.add_argument("--tensorboard-log-interval", type=int, default=1)
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000)
+    g.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="also write each step's seconds (iteration-time)")
+    g.add_argument("--wandb-project", type=str, default="",
+                   help="log the same scalars to wandb (needs pip install wandb and --wandb-exp-name)")
+    g.add_argument("--wandb-exp-name", type=str, default="")
+    g.add_argument("--wandb-save-dir", type=str, default="",
+                   help="wandb's local folder (default: SAVE/wandb with --save, else ./wandb)")
     g.add_argument("--paradyse-run-report", type=str, default=None, metavar="DIR",
                    help="measure each step's peak memory, print predicted vs measured time and "
                         "peak per iteration and a summary at the end, and write DIR/run_report.json "
@@ -621,6 +633,9 @@ def _check_outputs(args) -> None:
         writable_dir(args.save, "--save")
     if args.paradyse_run_report:
         writable_dir(args.paradyse_run_report, "--paradyse-run-report")
+    check_scalar_args(args, _err)  # the packages --tensorboard-dir and --wandb-project need
+    if args.tensorboard_dir:
+        writable_dir(args.tensorboard_dir, "--tensorboard-dir")
 
 
 def _warn_ignored(args) -> None:

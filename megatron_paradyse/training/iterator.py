@@ -46,6 +46,7 @@ class PlannedIterator:
         self._ahead = None  # the next step, read, planned and checked ahead (read_ahead)
         self.critical_seconds = 0.0  # the last step's reading and planning at its start
         self.ahead_seconds = 0.0  # the last read_ahead's (host work overlapping the step before)
+        self.plan_seconds = 0.0  # the planning of the current step's micro-batches (plan_fn, step_plan_fn)
     def num_microbatches(self) -> int:
         """This group's micro-batches at the next step (packed steps differ per group)."""
         if self.counts is not None:
@@ -65,7 +66,7 @@ class PlannedIterator:
         if self._buffer:
             return self.current
         t0 = time.perf_counter()
-        items, step_plan = self._ahead if self._ahead is not None else self._read()
+        items, step_plan, self.plan_seconds = self._ahead if self._ahead is not None else self._read()
         self._ahead = None
         self.last_step_plan = step_plan
         self.current = items
@@ -82,16 +83,19 @@ class PlannedIterator:
             self.ahead_seconds = time.perf_counter() - t0
 
     def _read(self) -> tuple:
-        """The next step's ``(micro-batches, step plan)``, read, planned and verified; each
-        micro-batch keeps its planner's choice (``mb.choice``: what was predicted for it)."""
-        step_plan = None
+        """The next step's ``(micro-batches, step plan, planning seconds)``, read, planned and
+        verified; each micro-batch keeps its planner's choice (``mb.choice``: what was predicted
+        for it)."""
+        step_plan, planning = None, 0.0
         n = self.num_microbatches()
         items, error, mistake = [], None, None
         try:
             for i in range(n):
                 mb = next(self.source)
                 if self.plan_fn is not None:
+                    t_plan = time.perf_counter()
                     plan = self.plan_fn(mb, self.step, i)
+                    planning += time.perf_counter() - t_plan
                     if plan is not None:
                         plan = tuple(plan)
                         validate_names(plan)
@@ -99,7 +103,9 @@ class PlannedIterator:
                     mb.choice = getattr(self.plan_fn, "choices", {}).get(i)
                 items.append(mb)
             if self.step_plan_fn is not None:
+                t_plan = time.perf_counter()
                 items, step_plan = self._plan_step(items)
+                planning += time.perf_counter() - t_plan
         except StopIteration:
             error = f"the data iterator ran out after {len(items)} of {n} micro-batches"
         except UserError as e:  # a budget nothing fits: the one line, after the ranks agree
@@ -122,7 +128,7 @@ class PlannedIterator:
             raise
         self.last_check_seconds = time.perf_counter() - t0
         self.step += 1
-        return items, step_plan
+        return items, step_plan, planning
 
     def _plan_step(self, items: list) -> tuple:
         """The step's micro-batches in the step planner's run order, each with its plan, and

@@ -57,6 +57,7 @@ from .forward_step import forward_step
 from .iterator import PlannedIterator
 from .planning import MicroBatchView, calibrated_cost_model, longest_trainable, planner_from_args
 from .run_report import RunReport, max_over_ranks, max_per_stage, pool_bytes
+from .scalars import ScalarWriter
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +149,8 @@ class Trainer:
                                                            self.scheduler, iteration=self.args.ckpt_step)
         self._build_planner()
         self._build_data()
+        # TensorBoard / wandb (scalars.py): the last rank's writer, None elsewhere and without the flags
+        self.scalars = ScalarWriter.from_args(self.args, dist.get_rank(), dist.get_world_size(), cp_size=self.cp_size)
 
     def _calibrate(self):
         """``--paradyse-calibrate`` with the planner: the cost model rescaled to this host
@@ -420,6 +423,8 @@ class Trainer:
             while self.iteration < end and stop is None:
                 stats, extra = self.measured_step(report)
                 window.append(stats)
+                if self.scalars is not None:
+                    self.scalars.step(stats, getattr(self, "last_measure", None), self.data_iterator.plan_seconds)
                 stop = exits.reason(stats.iteration)  # the same on every rank
                 if stats.iteration % args.log_interval == 0 or stats.iteration == end or stop:
                     log.info(format_log_line(window, args, end) + (f" {extra} |" if extra else ""))
@@ -433,6 +438,8 @@ class Trainer:
         if stop is not None:
             log.info(f"> exiting {stop}: {last_checkpoint_text(args)}")
         self.finish_param_gather()
+        if self.scalars is not None:
+            self.scalars.flush()  # on disk now (train may be called again: closed by main)
         if report is not None:
             log.info(report.summary())
             if not dist.is_initialized() or dist.get_rank() == 0:
@@ -576,7 +583,10 @@ def main(argv=None) -> int:
     # A failure on any rank ends every rank within seconds, with its error in the log and a
     # non-zero exit status (training/faults.py): no barrier or clean-up on the error path.
     with FailFast(prog=PROG, on_interrupt=lambda: last_checkpoint_text(args)):
-        Trainer(args).train()
+        trainer = Trainer(args)
+        trainer.train()
+        if trainer.scalars is not None:
+            trainer.scalars.close()
         from megatron.core import parallel_state
 
         if parallel_state.model_parallel_is_initialized():
