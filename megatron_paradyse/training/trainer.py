@@ -53,6 +53,7 @@ from .dims import data_config, dims_of, runtime_options
 from .model_args import model_flags
 from .faults import FailFast
 from .forward_step import forward_step
+from .evaluation import Evaluation
 from .iterator import PlannedIterator
 from .planning import MicroBatchView, calibrated_cost_model, longest_trainable, planner_from_args
 from .run_report import RunReport, max_over_ranks, max_per_stage, pool_bytes
@@ -147,6 +148,7 @@ class Trainer:
                                                            self.scheduler, iteration=self.args.ckpt_step)
         self._build_planner()
         self._build_data()
+        self.evaluation = Evaluation(self, self._data_plan_fn, max_length=self._max_fit)
 
     def _calibrate(self):
         """``--paradyse-calibrate`` with the planner: the cost model rescaled to this host
@@ -229,12 +231,14 @@ class Trainer:
         sampler, the loader and the planned iterator that gives each micro-batch its plan."""
         args = self.args
         max_fit = None if self.planner is None else longest_trainable(self.planner, args)
+        self._max_fit = max_fit
         self.data = data_config(args)
         self.dataset = pdata.build_dataset(self.data, max_length=max_fit)
         self.sampler = self.packer = None
         plan_fn = self.plan_fn or self._planner_fn
         if plan_fn is None and args.paradyse and self._step_plan_fn is None:
             plan_fn = rule_plan_fn(parse_plan(args.paradyse_plan, args.num_layers))
+        self._data_plan_fn = plan_fn if args.paradyse else None  # validation plans the same way
         if self.data.packed:
             self._build_packed_data(plan_fn if args.paradyse else None)
             return
@@ -378,19 +382,7 @@ class Trainer:
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=args.global_batch_size)
-        total = torch.zeros(3, dtype=torch.float64)
-        for r in reports:  # the last pipeline stage's: the others have none
-            total[:2] += r["lm loss"].detach().double().cpu()
-        total[:2] = p2p_shapes.sum_over_stages(total[:2], collective_device())
-        if self.dims.cp_on:  # each CP rank's losses are its own chunks'
-            t = total[:2].to(collective_device())
-            dist.all_reduce(t, group=self.cp_group)
-            total[:2] = t.cpu()
-        total[2] = sum(mb.tokens.numel() for mb in micro)
-        if self.dp_size > 1:
-            t = total.to(collective_device())
-            dist.all_reduce(t, group=self.dp_group)
-            total = t.cpu()
+        total = self._reduce_losses(reports, micro)
         synchronize()
         seconds = time.perf_counter() - t0
         self.iteration += 1
@@ -403,6 +395,24 @@ class Trainer:
             plans=tuple(mb.plan for mb in micro), skipped=not ok)
         self.history.append(stats)
         return stats
+
+    def _reduce_losses(self, reports, micro):
+        """``(loss sum, real tokens, padded tokens)`` of a step over the world: the last
+        pipeline stage's losses (the others have none), each CP rank's chunks, the replicas."""
+        total = torch.zeros(3, dtype=torch.float64)
+        for r in reports:
+            total[:2] += r["lm loss"].detach().double().cpu()
+        total[:2] = p2p_shapes.sum_over_stages(total[:2], collective_device())
+        if self.dims.cp_on:  # each CP rank's losses are its own chunks'
+            t = total[:2].to(collective_device())
+            dist.all_reduce(t, group=self.cp_group)
+            total[:2] = t.cpu()
+        total[2] = sum(mb.tokens.numel() for mb in micro)
+        if self.dp_size > 1:
+            t = total.to(collective_device())
+            dist.all_reduce(t, group=self.dp_group)
+            total = t.cpu()
+        return total
 
     # ------------------------------------------------------------------ loop
     def train(self, train_iters: int | None = None) -> list:
@@ -420,6 +430,8 @@ class Trainer:
             if stats.iteration % args.log_interval == 0 or stats.iteration == end:
                 log.info(format_log_line(window, args, end) + (f" {extra} |" if extra else ""))
                 window = []
+            if self.evaluation.due(stats.iteration):
+                self.evaluation.run(f"iteration {stats.iteration}")
             if args.save and args.save_interval and stats.iteration % args.save_interval == 0:
                 self.save()
                 last_saved = stats.iteration
@@ -431,6 +443,11 @@ class Trainer:
             if not dist.is_initialized() or dist.get_rank() == 0:
                 log.info(f"  wrote {' '.join(shown(x) for x in report.write(args.paradyse_run_report))}")
         return self.history
+
+    def final_evaluation(self) -> None:
+        """After training, as Megatron-LM's ``pretrain``: the validation split, then the test split."""
+        self.evaluation.run(f"iteration {self.iteration} on validation set")
+        self.evaluation.run(f"iteration {self.iteration} on test set", split="test")
 
     # ------------------------------------------------------------------ run report (run_report.py)
     def _run_report(self):
@@ -569,7 +586,9 @@ def main(argv=None) -> int:
     # A failure on any rank ends every rank within seconds, with its error in the log and a
     # non-zero exit status (training/faults.py): no barrier or clean-up on the error path.
     with FailFast(prog=PROG, on_interrupt=lambda: last_checkpoint_text(args)):
-        Trainer(args).train()
+        trainer = Trainer(args)
+        trainer.train()
+        trainer.final_evaluation()
         from megatron.core import parallel_state
 
         if parallel_state.model_parallel_is_initialized():
