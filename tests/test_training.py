@@ -105,7 +105,7 @@ def _evaluated(trainer, lines=None, final=True):
             trainer.final_evaluation()
     res = [(r.prefix, r.split, r.loss, r.ppl, r.peak_bytes, r.budget_bytes) for r in trainer.evaluation.results]
     it = trainer.evaluation.iterators["validation"]
-    return dict(results=res, plans=[mb.plan for mb in it.current])
+    return dict(results=res, plans=[] if it is None else [mb.plan for mb in it.current])
 
 
 def _summary(history):
