@@ -103,7 +103,8 @@ def _evaluated(trainer, lines=None, final=True):
     if final:
         with _logged(lines):
             trainer.final_evaluation()
-    res = [(r.prefix, r.split, r.loss, r.ppl, r.peak_bytes, r.budget_bytes) for r in trainer.evaluation.results]
+    res = [(r.prefix, r.split, r.loss, r.ppl, r.peak_bytes, r.budget_bytes, r.seconds)
+           for r in trainer.evaluation.results]
     it = trainer.evaluation.iterators["validation"]
     return dict(results=res, plans=[] if it is None else [mb.plan for mb in it.current])
 
@@ -423,8 +424,10 @@ def test_validation_equals_stock_and_stays_in_the_budget(worlds):
     worst = max(_rel(x[2], y[2]) for x, y in zip(pd["results"], stock["results"]))
     worst_pl = max(_rel(x[2], y[2]) for x, y in zip(pl["results"], stock["results"]))
     peaks = [(x[4], x[5]) for x in pl["results"]]
+    seconds = sum(x[6] for x in stock["results"] + pd["results"] + pl["results"])
     print(f"\nvalidation: cycling plans max rel err {worst:.2e}, planner {worst_pl:.2e}; "
-          f"forward-only peak/budget (MiB) {[(p / 2**20, b / 2**20) for p, b in peaks]}")
+          f"forward-only peak/budget (MiB) {[(p / 2**20, b / 2**20) for p, b in peaks]}; "
+          f"{len(stock['results'] + pd['results'] + pl['results'])} evaluations in {seconds:.1f} s")
     assert worst < 1e-5 and worst_pl < 1e-5
     assert all(x[4] is None for x in stock["results"] + pd["results"])  # measured with a planner only
     assert all(p is not None and 0 < p <= b for p, b in peaks)
@@ -434,7 +437,7 @@ def test_validation_equals_stock_and_stays_in_the_budget(worlds):
     for r in a[1:]:  # every rank reports the same validation losses
         assert [x[2] for x in r["paradyse_eval"]["results"]] == [x[2] for x in pd["results"]]
     log = r0["log"]
-    for prefix, _, loss, ppl, _, _ in pd["results"]:
+    for prefix, _, loss, ppl, *_ in pd["results"]:
         assert ppl == math.exp(loss)
         text = f" validation loss at {prefix} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
         i = log.index(text)

@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import time
 from functools import partial
 
 import torch
@@ -41,7 +42,8 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass
 class EvalResult:
     """One evaluation: where (Megatron-LM's prefix), the loss, its PPL, the measured peak
-    (bytes, max over ranks; None when not measured) and the budget (None: no planner)."""
+    (bytes, max over ranks; None when not measured), the budget (None: no planner) and its
+    wall time."""
 
     prefix: str
     iteration: int
@@ -50,6 +52,7 @@ class EvalResult:
     ppl: float
     peak_bytes: float | None = None
     budget_bytes: float | None = None
+    seconds: float = 0.0
 
 
 def format_eval_lines(result: EvalResult) -> list:
@@ -110,11 +113,12 @@ class Evaluation:
         it = self.iterators.get(split)
         if it is None:
             return None
-        t = self.trainer
+        t, t0 = self.trainer, time.perf_counter()
         loss, peak = self.evaluate(it)
         budget = None if t.planner is None else t.planner.budget
         res = EvalResult(prefix=prefix, iteration=t.iteration, split=split, loss=loss,
-                         ppl=math.exp(min(20.0, loss)), peak_bytes=peak, budget_bytes=budget)
+                         ppl=math.exp(min(20.0, loss)), peak_bytes=peak, budget_bytes=budget,
+                         seconds=time.perf_counter() - t0)
         self.results.append(res)
         for line in format_eval_lines(res):
             log.info(line)
