@@ -601,6 +601,9 @@ def test_bad_flags_fail_before_any_collective():
          "selects the interleaved .virtual.pipeline. schedule, which is not supported"),
         (_argv(2, ["--pipeline-model-parallel-size", "2", "--paradyse", "--paradyse-refine", "on"]), 4,
          "not available with pipeline stages"),
+        (_argv(4, ["--split", "0,1,0"]), 4, "the training one above zero"),
+        (_argv(4, ["--split", "90,x"]), 4, "--split '90,x'"),
+        (_argv(4, ["--eval-iters", "-1"]), 4, "must be >= 0"),
     ]
     for argv, world, needle in cases:
         with pytest.raises(ArgumentError, match=needle.replace("-", r"\-")):
@@ -648,3 +651,18 @@ def test_indexed_document_dataset(tmp_path):
     assert got == [3, 7, 40, 65]  # truncated to seq_length + 1
     shuffled = data.DocumentDataset(prefix, seq_length=64, seed=0)
     assert sorted(len(shuffled[i]) for i in range(4, 8)) == got  # a second epoch, reshuffled
+
+    # --split: megatron-core's parser and rounding over the documents; each split its own documents
+    assert data.split_ranges("969, 30, 1", 1000) == [(0, 969), (969, 999), (999, 1000)]
+    assert data.split_ranges("60,40", 5) == [(0, 3), (3, 5), None]
+    from megatron_paradyse.layout import DataConfig
+
+    cfg = DataConfig(seq_length=64, vocab_size=50, seed=0, data_path=prefix, split="60,40")
+    train, valid = data.build_dataset(cfg), data.build_dataset(cfg, split=1)
+    assert sorted(train.sample_docs.tolist()) == [0, 2] and sorted(set(valid.sample_docs.tolist())) == [3, 4]
+    assert data.build_dataset(cfg, split=2) is None  # no test split
+    assert data.build_dataset(DataConfig(seq_length=64, vocab_size=50, data_path=prefix), split=1) is None
+    mock = DataConfig(seq_length=64, vocab_size=50, seed=0)
+    tr, va = data.build_dataset(mock), data.build_dataset(mock, split=1)
+    assert tr[5].tolist() == data.MockDataset(64, 50, seed=0)[5].tolist()  # the training documents as before
+    assert va[0].tolist() == data.MockDataset(64, 50, seed=0)[96900].tolist()

@@ -305,9 +305,6 @@ def write_indexed_dataset(prefix: str, documents, vocab_size: int) -> None:
     builder.finalize(get_idx_path(prefix))
 
 
-SPLITS = ("train", "validation", "test")
-
-
 def split_ranges(split: str, num_documents: int) -> list:
     """megatron-core's split of ``num_documents`` documents by ``split`` (``"969, 30, 1"``):
     ``[(beg, end) or None]`` for train, validation and test, with megatron's own parser, split
