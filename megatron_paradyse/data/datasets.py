@@ -360,7 +360,8 @@ def build_dataset(config: DataConfig, max_length: int | None = None, split: int 
                            documents=docs)
     try:
         return DocumentDataset(config.data_path, config.seq_length, seed=config.seed, long_docs=config.long_docs,
-                               max_length=max_length, vocab_size=config.vocab_size, documents=docs)
+                               max_length=max_length, documents=docs,
+                               vocab_size=config.vocab_size if split == 0 else None)  # the .bin's ids: checked once
     except DataError:
         if split == 0:
             raise
