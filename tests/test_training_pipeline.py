@@ -211,7 +211,8 @@ def test_pipeline_validation_equals_stock_and_stays_in_the_budget(world):
     worst = max(_rel(x[2], y[2]) for x, y in zip(pd, stock))
     planned = world[0]["planned"]["eval"]["results"]
     print(f"\nPP=2 validation: max rel err {worst:.1e} (plans {plain['paradyse_eval']['plans']}); planner's forward-only peak "
-          f"{max(x[4] for x in planned) / 2**20:.2f} MiB, budget {planned[0][5] / 2**20:.2f} MiB")
+          f"{max(x[4] for x in planned) / 2**20:.2f} MiB, budget {planned[0][5] / 2**20:.2f} MiB; "
+          f"{len(stock + pd + planned)} evaluations in {sum(x[6] for x in stock + pd + planned):.1f} s")
     assert worst < 1e-5
     plans = plain["paradyse_eval"]["plans"]  # the last validation batch's: per layer, mixed
     assert plans and all(p is not None for p in plans) and any(len(set(p)) > 1 for p in plans), plans
