@@ -343,11 +343,15 @@ def build_dataset(config: DataConfig, max_length: int | None = None, split: int 
     """
     if not config.mock:
         _check_source(config.data_path, config.seq_length, config.long_docs)
-    docs = split_ranges(config.split, _num_documents(config))[split]
+    n = _num_documents(config)
+    docs = split_ranges(config.split, n)[split]
     if docs is None:
-        if split == 0:
+        if split == 0 and n == 0:  # no document at all: the dataset's own error says so
+            docs = (0, 0)
+        elif split == 0:
             raise DataError(f"--split {config.split!r} leaves no document for training")
-        return None
+        else:
+            return None
     if config.mock:
         top = config.seq_length if max_length is None else min(config.seq_length, int(max_length))
         if top < config.seq_length and split == 0:
