@@ -94,7 +94,7 @@ def _train(tp, world, extra, paradyse, plan_fn_factory=None, steps=None, lines=N
     return trainer.history, params, trainer
 
 
-EVAL = ["--eval-interval", "5", "--eval-iters", "2"]  # validation at 5, 10 (and after training)
+EVAL = ["--eval-interval", "5", "--eval-iters", "1"]  # validation at 5, 10 (and after training)
 
 
 def _evaluated(trainer, lines=None, final=True):
@@ -406,7 +406,7 @@ def test_planner_chooses_and_training_equals_stock(worlds):
 
 
 def test_validation_equals_stock_and_stays_in_the_budget(worlds):
-    """--eval-interval 5 --eval-iters 2: Megatron-LM's validation (at 5 and 10, then the
+    """--eval-interval 5 --eval-iters 1: Megatron-LM's validation (at 5 and 10, then the
     validation and test sets after training) runs forward-only under the cycling plans and
     under the planner and equals stock's (fp32, rel < 1e-5); the planner's forward-only peak
     (planned as training steps) stays within its budget; the log has Megatron-LM's lines."""
