@@ -87,7 +87,8 @@ class ParallelDims:
 class DataConfig:
     """What the dataset builder needs of the data flags: the source (``data_path``, an
     IndexedDataset prefix, or None for synthetic documents of ``mock_min_length`` ..
-    ``seq_length`` tokens), the longest sequence, the vocabulary, the seed and the policy for
+    ``seq_length`` tokens) and its train/validation/test ``split`` (megatron-core's
+    proportions of the documents), the longest sequence, the vocabulary, the seed and the policy for
     documents longer than ``seq_length`` (``long_docs``); the multiple micro-batches are padded
     to (``pad_multiple``) and packing (``pack``: ``"none"``, ``"greedy"``, ``"balanced"``;
     ``pack_tokens``: a pack's token cap)."""
@@ -101,6 +102,7 @@ class DataConfig:
     pad_multiple: int = 1
     pack: str = "none"
     pack_tokens: int | None = None
+    split: str = "969, 30, 1"
 
     @property
     def mock(self) -> bool:

@@ -77,7 +77,9 @@ if [ -n "${DATA_PATH:-}" ]; then
 else
   DATA_ARGS=(--mock-data --paradyse-mock-min-length 8)
 fi
-EVAL_AND_LOGGING_ARGS=(--log-interval 1)
+# validation every 10 iterations and after training (2 global batches each: Megatron-LM's
+# default of 100 would outlast this demo's training)
+EVAL_AND_LOGGING_ARGS=(--log-interval 1 --eval-interval 10 --eval-iters 2)
 PARADYSE_ARGS=()
 if [ "$PARADYSE" = "1" ]; then
   if [ -n "${PLAN:-}" ]; then

@@ -94,6 +94,21 @@ def _train(tp, world, extra, paradyse, plan_fn_factory=None, steps=None, lines=N
     return trainer.history, params, trainer
 
 
+EVAL = ["--eval-interval", "5", "--eval-iters", "1"]  # validation at 5, 10 (and after training)
+
+
+def _evaluated(trainer, lines=None, final=True):
+    """The validation results of a run (with ``final``, after the final validation and test, their
+    log lines appended to ``lines``) and the plans of the last validation batch."""
+    if final:
+        with _logged(lines):
+            trainer.final_evaluation()
+    res = [(r.prefix, r.split, r.loss, r.ppl, r.peak_bytes, r.budget_bytes, r.seconds)
+           for r in trainer.evaluation.results]
+    it = trainer.evaluation.iterators["validation"]
+    return dict(results=res, plans=[] if it is None else [mb.plan for mb in it.current])
+
+
 def _summary(history):
     return [dict(it=h.iteration, loss=h.loss, gn=h.grad_norm, lr=h.lr, s=h.seq_lengths,
                  plans=h.plans, tokens=h.tokens, padded=h.padded_tokens, sec=h.seconds) for h in history]
@@ -105,14 +120,16 @@ def _world_a(rank, world, ckpt_root):
     out = {}
     lines = []
     t0 = time.perf_counter()
-    hist, params, _ = _train(4, world, ["--save", f"{ckpt_root}/stock", "--save-interval", str(SAVE_AT)],
-                             paradyse=False)
+    hist, params, trainer = _train(4, world, ["--save", f"{ckpt_root}/stock", "--save-interval", str(SAVE_AT)]
+                                   + EVAL, paradyse=False)
+    out["stock_eval"] = _evaluated(trainer)
     out["stock"] = _summary(hist)
     out["stock_params"] = params if rank == 0 else None
     out["stock_seconds"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    hist, params, _ = _train(4, world, ["--save", f"{ckpt_root}/paradyse", "--save-interval", str(SAVE_AT)],
-                             paradyse=True, plan_fn_factory=_cycling_plan_fn, lines=lines)
+    hist, params, trainer = _train(4, world, ["--save", f"{ckpt_root}/paradyse", "--save-interval", str(SAVE_AT)]
+                                   + EVAL, paradyse=True, plan_fn_factory=_cycling_plan_fn, lines=lines)
+    out["paradyse_eval"] = _evaluated(trainer, lines)
     out["paradyse"] = _summary(hist)
     out["paradyse_params"] = params if rank == 0 else None
     out["paradyse_seconds"] = time.perf_counter() - t0
@@ -121,9 +138,9 @@ def _world_a(rank, world, ckpt_root):
     # model of this shape) fits tp_sp up to s = 32 and needs tp_sp+metp mixes beyond
     t0 = time.perf_counter()
     planned_lines = []
-    hist, _, _ = _train(4, world, ["--paradyse-memory-budget", PLANNER_BUDGET_GIB, "--paradyse-refine", "on"],
-                        paradyse=True,
-                        steps=PLANNER_STEPS, lines=planned_lines)
+    hist, _, trainer = _train(4, world, ["--paradyse-memory-budget", PLANNER_BUDGET_GIB, "--paradyse-refine", "on"]
+                              + EVAL, paradyse=True, steps=PLANNER_STEPS, lines=planned_lines)
+    out["planned_eval"] = _evaluated(trainer, final=False)
     out["planned"] = _summary(hist)
     out["planned_log"] = planned_lines if rank == 0 else None
     out["planned_seconds"] = time.perf_counter() - t0
@@ -411,6 +428,47 @@ def test_planner_chooses_and_training_equals_stock(worlds):
         assert [x["plans"] for x in r["planned"]] == [x["plans"] for x in pl]
 
 
+def test_validation_equals_stock_and_stays_in_the_budget(worlds):
+    """--eval-interval 5 --eval-iters 1: Megatron-LM's validation (at 5 and 10, then the
+    validation and test sets after training) runs forward-only under the cycling plans and
+    under the planner and equals stock's (fp32, rel < 1e-5); the planner's forward-only peak
+    (planned as training steps) stays within its budget; the log has Megatron-LM's lines."""
+    import math
+    import re
+
+    a, _, _ = worlds
+    r0 = a[0]
+    stock, pd, pl = r0["stock_eval"], r0["paradyse_eval"], r0["planned_eval"]
+    prefixes = ["iteration 5", "iteration 10", f"iteration {STEPS} on validation set",
+                f"iteration {STEPS} on test set"]
+    assert [x[0] for x in stock["results"]] == prefixes == [x[0] for x in pd["results"]]
+    assert [x[1] for x in stock["results"]] == ["validation"] * 3 + ["test"]
+    assert [x[0] for x in pl["results"]] == prefixes[:2]
+    worst = max(_rel(x[2], y[2]) for x, y in zip(pd["results"], stock["results"]))
+    worst_pl = max(_rel(x[2], y[2]) for x, y in zip(pl["results"], stock["results"]))
+    peaks = [(x[4], x[5]) for x in pl["results"]]
+    seconds = sum(x[6] for x in stock["results"] + pd["results"] + pl["results"])
+    print(f"\nvalidation: cycling plans max rel err {worst:.2e}, planner {worst_pl:.2e}; "
+          f"forward-only peak/budget (MiB) {[(p / 2**20, b / 2**20) for p, b in peaks]}; "
+          f"{len(stock['results'] + pd['results'] + pl['results'])} evaluations in {seconds:.1f} s")
+    assert worst < 1e-5 and worst_pl < 1e-5
+    assert all(x[4] is None for x in stock["results"] + pd["results"])  # measured with a planner only
+    assert all(p is not None and 0 < p <= b for p, b in peaks)
+    # the validation batches ran mixed plans (cycling; chosen by the planner)
+    assert all(p is not None for p in pd["plans"] + pl["plans"])
+    assert any(len(set(p)) > 1 for p in pd["plans"])
+    for r in a[1:]:  # every rank reports the same validation losses
+        assert [x[2] for x in r["paradyse_eval"]["results"]] == [x[2] for x in pd["results"]]
+    log = r0["log"]
+    for prefix, _, loss, ppl, *_ in pd["results"]:
+        assert ppl == math.exp(loss)
+        text = f" validation loss at {prefix} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
+        i = log.index(text)
+        assert log[i - 1] == log[i + 1] == "-" * (len(text) + 1)
+    assert all(re.fullmatch(r" validation loss at .* \| lm loss value: \S+ \| lm loss PPL: \S+ \| ", line)
+               for line in log if "validation loss" in line)
+
+
 def test_run_report_keeps_the_refinement(worlds):
     """--paradyse-run-report with the planner and --paradyse-refine on: every step is predicted,
     measured, fed to the refinement (its factors move, the same on every rank) and recorded.
@@ -631,6 +689,9 @@ def test_bad_flags_fail_before_any_collective():
          "selects the interleaved .virtual.pipeline. schedule, which is not supported"),
         (_argv(2, ["--pipeline-model-parallel-size", "2", "--paradyse", "--paradyse-refine", "on"]), 4,
          "not available with pipeline stages"),
+        (_argv(4, ["--split", "0,1,0"]), 4, "the training one above zero"),
+        (_argv(4, ["--split", "90,x"]), 4, "--split '90,x'"),
+        (_argv(4, ["--eval-iters", "-1"]), 4, "must be >= 0"),
     ]
     for argv, world, needle in cases:
         with pytest.raises(ArgumentError, match=needle.replace("-", r"\-")):
@@ -678,3 +739,18 @@ def test_indexed_document_dataset(tmp_path):
     assert got == [3, 7, 40, 65]  # truncated to seq_length + 1
     shuffled = data.DocumentDataset(prefix, seq_length=64, seed=0)
     assert sorted(len(shuffled[i]) for i in range(4, 8)) == got  # a second epoch, reshuffled
+
+    # --split: megatron-core's parser and rounding over the documents; each split its own documents
+    assert data.split_ranges("969, 30, 1", 1000) == [(0, 969), (969, 999), (999, 1000)]
+    assert data.split_ranges("60,40", 5) == [(0, 3), (3, 5), None]
+    from megatron_paradyse.layout import DataConfig
+
+    cfg = DataConfig(seq_length=64, vocab_size=50, seed=0, data_path=prefix, split="60,40")
+    train, valid = data.build_dataset(cfg), data.build_dataset(cfg, split=1)
+    assert sorted(train.sample_docs.tolist()) == [0, 2] and sorted(set(valid.sample_docs.tolist())) == [3, 4]
+    assert data.build_dataset(cfg, split=2) is None  # no test split
+    assert data.build_dataset(DataConfig(seq_length=64, vocab_size=50, data_path=prefix), split=1) is None
+    mock = DataConfig(seq_length=64, vocab_size=50, seed=0)
+    tr, va = data.build_dataset(mock), data.build_dataset(mock, split=1)
+    assert tr[5].tolist() == data.MockDataset(64, 50, seed=0)[5].tolist()  # the training documents as before
+    assert va[0].tolist() == data.MockDataset(64, 50, seed=0)[96900].tolist()

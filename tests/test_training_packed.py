@@ -15,22 +15,29 @@ import pytest
 
 from megatron_paradyse.testing.spawn import run_world
 
-from .test_training import _cycling_plan_fn, _param_rel, _rel, _summary, _train
+from .test_training import _cycling_plan_fn, _evaluated, _param_rel, _rel, _summary, _train
 
 STEPS, SAVE_AT = 4, 2
 PACK = ["--micro-batch-size", "1", "--global-batch-size", "8", "--paradyse-pack-tokens", "64"]
 
 
-def _stock(tp, world):
-    hist, params, _ = _train(tp, world, ["--micro-batch-size", "1", "--global-batch-size", "8"], paradyse=False,
-                             steps=STEPS)
-    return _summary(hist), params
+EVAL = ["--eval-iters", "1"]  # the final validation and test (TP = 4 only)
 
 
-def _packed(tp, world, extra=()):
+def _stock(tp, world, extra=()):
+    hist, params, trainer = _train(tp, world, ["--micro-batch-size", "1", "--global-batch-size", "8"] + list(extra),
+                                   paradyse=False, steps=STEPS)
+    return _summary(hist), params, _evaluated(trainer) if extra else None
+
+
+def _packed(tp, world, extra=(), evaluate=False):
     hist, params, trainer = _train(tp, world, PACK + ["--paradyse-pack", "balanced"] + list(extra),
                                    paradyse=True, plan_fn_factory=_cycling_plan_fn, steps=STEPS)
     counts = [len(trainer.packer.replica_packs(k, d)) for k in range(STEPS) for d in range(trainer.dp_size)]
+    if evaluate:
+        ev = _evaluated(trainer)
+        ev["packs"] = [mb.cu_seqlens for mb in trainer.evaluation.iterators["validation"].current]
+        return _summary(hist), params, counts, ev
     return _summary(hist), params, counts
 
 
@@ -38,11 +45,13 @@ def _world(rank, world, root):
     import torch.distributed as dist
 
     out = {}
-    for tp in (4, 2):
-        out[f"stock{tp}"], params_s = _stock(tp, world)
-        extra = ["--save", f"{root}/packed{tp}", "--save-interval", str(SAVE_AT)] if tp == 2 else []
-        out[f"packed{tp}"], params_p, out[f"counts{tp}"] = _packed(tp, world, extra)
-        out[f"params{tp}"] = _param_rel(params_p, params_s) if rank == 0 else None
+    out["stock4"], params_s, out["stock_eval"] = _stock(4, world, EVAL)
+    out["packed4"], params_p, out["counts4"], out["packed_eval"] = _packed(4, world, EVAL, evaluate=True)
+    out["params4"] = _param_rel(params_p, params_s) if rank == 0 else None
+    out["stock2"], params_s, _ = _stock(2, world)
+    out["packed2"], params_p, out["counts2"] = _packed(2, world, ["--save", f"{root}/packed2",
+                                                                  "--save-interval", str(SAVE_AT)])
+    out["params2"] = _param_rel(params_p, params_s) if rank == 0 else None
     resumed, _, _ = _packed(2, world, ["--load", f"{root}/packed2", "--ckpt-step", str(SAVE_AT)])
     out["resumed"] = resumed
     dist.barrier()
@@ -81,3 +90,19 @@ def test_packed_replicas_run_different_counts_and_resume(packed_world):
     assert [s["it"] for s in resumed] == list(range(SAVE_AT + 1, STEPS + 1))
     for a, b in zip(resumed, r0["packed2"][SAVE_AT:]):
         assert _rel(a["loss"], b["loss"]) < 1e-6 and a["plans"] == b["plans"]
+
+
+def test_packed_validation_equals_stock_unpacked(packed_world):
+    """--eval-iters 1 with --paradyse-pack: the final validation and test batches are packed as
+    the training's (several documents per pack, cycling plans) and their losses equal stock's
+    on the same documents unpacked (fp32, rel < 1e-5)."""
+    r0 = packed_world[0]
+    stock, packed = r0["stock_eval"]["results"], r0["packed_eval"]["results"]
+    assert [x[:2] for x in stock] == [x[:2] for x in packed] == [
+        (f"iteration {STEPS} on validation set", "validation"), (f"iteration {STEPS} on test set", "test")]
+    worst = max(_rel(p[2], s[2]) for p, s in zip(packed, stock))
+    print(f"\npacked validation: max rel err {worst:.2e}; {len(stock) + len(packed)} evaluations in "
+          f"{sum(x[6] for x in stock + packed):.1f} s")
+    assert worst < 1e-5
+    assert any(len(cu) > 2 for cu in r0["packed_eval"]["packs"])  # several documents in a pack
+    assert all(p is not None for p in r0["packed_eval"]["plans"])

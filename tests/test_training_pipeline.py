@@ -8,11 +8,13 @@ One world of 8 gloo ranks (megatron's order: TP fastest, then DP, then PP; stage
 p2p shape exchange (``variable_seq_lengths``); ParaDySe answers it from the agreed micro-batches
 (``training/p2p_shapes.py``), and the test makes megatron's exchange raise in those runs.
 """
+import contextlib
+
 import pytest
 
 from megatron_paradyse.testing.spawn import run_world
 
-from .test_training import _cycling_plan_fn, _param_rel, _rel, _summary, _train
+from .test_training import _cycling_plan_fn, _evaluated, _param_rel, _rel, _summary, _train
 
 STEPS = 4
 SAVE_AT = 2
@@ -68,19 +70,20 @@ class _NoExchange:
         p2p_shapes.install()
 
 
-def _pair(world, extra, factory=_cycling_plan_fn, save=None, packed=False):
+def _pair(world, extra, factory=_cycling_plan_fn, save=None, packed=False, evaluate=False):
     """Stock and ParaDySe runs of ``extra`` (``packed``: ParaDySe packs the documents stock
-    runs one per micro-batch): their summaries and final full weights."""
+    runs one per micro-batch): their summaries and final full weights; with ``evaluate`` their
+    final validation and test (one global batch each)."""
     out = {}
     for name, paradyse in (("stock", False), ("paradyse", True)):
-        more = list(extra) + (PACK if packed and paradyse else [])
+        more = list(extra) + (PACK if packed and paradyse else []) + (["--eval-iters", "1"] if evaluate else [])
         if save:
             more += ["--save", f"{save}/{name}", "--save-interval", str(SAVE_AT)]
-        if paradyse:
-            with _NoExchange():
-                hist, params, _ = _train(2, world, PP + more, paradyse=True, plan_fn_factory=factory)
-        else:
-            hist, params, _ = _train(2, world, PP + more, paradyse=False)
+        with _NoExchange() if paradyse else contextlib.nullcontext():
+            hist, params, trainer = _train(2, world, PP + more, paradyse=paradyse,
+                                           plan_fn_factory=factory if paradyse else None)
+            if evaluate:
+                out[f"{name}_eval"] = _evaluated(trainer)
         out[name], out[f"{name}_params"] = _summary(hist), params
     return out
 
@@ -102,8 +105,9 @@ def _planned(world, root):
     from megatron_paradyse.parallel.plan_check import PlanMismatchError
     from megatron_paradyse.planner import NoFitError
 
-    hist, _, _ = _train(2, world, PP + ["--paradyse-memory-budget", BUDGET_GIB, "--paradyse-run-report",
-                                        f"{root}/report"], paradyse=True)
+    hist, _, trainer = _train(2, world, PP + ["--paradyse-memory-budget", BUDGET_GIB, "--paradyse-run-report",
+                                              f"{root}/report", "--eval-iters", "1"], paradyse=True)
+    evaluated = _evaluated(trainer)
     with open(f"{root}/report/run_report.json") as fh:
         report = json.load(fh)
     try:
@@ -111,7 +115,7 @@ def _planned(world, root):
         error = None
     except (NoFitError, PlanMismatchError) as e:  # a replica whose own step fits hears the other's
         error = str(e)
-    return {"summary": _summary(hist), "report": report, "error": error}
+    return {"summary": _summary(hist), "report": report, "error": error, "eval": evaluated}
 
 
 def _divergent(rank):
@@ -140,7 +144,7 @@ def _stage_divergence(rank, world):
 
 
 def _world(rank, world, root):
-    out = {"plain": _pair(world, [], save=root)}
+    out = {"plain": _pair(world, [], save=root, evaluate=True)}
     out["resume"] = _resume(world, root)
     out["packed"] = _pair(world, UNPACKED, packed=True)
     out["recompute"] = _pair(world, RECOMPUTE, factory=_with_rc)
@@ -195,6 +199,27 @@ def test_pipeline_stages_train_equal_to_stock_pipeline(world, case):
     assert loss < 1e-5 and gn < 1e-5 and weights < 1e-5
     for r in world[1:]:  # every rank reports the same losses (summed over the stages)
         assert [x["loss"] for x in r[case]["paradyse"]] == [x["loss"] for x in pd]
+
+
+def test_pipeline_validation_equals_stock_and_stays_in_the_budget(world):
+    """--eval-iters 1 at PP = 2: the final validation and test losses (the last stage's, summed
+    over the stages) equal stock's under the cycling plans, and under the step planner the
+    forward-only passes stay within its budget on every stage."""
+    plain = world[0]["plain"]
+    stock, pd = plain["stock_eval"]["results"], plain["paradyse_eval"]["results"]
+    assert [x[1] for x in stock] == [x[1] for x in pd] == ["validation", "test"]
+    worst = max(_rel(x[2], y[2]) for x, y in zip(pd, stock))
+    planned = world[0]["planned"]["eval"]["results"]
+    print(f"\nPP=2 validation: max rel err {worst:.1e} (plans {plain['paradyse_eval']['plans']}); planner's forward-only peak "
+          f"{max(x[4] for x in planned) / 2**20:.2f} MiB, budget {planned[0][5] / 2**20:.2f} MiB; "
+          f"{len(stock + pd + planned)} evaluations in {sum(x[6] for x in stock + pd + planned):.1f} s")
+    assert worst < 1e-5
+    plans = plain["paradyse_eval"]["plans"]  # the last validation batch's: per layer, mixed
+    assert plans and all(p is not None for p in plans) and any(len(set(p)) > 1 for p in plans), plans
+    assert [x[1] for x in planned] == ["validation", "test"]
+    assert all(x[4] is not None and 0 < x[4] <= x[5] for x in planned)
+    for r in world[1:]:  # every rank reports the same losses
+        assert [x[2] for x in r["plain"]["paradyse_eval"]["results"]] == [x[2] for x in pd]
 
 
 def test_checkpoints_move_both_ways_between_stock_and_paradyse_pipelines(world):

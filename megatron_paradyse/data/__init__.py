@@ -6,7 +6,7 @@ Below ``training``: it may import ``parallel``, ``costmodel`` and ``planner``, n
 from __future__ import annotations
 
 from .datasets import (DataError, DocumentDataset, FixedLengthView, MicroBatch, MicroBatchLoader, MockDataset,  # noqa: F401
-                       build_dataset, pad_to_multiple, padded_length, sample_indices, step_lengths,
+                       build_dataset, pad_to_multiple, padded_length, sample_indices, split_ranges, step_lengths,
                        trim_to_multiple, write_indexed_dataset, LONG_DOC_POLICIES)
 from .sampler import LengthAwareSampler, longest_fitting, make_cost_fn  # noqa: F401
 from .packing import (PackedLoader, PackedStream, PackScheduler, cu_seqlens_from_positions,  # noqa: F401

@@ -54,10 +54,12 @@ class MockDataset:
     """Deterministic synthetic documents with log-uniform lengths in ``[min_length, seq_length]``.
 
     ``dataset[i]`` is an int64 array of ``L + 1`` token ids, a function of ``(seed, i)`` only.
+    ``documents=(beg, end)``: sample ``i`` is document ``beg + i % (end - beg)`` (a split of the
+    corpus, :func:`split_ranges`); None: document ``i``.
     """
 
     def __init__(self, seq_length: int, vocab_size: int, seed: int = 1234, min_length: int = 16,
-                 num_samples: int = 1 << 40):
+                 num_samples: int = 1 << 40, documents: tuple | None = None):
         if seq_length < 1:
             raise ValueError(f"seq_length must be >= 1, got {seq_length}")
         if vocab_size < 2:
@@ -67,13 +69,20 @@ class MockDataset:
         self.seed = seed
         self.min_length = max(1, min(min_length, seq_length))
         self.num_samples = num_samples
+        self.documents = documents
 
     def __len__(self) -> int:
         return self.num_samples
 
+    def _document(self, i: int) -> int:
+        if self.documents is None:
+            return int(i)
+        beg, end = self.documents
+        return beg + int(i) % (end - beg)
+
     def length(self, i: int) -> int:
         """The number of training tokens (inputs) of sample ``i``."""
-        rng = np.random.default_rng([self.seed, i, 0])
+        rng = np.random.default_rng([self.seed, self._document(i), 0])
         lo, hi = math.log(self.min_length), math.log(self.seq_length + 1)
         return int(min(self.seq_length, max(self.min_length, math.exp(rng.uniform(lo, hi)))))
 
@@ -81,7 +90,7 @@ class MockDataset:
         if not 0 <= i < self.num_samples:
             raise IndexError(i)
         n = self.length(i) + 1
-        rng = np.random.default_rng([self.seed, i, 1])
+        rng = np.random.default_rng([self.seed, self._document(i), 1])
         start = int(rng.integers(0, self.vocab_size))
         stride = int(rng.integers(1, 4))
         return (start + stride * np.arange(n, dtype=np.int64)) % self.vocab_size
@@ -158,7 +167,8 @@ class DocumentDataset:
     * ``"error"``: ``ValueError`` naming it.
 
     ``max_length`` is the longest sequence the planner can fit in the memory budget (None: no
-    such limit); documents above it are named in a warning (or the error). Documents of fewer
+    such limit); documents above it are named in a warning (or the error). ``documents=(beg,
+    end)``: only the documents of that range (a split, :func:`split_ranges`). Documents of fewer
     than two tokens are skipped. Samples are shuffled with a seeded permutation per epoch, so
     ``dataset[i]`` is defined for every ``i >= 0``.
 
@@ -169,7 +179,7 @@ class DocumentDataset:
 
     def __init__(self, prefix: str, seq_length: int, seed: int = 1234, shuffle: bool = True,
                  long_docs: str = "truncate", max_length: int | None = None,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, documents: tuple | None = None):
         _check_source(prefix, seq_length, long_docs)
         self.prefix = prefix
         self.seq_length = seq_length
@@ -191,6 +201,8 @@ class DocumentDataset:
         names = meta.get("documents") if meta else None
         self.names = names if names is not None and len(names) == len(doc_tokens) else None
         usable = np.nonzero(doc_tokens >= 2)[0]
+        if documents is not None:  # a split of the documents (split_ranges)
+            usable = usable[(usable >= documents[0]) & (usable < documents[1])]
         if len(usable) == 0:
             raise DataError(f"{prefix}: empty dataset: no document has at least two tokens "
                              f"({len(doc_tokens)} documents)")
@@ -293,24 +305,71 @@ def write_indexed_dataset(prefix: str, documents, vocab_size: int) -> None:
     builder.finalize(get_idx_path(prefix))
 
 
-def build_dataset(config: DataConfig, max_length: int | None = None):
-    """The training dataset ``config`` names (synthetic documents, ``--mock-data``, or the
-    IndexedDataset prefix ``config.data_path``).
+def split_ranges(split: str, num_documents: int) -> list:
+    """megatron-core's split of ``num_documents`` documents by ``split`` (``"969, 30, 1"``):
+    ``[(beg, end) or None]`` for train, validation and test, with megatron's own parser, split
+    matrix and rounding (``BlendedMegatronDatasetBuilder``: ``round(fraction * documents)``)."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix, parse_and_normalize_split)
+
+    out = []
+    for bounds in convert_split_vector_to_split_matrix(parse_and_normalize_split(split)):
+        if bounds is None:
+            out.append(None)
+            continue
+        beg, end = (int(round(x * float(num_documents))) for x in bounds)
+        out.append((beg, end) if end > beg else None)
+    return out
+
+
+def _num_documents(config: DataConfig) -> int:
+    """Documents of the corpus the split divides: the ``.idx``'s, or megatron-core's mock corpus
+    size (``MockGPTLowLevelDataset.size``) for ``--mock-data``."""
+    if config.mock:
+        from megatron.core.datasets.gpt_dataset import MockGPTLowLevelDataset
+
+        return int(MockGPTLowLevelDataset.size)
+    return int(len(_open_index(config.data_path).document_indices) - 1)
+
+
+def build_dataset(config: DataConfig, max_length: int | None = None, split: int = 0):
+    """The dataset of split ``split`` (0 train, 1 validation, 2 test: ``config.split`` of the
+    documents, :func:`split_ranges`) of the data ``config`` names (synthetic documents,
+    ``--mock-data``, or the IndexedDataset prefix ``config.data_path``); None when that split
+    holds no document (the training split always does: else a :class:`DataError`).
 
     ``max_length``: the longest sequence the planner fits in the memory budget (documents
     above it are handled by ``config.long_docs``, with a warning naming them).
     """
+    if not config.mock:
+        _check_source(config.data_path, config.seq_length, config.long_docs)
+    n = _num_documents(config)
+    docs = split_ranges(config.split, n)[split]
+    if docs is None:
+        if split == 0 and n == 0:  # no document at all: the dataset's own error says so
+            docs = (0, 0)
+        elif split == 0:
+            raise DataError(f"--split {config.split!r} leaves no document for training")
+        else:
+            return None
     if config.mock:
         top = config.seq_length if max_length is None else min(config.seq_length, int(max_length))
-        if top < config.seq_length:
+        if top < config.seq_length and split == 0:
             from megatron.core.utils import log_single_rank
 
             log_single_rank(log, logging.INFO, f"> --mock-data: documents of up to {top} tokens, the longest "
                                                f"sequence any plan fits in the memory budget (--seq-length "
                                                f"{config.seq_length})")
-        return MockDataset(top, config.vocab_size, seed=config.seed, min_length=config.mock_min_length)
-    return DocumentDataset(config.data_path, config.seq_length, seed=config.seed, long_docs=config.long_docs,
-                           max_length=max_length, vocab_size=config.vocab_size)
+        return MockDataset(top, config.vocab_size, seed=config.seed, min_length=config.mock_min_length,
+                           documents=docs)
+    try:
+        return DocumentDataset(config.data_path, config.seq_length, seed=config.seed, long_docs=config.long_docs,
+                               max_length=max_length, documents=docs,
+                               vocab_size=config.vocab_size if split == 0 else None)  # the .bin's ids: checked once
+    except DataError:
+        if split == 0:
+            raise
+        return None  # a validation or test split of unusable documents only: no such split
 
 
 # --------------------------------------------------------------------------- batches

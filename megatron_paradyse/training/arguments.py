@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 
 import torch
 
@@ -106,7 +107,7 @@ def paradyse_args_provider(other=None):
 
 # ---------------------------------------------------------------------------- full parser
 _IGNORED = {  # accepted for drop-in compatibility with Megatron-LM scripts; no effect here
-    "--eval-interval": int, "--eval-iters": int, "--split": str, "--num-workers": int,
+    "--num-workers": int,
     "--data-cache-path": str,
 }
 _IGNORED_SWITCHES = ("--use-mcore-models", "--transformer-impl-local", "--log-throughput",
@@ -349,6 +350,14 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--wandb-exp-name", type=str, default="")
     g.add_argument("--wandb-save-dir", type=str, default="",
                    help="wandb's local folder (default: SAVE/wandb with --save, else ./wandb)")
+    g.add_argument("--eval-interval", type=int, default=1000,
+                   help="every N iterations, --eval-iters global batches of the validation split "
+                        "run forward-only (Megatron-LM's validation loss and PPL line); 0: none")
+    g.add_argument("--eval-iters", type=int, default=100,
+                   help="global batches of each validation (and of the final test); 0: no validation")
+    g.add_argument("--split", type=str, default="969, 30, 1",
+                   help="train, validation and test proportions of the data (megatron-core's "
+                        "document split of --data-path or of the mock corpus)")
     g.add_argument("--paradyse-run-report", type=str, default=None, metavar="DIR",
                    help="measure each step's peak memory, print predicted vs measured time and "
                         "peak per iteration and a summary at the end, and write DIR/run_report.json "
@@ -589,6 +598,22 @@ def _check_schedule(args) -> None:
         _err(f"--exit-interval must be positive, got {args.exit_interval}")
     if args.exit_duration_in_mins is not None and not args.exit_duration_in_mins > 0:
         _err(f"--exit-duration-in-mins must be positive, got {args.exit_duration_in_mins:g}")
+    if args.eval_interval < 0 or args.eval_iters < 0:
+        _err(f"--eval-interval {args.eval_interval} and --eval-iters {args.eval_iters} must be >= 0")
+    _check_split(args.split)
+
+
+def _check_split(split: str) -> None:
+    """``--split`` as megatron-core parses it: up to three non-negative proportions, not all zero,
+    the training one above zero."""
+    parts = [x.strip() for x in re.split(r"[,/]", split)]
+    try:
+        values = [float(x) for x in parts]
+    except ValueError:
+        values = []
+    if not 1 <= len(values) <= 3 or any(v < 0 for v in values) or not values[0] > 0:
+        _err(f"--split {split!r}: give up to three non-negative proportions for train, validation and "
+             "test (e.g. 969,30,1), the training one above zero")
 
 
 def _complete_padding(args) -> None:

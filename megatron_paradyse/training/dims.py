@@ -181,7 +181,8 @@ def data_config(args) -> DataConfig:
     return DataConfig(seq_length=args.seq_length, vocab_size=args.vocab_size, seed=args.seed,
                       data_path=paths[0] if paths else None, mock_min_length=args.paradyse_mock_min_length,
                       long_docs=args.paradyse_long_docs, pad_multiple=args.paradyse_pad_multiple,
-                      pack=args.paradyse_pack, pack_tokens=args.paradyse_pack_tokens)
+                      pack=args.paradyse_pack, pack_tokens=args.paradyse_pack_tokens,
+                      split=getattr(args, "split", None) or "969, 30, 1")
 
 
 def runtime_options(args) -> RuntimeOptions:

@@ -54,6 +54,7 @@ from .exits import ExitCheck
 from .model_args import model_flags
 from .faults import FailFast
 from .forward_step import forward_step
+from .evaluation import Evaluation
 from .iterator import PlannedIterator
 from .planning import MicroBatchView, calibrated_cost_model, longest_trainable, planner_from_args
 from .run_report import RunReport, max_over_ranks, max_per_stage, pool_bytes
@@ -151,6 +152,7 @@ class Trainer:
         self._build_data()
         # TensorBoard / wandb (scalars.py): the last rank's writer, None elsewhere and without the flags
         self.scalars = ScalarWriter.from_args(self.args, dist.get_rank(), dist.get_world_size(), cp_size=self.cp_size)
+        self.evaluation = Evaluation(self, self._data_plan_fn, max_length=self._max_fit)
 
     def _calibrate(self):
         """``--paradyse-calibrate`` with the planner: the cost model rescaled to this host
@@ -233,12 +235,14 @@ class Trainer:
         sampler, the loader and the planned iterator that gives each micro-batch its plan."""
         args = self.args
         max_fit = None if self.planner is None else longest_trainable(self.planner, args)
+        self._max_fit = max_fit
         self.data = data_config(args)
         self.dataset = pdata.build_dataset(self.data, max_length=max_fit)
         self.sampler = self.packer = None
         plan_fn = self.plan_fn or self._planner_fn
         if plan_fn is None and args.paradyse and self._step_plan_fn is None:
             plan_fn = rule_plan_fn(parse_plan(args.paradyse_plan, args.num_layers))
+        self._data_plan_fn = plan_fn if args.paradyse else None  # validation plans the same way
         if self.data.packed:
             self._build_packed_data(plan_fn if args.paradyse else None)
             return
@@ -382,19 +386,7 @@ class Trainer:
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=args.global_batch_size)
-        total = torch.zeros(3, dtype=torch.float64)
-        for r in reports:  # the last pipeline stage's: the others have none
-            total[:2] += r["lm loss"].detach().double().cpu()
-        total[:2] = p2p_shapes.sum_over_stages(total[:2], collective_device())
-        if self.dims.cp_on:  # each CP rank's losses are its own chunks'
-            t = total[:2].to(collective_device())
-            dist.all_reduce(t, group=self.cp_group)
-            total[:2] = t.cpu()
-        total[2] = sum(mb.tokens.numel() for mb in micro)
-        if self.dp_size > 1:
-            t = total.to(collective_device())
-            dist.all_reduce(t, group=self.dp_group)
-            total = t.cpu()
+        total = self._reduce_losses(reports, micro)
         synchronize()
         seconds = time.perf_counter() - t0
         self.iteration += 1
@@ -407,6 +399,24 @@ class Trainer:
             plans=tuple(mb.plan for mb in micro), skipped=not ok)
         self.history.append(stats)
         return stats
+
+    def _reduce_losses(self, reports, micro):
+        """``(loss sum, real tokens, padded tokens)`` of a step over the world: the last
+        pipeline stage's losses (the others have none), each CP rank's chunks, the replicas."""
+        total = torch.zeros(3, dtype=torch.float64)
+        for r in reports:
+            total[:2] += r["lm loss"].detach().double().cpu()
+        total[:2] = p2p_shapes.sum_over_stages(total[:2], collective_device())
+        if self.dims.cp_on:  # each CP rank's losses are its own chunks'
+            t = total[:2].to(collective_device())
+            dist.all_reduce(t, group=self.cp_group)
+            total[:2] = t.cpu()
+        total[2] = sum(mb.tokens.numel() for mb in micro)
+        if self.dp_size > 1:
+            t = total.to(collective_device())
+            dist.all_reduce(t, group=self.dp_group)
+            total = t.cpu()
+        return total
 
     # ------------------------------------------------------------------ loop
     def train(self, train_iters: int | None = None) -> list:
@@ -429,6 +439,8 @@ class Trainer:
                 if stats.iteration % args.log_interval == 0 or stats.iteration == end or stop:
                     log.info(format_log_line(window, args, end) + (f" {extra} |" if extra else ""))
                     window = []
+                if self.evaluation.due(stats.iteration):
+                    self.evaluate(f"iteration {stats.iteration}")
                 if args.save and args.save_interval and stats.iteration % args.save_interval == 0:
                     self.save()
                     last_saved = stats.iteration
@@ -445,6 +457,19 @@ class Trainer:
             if not dist.is_initialized() or dist.get_rank() == 0:
                 log.info(f"  wrote {' '.join(shown(x) for x in report.write(args.paradyse_run_report))}")
         return self.history
+
+    def evaluate(self, prefix: str, split: str = "validation"):
+        """One evaluation (``evaluation.py``), its loss and PPL also written to TensorBoard/wandb
+        (Megatron-LM's ``lm loss validation`` tags; the test split's with `` test``)."""
+        res = self.evaluation.run(prefix, split=split)
+        if res is not None and self.scalars is not None:
+            self.scalars.validation(res.iteration, res.loss, res.ppl, suffix="" if split == "validation" else " test")
+        return res
+
+    def final_evaluation(self) -> None:
+        """After training, as Megatron-LM's ``pretrain``: the validation split, then the test split."""
+        self.evaluate(f"iteration {self.iteration} on validation set")
+        self.evaluate(f"iteration {self.iteration} on test set", split="test")
 
     # ------------------------------------------------------------------ run report (run_report.py)
     def _run_report(self):
@@ -585,6 +610,7 @@ def main(argv=None) -> int:
     with FailFast(prog=PROG, on_interrupt=lambda: last_checkpoint_text(args)):
         trainer = Trainer(args)
         trainer.train()
+        trainer.final_evaluation()
         if trainer.scalars is not None:
             trainer.scalars.close()
         from megatron.core import parallel_state
