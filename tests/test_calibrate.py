@@ -103,7 +103,7 @@ def test_the_cells_are_the_ones_the_planner_can_choose_under_the_budget():
     from megatron_paradyse.units import GiB
 
     cm = FittedCostModel.load(P4)
-    every = [(st, s) for st in cm.strategies for s in (1024, 4096)]
+    every = [(st, s) for st in cm.strategies for s in (4096, 1024)]  # the longest first: one warm-up each
     assert calibrate.cells_for(cm, 4096) == every
     cells = calibrate.cells_for(cm, 4096, 0.03 * GiB)
     assert cells == [c for c in every if c != ("colossal", 4096)]
@@ -114,8 +114,9 @@ def test_the_cells_are_the_ones_the_planner_can_choose_under_the_budget():
 
 def test_a_cell_stops_once_its_time_settles(monkeypatch):
     """The calibration's timed passes (``sweep._calibration_rows``, a one-rank stand-in sweep): a
-    warm-up, then passes until one moves the max over ranks of the medians by under 3%, at
-    least ``repeats`` and at most ``calibration_repeats``; a noisy cell runs to the cap."""
+    warm-up per strategy, then passes until one moves the max over ranks of the medians by
+    under 3%, at least ``repeats`` and at most ``calibration_repeats``; a noisy cell runs to the
+    cap; the strategy's next (shorter) cell reuses the warm-up."""
     from types import SimpleNamespace
 
     from megatron_paradyse.costmodel import sweep
@@ -124,8 +125,8 @@ def test_a_cell_stops_once_its_time_settles(monkeypatch):
     assert not sweep.settled([1.0, 1.2, 1.0], 0.03, 3)
     assert sweep.pass_statistic([[1.0, 2.0, 9.0], [3.0, 3.0, 3.0]]) == 3.0
     assert sweep.pass_statistic([[1.0, 2.0], [3.0]], "min") == 1.0
-    script = {"steady": iter([5.0] + [1.0, 1.4, 1.01, 1.0] + [9.0] * 20),  # warm-up, then the passes
-              "noisy": iter([5.0] + [1.0, 2.0] * 20)}
+    script = {"noisy": iter([5.0] + [1.0, 2.0] * 20),  # warm-up, then the passes
+              "steady": iter([1.0, 1.4, 1.01, 1.0] + [9.0] * 20)}
     calls = {k: 0 for k in script}
 
     def time(part, s, b, warmup, repeats):
@@ -134,12 +135,12 @@ def test_a_cell_stops_once_its_time_settles(monkeypatch):
         return [next(script[st]) for _ in range(warmup + repeats)][warmup:]
 
     monkeypatch.setattr(sweep.M, "set_strategy", lambda model, st: None)
-    cfg = SimpleNamespace(cells=(("tp_sp", 1024), ("tp_sp", 4096)), repeats=3, stable=0.03, time_stat="median")
+    cfg = SimpleNamespace(cells=(("tp_sp", 4096), ("tp_sp", 1024)), repeats=3, stable=0.03, time_stat="median")
     sw = SimpleNamespace(cfg=cfg, model=None, runner=SimpleNamespace(time=time), rows=[], rank=0, me=0, n_ranks=1,
                          dev="cpu", collective=False, attempt=lambda fn, what: (fn(), []), progress=lambda msg: None)
     sweep._calibration_rows(sw)
-    assert [r["layer_times"] for r in sw.rows] == [[1.0, 1.4, 1.01, 1.0], [1.0, 2.0] * 3]
-    assert calls == {"steady": 5, "noisy": 1 + sweep.calibration_repeats(3, 4096)}  # the warm-up's pass too
+    assert [r["layer_times"] for r in sw.rows] == [[1.0, 2.0] * 3, [1.0, 1.4, 1.01, 1.0]]
+    assert calls == {"noisy": 1 + sweep.calibration_repeats(3, 4096), "steady": 4}  # the warm-up's pass too
 
 
 def test_the_run_report_carries_the_calibrations_time(tmp_path):

@@ -4,18 +4,23 @@ calibrate MODEL -o HERE.json`` (or the trainer's ``--paradyse-calibrate``, at st
 A fitted model's times describe the host that profiled it: two hosts of one kind differ by up
 to 1.5x here, and a GPU user may reuse a profile of another node. Memory does not depend on the
 host; time does. The calibration re-measures a small part of the profile on this host, with the
-profiler's own code (``sweep.rank_sweep``): every strategy's layer at two lengths, ``S / 4``
-and ``S`` (``S``: the run's longest sequence, at most the model's profiled range), then scales
+profiler's own layer runner (``sweep.rank_sweep`` with ``ProfileConfig.cells``): each
+strategy's layer at two lengths, ``S / 4`` and ``S`` (``S``: the run's longest sequence, at most
+the model's profiled range), only where the planner could choose it under the run's memory
+budget (:func:`cells_for`); one warm-up pass per strategy (at its longest cell: the shorter
+one reuses it), then per cell timed passes until one moves the cell's time by less than 3% (at
+least 3). It then scales
 
 * each strategy's predicted layer time by ``measured here / predicted`` at those lengths,
   interpolated in log s between them and held constant outside (a pack by its padded length);
 * the non-layer part and the step's update by the median of those ratios (measuring them
   would build the whole model a second time).
 
-The factors are the same on every rank (measured times are the max over ranks, as in a
-profile). The result is the same model with a ``calibration`` record: the host, the lengths,
-measured and predicted seconds, the factors. On this 2-core CPU at p = 4 it takes about half a
-minute; on GPUs seconds.
+The factors are the same on every rank (every pass's time is shared by all ranks, which stop
+each cell at the same pass; measured times are the max over ranks of each rank's median, as in
+a profile). The result is the same model with a ``calibration`` record: the host, the lengths,
+measured and predicted seconds, the factors, the timed passes and the wall time (``seconds``,
+the max over ranks). On this 2-core CPU at p = 4 (the demo) it takes seconds, not a minute.
 """
 from __future__ import annotations
 
@@ -56,7 +61,8 @@ def lengths_for(cm: FittedCostModel, seq_length: int) -> list:
 
 
 def cells_for(cm: FittedCostModel, seq_length: int, budget_bytes: float | None = None) -> list:
-    """The calibration's cells, ``(strategy, s)``: every strategy at :func:`lengths_for`'s
+    """The calibration's cells, ``(strategy, s)``, each strategy's longest first (its shorter
+    cells reuse its warm-up, ``sweep._calibration_rows``): every strategy at :func:`lengths_for`'s
     lengths where the planner could choose it under ``budget_bytes`` (a layer of it, its leanest
     entry, plain or recomputed, fits beside the static memory, as the model predicts); a
     strategy that fits at none of them is measured at the shortest alone (its factor then holds
@@ -65,7 +71,7 @@ def cells_for(cm: FittedCostModel, seq_length: int, budget_bytes: float | None =
     out = []
     for st in cm.strategies:
         fit = [s for s in lengths if budget_bytes is None or lean_bytes(cm, st, s) <= budget_bytes]
-        out += [(st, s) for s in (fit or lengths[:1])]
+        out += [(st, s) for s in sorted(fit or lengths[:1], reverse=True)]
     return out
 
 
@@ -79,7 +85,7 @@ def lean_bytes(cm: FittedCostModel, st: str, s: int) -> float:
 
 def config_for(cm: FittedCostModel, cells: list, model_args: dict | None = None) -> ProfileConfig:
     """The sweep of a calibration (``sweep._calibration_rows``): the layer of each strategy at
-    its lengths (``cells``), b = 1, one warm-up pass per cell, then timed passes until the
+    its lengths (``cells``), b = 1, one warm-up pass per strategy, then timed passes until the
     time settles (:data:`STABLE`): no pool, memory, kernel, recompute or non-layer phase (a
     recomputed layer's time follows its strategy's factor, ``FittedCostModel.layer``)."""
     strategies = tuple(dict.fromkeys(st for st, _ in cells))

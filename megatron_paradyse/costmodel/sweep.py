@@ -182,20 +182,23 @@ def pass_statistic(per_rank: list, stat: str = "median") -> float:
 
 
 def _calibration_rows(sw: Sweep) -> None:
-    """A calibration's cells (``cfg.cells``: (strategy, s) at b = 1, the layer alone): per
-    cell one warm-up pass, then timed passes back to back (each after a pass of its own size)
-    until :func:`settled` (``cfg.stable``; at least ``cfg.repeats``, at most
-    :func:`calibration_repeats`); every pass's time is shared by all ranks (one all-reduce), so
-    every rank stops its cell at the same pass. No pool, memory or warm-up phase. A cell out of
-    memory on any rank drops it and its strategy's longer cells (a ``limit`` row)."""
+    """A calibration's cells (``cfg.cells``: (strategy, s) at b = 1, the layer alone, each
+    strategy's longest first): one warm-up pass per strategy, at its first cell, then per cell
+    timed passes back to back until :func:`settled` (``cfg.stable``; at least ``cfg.repeats``,
+    at most :func:`calibration_repeats`). Each timed pass follows a pass of its own size or a
+    larger one, which is all the profile's untimed pass is for (``_timed_rounds``): the
+    strategy's shorter cells reuse its warm-up. Every pass's time is shared by all ranks (one
+    all-reduce), so every rank stops its cell at the same pass. No pool, memory or kernel phase.
+    A cell out of memory on any rank drops it and its strategy's other cells (a ``limit`` row)."""
     cfg, stopped, current = sw.cfg, set(), None
     for st, s in cfg.cells:
         if st in stopped:
             continue
-        if st != current:
+        warm = st != current
+        if warm:
             M.set_strategy(sw.model, st)
             current = st
-        times = _calibration_cell(sw, st, s)
+        times = _calibration_cell(sw, st, s, warm)
         if times is None:
             stopped.add(st)
             continue
@@ -209,11 +212,12 @@ def calibration_repeats(repeats: int, tokens: int) -> int:
     return max(2 * repeats, repeats_for(repeats, tokens))
 
 
-def _calibration_cell(sw: Sweep, st: str, s: int):
-    """One calibration cell's timed passes (this rank's), or None where any rank ran out of
-    memory."""
-    cfg = sw.cfg
-    _, bad = sw.attempt(lambda: sw.runner.time("layer", s, 1, 1, 0), f"{st} s={s} (warm-up)")
+def _calibration_cell(sw: Sweep, st: str, s: int, warm: bool):
+    """One calibration cell's timed passes (this rank's), after a warm-up pass where ``warm``;
+    None where any rank ran out of memory."""
+    cfg, bad = sw.cfg, []
+    if warm:
+        _, bad = sw.attempt(lambda: sw.runner.time("layer", s, 1, 1, 0), f"{st} s={s} (warm-up)")
     per_rank, history = [[] for _ in range(sw.n_ranks)], []
     while not bad and len(history) < calibration_repeats(cfg.repeats, s):
         got, bad = sw.attempt(lambda: sw.runner.time("layer", s, 1, 0, 1), f"{st} s={s} (timed)")
