@@ -15,7 +15,7 @@
 #   MEMORY_EVERY=1 scripts/run_demo.sh       # the peak on every step (default every 2nd: on CPU the
 #                                            # tracker slows its step; the others' times are compared)
 #   CALIBRATE=0 scripts/run_demo.sh          # the shipped cost model's times as profiled (default: first
-#                                            # rescaled to this host, --paradyse-calibrate, ~45 s)
+#                                            # rescaled to this host, --paradyse-calibrate, ~10-20 s)
 #   scripts/run_demo.sh --train-iters 100    # extra flags go to pretrain_gpt_paradyse.py
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

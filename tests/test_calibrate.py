@@ -92,3 +92,68 @@ def test_the_trainers_calibration_trains_as_without_it():
         assert r["calibrated"][0] == r["plain"][0] and r["calibrated"][1] == r["plain"][1]
         assert r["calibrated"][2]["lengths"] == [16, 64] and r["plain"][2] is None
     assert got[0]["calibrated"][2]["strategies"] == got[1]["calibrated"][2]["strategies"]
+
+
+P4 = os.path.join(MODELS, "demo_p4.json")
+
+
+def test_the_cells_are_the_ones_the_planner_can_choose_under_the_budget():
+    """The demo's budget (0.03 GiB): `colossal` at 4096 tokens needs over 130 MiB even
+    recomputed, so it is measured at 1024 alone; every other cell stays; no budget: all."""
+    from megatron_paradyse.units import GiB
+
+    cm = FittedCostModel.load(P4)
+    every = [(st, s) for st in cm.strategies for s in (4096, 1024)]  # the longest first: one warm-up each
+    assert calibrate.cells_for(cm, 4096) == every
+    cells = calibrate.cells_for(cm, 4096, 0.03 * GiB)
+    assert cells == [c for c in every if c != ("colossal", 4096)]
+    assert calibrate.lean_bytes(cm, "colossal", 4096) > 0.03 * GiB >= calibrate.lean_bytes(cm, "tp_sp", 4096)
+    # a strategy that fits nowhere is still measured, at the shortest length (its factor holds everywhere)
+    assert calibrate.cells_for(cm, 4096, 1.0) == [(st, 1024) for st in cm.strategies]
+
+
+def test_a_cell_stops_once_its_time_settles(monkeypatch):
+    """The calibration's timed passes (``sweep._calibration_rows``, a one-rank stand-in sweep): a
+    warm-up per strategy, then passes until one moves the max over ranks of the medians by
+    under 3%, at least ``repeats`` and at most ``calibration_repeats``; a noisy cell runs to the
+    cap; the strategy's next (shorter) cell reuses the warm-up."""
+    from types import SimpleNamespace
+
+    from megatron_paradyse.costmodel import sweep
+
+    assert sweep.settled([1.0, 1.5, 1.52], 0.03, 3) and not sweep.settled([1.0, 1.02], 0.03, 3)
+    assert not sweep.settled([1.0, 1.2, 1.0], 0.03, 3)
+    assert sweep.pass_statistic([[1.0, 2.0, 9.0], [3.0, 3.0, 3.0]]) == 3.0
+    assert sweep.pass_statistic([[1.0, 2.0], [3.0]], "min") == 1.0
+    script = {"noisy": iter([5.0] + [1.0, 2.0] * 20),  # warm-up, then the passes
+              "steady": iter([1.0, 1.4, 1.01, 1.0] + [9.0] * 20)}
+    calls = {k: 0 for k in script}
+
+    def time(part, s, b, warmup, repeats):
+        st = "steady" if s == 1024 else "noisy"
+        calls[st] += warmup + repeats
+        return [next(script[st]) for _ in range(warmup + repeats)][warmup:]
+
+    monkeypatch.setattr(sweep.M, "set_strategy", lambda model, st: None)
+    cfg = SimpleNamespace(cells=(("tp_sp", 4096), ("tp_sp", 1024)), repeats=3, stable=0.03, time_stat="median")
+    sw = SimpleNamespace(cfg=cfg, model=None, runner=SimpleNamespace(time=time), rows=[], rank=0, me=0, n_ranks=1,
+                         dev="cpu", collective=False, attempt=lambda fn, what: (fn(), []), progress=lambda msg: None)
+    sweep._calibration_rows(sw)
+    assert [r["layer_times"] for r in sw.rows] == [[1.0, 2.0] * 3, [1.0, 1.4, 1.01, 1.0]]
+    assert calls == {"noisy": 1 + sweep.calibration_repeats(3, 4096), "steady": 4}  # the warm-up's pass too
+
+
+def test_the_run_report_carries_the_calibrations_time(tmp_path):
+    from megatron_paradyse.training.run_report import RunReport
+
+    cm = FittedCostModel.load(P2)
+    rec = calibrate.apply(cm, calibrate.factors(cm, _rows(cm, [1024, 4096], {st: (lambda s: 1.5) for st in cm.strategies})))
+    rec = dict(rec.meta["calibration"], seconds=12.3)
+    rep = RunReport(calibration=rec)
+    rep.steps.append(dict(iteration=1, seconds=1.0, tokens=64, padded=[64], loss=1.0, lengths=[64], plans=[["tp_sp"] * 4], peak_bytes=None,
+                          predicted_seconds=None, predicted_peak_bytes=None, tracked=None, stage_peak_bytes=None))
+    assert "cost model calibrated to this host in 12.3 s: times x1.50 .. x1.50" in rep.summary()
+    rep.write(str(tmp_path))
+    import json
+    with open(tmp_path / "run_report.json") as fh:
+        assert json.load(fh)["calibration_seconds"] == 12.3

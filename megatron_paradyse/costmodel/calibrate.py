@@ -4,18 +4,23 @@ calibrate MODEL -o HERE.json`` (or the trainer's ``--paradyse-calibrate``, at st
 A fitted model's times describe the host that profiled it: two hosts of one kind differ by up
 to 1.5x here, and a GPU user may reuse a profile of another node. Memory does not depend on the
 host; time does. The calibration re-measures a small part of the profile on this host, with the
-profiler's own code (``sweep.rank_sweep``): every strategy's layer at two lengths, ``S / 4``
-and ``S`` (``S``: the run's longest sequence, at most the model's profiled range), then scales
+profiler's own layer runner (``sweep.rank_sweep`` with ``ProfileConfig.cells``): each
+strategy's layer at two lengths, ``S / 4`` and ``S`` (``S``: the run's longest sequence, at most
+the model's profiled range), only where the planner could choose it under the run's memory
+budget (:func:`cells_for`); one warm-up pass per strategy (at its longest cell: the shorter
+one reuses it), then per cell timed passes until one moves the cell's time by less than 3% (at
+least 3). It then scales
 
 * each strategy's predicted layer time by ``measured here / predicted`` at those lengths,
   interpolated in log s between them and held constant outside (a pack by its padded length);
 * the non-layer part and the step's update by the median of those ratios (measuring them
   would build the whole model a second time).
 
-The factors are the same on every rank (measured times are the max over ranks, as in a
-profile). The result is the same model with a ``calibration`` record: the host, the lengths,
-measured and predicted seconds, the factors. On this 2-core CPU at p = 4 it takes about half a
-minute; on GPUs seconds.
+The factors are the same on every rank (every pass's time is shared by all ranks, which stop
+each cell at the same pass; measured times are the max over ranks of each rank's median, as in
+a profile). The result is the same model with a ``calibration`` record: the host, the lengths,
+measured and predicted seconds, the factors, the timed passes and the wall time (``seconds``,
+the max over ranks). On this 2-core CPU at p = 4 (the demo) it takes seconds, not a minute.
 """
 from __future__ import annotations
 
@@ -27,18 +32,22 @@ import shutil
 import statistics
 import time
 
+import torch
 import torch.distributed as dist
 
 from .. import device
 from ..errors import ArgumentParser, UserError, command
+from ..parallel.plans import RC
 from ..paths import writable_file
+from ..units import GiB
 from . import measure as M
 from .fitted import FittedCostModel
 from .profile import ProfileConfig, _with_model_args, hardware, merge_ranks, run_profile
 from .sweep import rank_sweep
 
 log = logging.getLogger(__name__)
-REPEATS = 3
+REPEATS = 3  # the fewest timed passes of a cell
+STABLE = 0.03  # a cell's timed passes stop once one moves its time by less than this (relative)
 
 
 def lengths_for(cm: FittedCostModel, seq_length: int) -> list:
@@ -51,20 +60,46 @@ def lengths_for(cm: FittedCostModel, seq_length: int) -> list:
     return sorted({lo, hi})
 
 
-def config_for(cm: FittedCostModel, lengths: list, model_args: dict | None = None) -> ProfileConfig:
-    """The sweep of a calibration: the layer of every strategy of the model at ``lengths``,
-    b = 1, no kernel calibration, no recompute phase, no non-layer part, no memory limit (a
+def cells_for(cm: FittedCostModel, seq_length: int, budget_bytes: float | None = None) -> list:
+    """The calibration's cells, ``(strategy, s)``, each strategy's longest first (its shorter
+    cells reuse its warm-up, ``sweep._calibration_rows``): every strategy at :func:`lengths_for`'s
+    lengths where the planner could choose it under ``budget_bytes`` (a layer of it, its leanest
+    entry, plain or recomputed, fits beside the static memory, as the model predicts); a
+    strategy that fits at none of them is measured at the shortest alone (its factor then holds
+    at every length). ``budget_bytes`` None: every cell."""
+    lengths = lengths_for(cm, seq_length)
+    out = []
+    for st in cm.strategies:
+        fit = [s for s in lengths if budget_bytes is None or lean_bytes(cm, st, s) <= budget_bytes]
+        out += [(st, s) for s in sorted(fit or lengths[:1], reverse=True)]
+    return out
+
+
+def lean_bytes(cm: FittedCostModel, st: str, s: int) -> float:
+    """The least memory a plan with one layer of ``st`` at ``s`` needs, as ``cm`` predicts: the
+    static bytes plus the leanest entry's saved + transient (``st`` or ``st:rc``)."""
+    entries = [st] + ([st + RC] if cm.recomputes() else [])
+    return cm.static_bytes() + min(cm.layer(e, s, 1).saved_bytes + cm.layer(e, s, 1).transient_bytes
+                                   for e in entries)
+
+
+def config_for(cm: FittedCostModel, cells: list, model_args: dict | None = None) -> ProfileConfig:
+    """The sweep of a calibration (``sweep._calibration_rows``): the layer of each strategy at
+    its lengths (``cells``), b = 1, one warm-up pass per strategy, then timed passes until the
+    time settles (:data:`STABLE`): no pool, memory, kernel, recompute or non-layer phase (a
     recomputed layer's time follows its strategy's factor, ``FittedCostModel.layer``)."""
-    return ProfileConfig(seqs=tuple(lengths), strategies=tuple(cm.strategies), batches=(1,), parts=("layer",),
-                         warmup=1, repeats=REPEATS, nonlayer=False, kernels=False, recompute=False, memory_limit=None,
-                         command="calibrate", model_args=model_args)
+    strategies = tuple(dict.fromkeys(st for st, _ in cells))
+    return ProfileConfig(seqs=tuple(sorted({s for _, s in cells})), strategies=strategies, batches=(1,),
+                         parts=("layer",), warmup=1, repeats=REPEATS, nonlayer=False, kernels=False,
+                         recompute=False, memory_limit=None, command="calibrate", model_args=model_args,
+                         cells=tuple(cells), stable=STABLE, time_stat=cm.meta.get("time_stat", "median"))
 
 
-def measure_in_world(cm: FittedCostModel, lengths: list, model_args: dict) -> list:
+def measure_in_world(cm: FittedCostModel, cells: list, model_args: dict) -> list:
     """Every rank of an initialised world (p divides it): the calibration's rows, merged over
     the ranks (the same list on every rank). Leaves megatron's parallel state as ``measure.build``
     set it (TP = p): the caller initialises its own afterwards."""
-    cfg = config_for(cm, lengths, model_args)
+    cfg = config_for(cm, cells, model_args)
     cfg, _ = _with_model_args(cm.shape, cfg, device.current().type)
     rows = rank_sweep(dist.get_rank(), dist.get_world_size(), cm.shape.key(), cfg)
     per_rank = [None] * dist.get_world_size()
@@ -79,9 +114,11 @@ def factors(cm: FittedCostModel, rows: list) -> dict:
     stat = cm.meta.get("time_stat", "median")
     base = uncalibrated(cm)  # the profile's host: what the measured times are compared with
     per = {}
+    passes = 0
     for r in rows:
-        if r.get("type") != "layer" or r.get("b") != 1:
+        if r.get("type") not in ("layer", "calibration") or r.get("b") != 1:
             continue
+        passes += len(r["layer_times"])
         st, s = r["strategy"], int(r["s"])
         meas = min(r["layer_times"]) if stat == "min" else r["seconds"]
         pred = base.layer(st, s, 1).seconds
@@ -92,7 +129,7 @@ def factors(cm: FittedCostModel, rows: list) -> dict:
                         "calibrate at shorter lengths (--seq-length)")
     ratios = [x[3] for pts in per.values() for x in pts]
     return {"strategies": {st: sorted(v) for st, v in per.items()}, "other": float(statistics.median(ratios)),
-            "lengths": sorted({x[0] for v in per.values() for x in v})}
+            "lengths": sorted({x[0] for v in per.values() for x in v}), "passes": passes}
 
 
 def uncalibrated(cm: FittedCostModel) -> FittedCostModel:
@@ -121,21 +158,31 @@ def summary(cm: FittedCostModel) -> str:
             + ", ".join(parts) + f"; non-layer part and update {cal['other']:.2f}x")
 
 
-def calibrate_in_world(cm: FittedCostModel, seq_length: int, model_args: dict) -> FittedCostModel:
+def calibrate_in_world(cm: FittedCostModel, seq_length: int, model_args: dict,
+                       budget_bytes: float | None = None) -> FittedCostModel:
     """The trainer's ``--paradyse-calibrate``: measure here (every rank, before the run's own
-    parallel state and seeds) and return the calibrated model (the same on every rank)."""
-    lengths = lengths_for(cm, seq_length)
+    parallel state and seeds) the cells the planner could choose under ``budget_bytes``
+    (:func:`cells_for`) and return the calibrated model (the same on every rank), its record's
+    ``seconds`` the calibration's wall time, the max over ranks."""
+    cells = cells_for(cm, seq_length, budget_bytes)
     t0 = time.perf_counter()
     sweep_log = logging.getLogger(rank_sweep.__module__)
     level = sweep_log.level
     sweep_log.setLevel(logging.WARNING)  # the profiler's progress lines: one summary line instead
     try:
-        rows = measure_in_world(cm, lengths, model_args)
+        rows = measure_in_world(cm, cells, model_args)
     finally:
         sweep_log.setLevel(level)
     out = apply(cm, factors(cm, rows))
-    out.meta["calibration"]["seconds"] = round(time.perf_counter() - t0, 1)
+    out.meta["calibration"]["seconds"] = round(max_over_ranks(time.perf_counter() - t0), 1)
     return out
+
+
+def max_over_ranks(seconds: float) -> float:
+    """The largest of every rank's ``seconds`` (one all-reduce)."""
+    t = torch.tensor([float(seconds)], dtype=torch.float64, device=device.current())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
 
 
 def save(cm: FittedCostModel, out: str) -> str:
@@ -164,6 +211,9 @@ def build_parser():
     ap.add_argument("--seq-length", type=int, default=4096,
                     help="the longest sequence you train: calibrated at it and a quarter of it (capped at "
                          "the model's profiled range; default 4096)")
+    ap.add_argument("--memory-budget", type=float, default=None, metavar="GIB",
+                    help="the run's --paradyse-memory-budget: a strategy is measured only at the lengths where "
+                         "a layer of it fits (default: every strategy at both lengths)")
     ap.add_argument("--nproc", type=int, default=None, help="ranks to start (default: the model's p)")
     ap.add_argument("--timeout", type=float, default=900.0)
     return ap
@@ -176,7 +226,8 @@ def main(argv=None):
     cm = FittedCostModel.load(args.model)
     if args.seq_length < cm.shape.p:
         raise UserError(f"--seq-length {args.seq_length} is shorter than p = {cm.shape.p}")
-    cfg = config_for(cm, lengths_for(cm, args.seq_length), profiled_model_args(cm))
+    budget = None if args.memory_budget is None else args.memory_budget * GiB
+    cfg = config_for(cm, cells_for(cm, args.seq_length, budget), profiled_model_args(cm))
     t0 = time.perf_counter()
     rows = run_profile(cm.shape, cfg, nproc=args.nproc or (None if "WORLD_SIZE" in os.environ else cm.shape.p),
                        timeout=args.timeout)

@@ -94,7 +94,10 @@ class ProfileConfig:
     machine's default, gloo for spawned ranks). ``fake_world``/``fake_rank``: one process
     plays a rank of a fake group, its communication time from ``interconnect`` (a key of
     ``configs/interconnects.json``, or of ``interconnect_path``). Rank 0 logs the progress
-    (``sweep``'s logger; spawned ranks log as the process that started them)."""
+    (``sweep``'s logger; spawned ranks log as the process that started them). ``cells``: a
+    calibration's (strategy, s) pairs, timed alone (``sweep._calibration_rows``: each until its
+    time, ``time_stat`` of the passes, moves by less than ``stable`` between passes); the other
+    phases are then not run."""
 
     seqs: tuple
     strategies: tuple
@@ -120,6 +123,9 @@ class ProfileConfig:
     recompute_only: bool = False
     recompute_seqs: tuple = ()
     recompute_points: int = 4
+    cells: tuple = ()
+    stable: float = 0.03
+    time_stat: str = "median"
 
     def pack_shapes(self, p: int) -> list:
         """The profile's packs: ``packs.random_packs`` of the totals ``packs`` (fixed seed)."""
@@ -128,6 +134,7 @@ class ProfileConfig:
     def __post_init__(self):
         for name in ("seqs", "strategies", "batches", "parts", "packs", "recompute_seqs"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
+        object.__setattr__(self, "cells", tuple((str(st), int(s)) for st, s in self.cells))
         for name in ("seqs", "batches"):
             values = getattr(self, name)
             if not values or any(int(v) != v or v < 1 for v in values):
@@ -232,6 +239,8 @@ def merge_ranks(per_rank: list) -> list:
             m["transient_by_rank"] = [r["transient_bytes"] for r in rows]
         if row.get("type") == "nonlayer":
             m["seconds"] = m["nonlayer_seconds"]
+        if row.get("type") == "calibration":
+            m["seconds"] = m["layer_seconds"]
         if row.get("type") == "recompute":  # st:rc's times and the plain layer's, round by round
             m["seconds"] = m["rc_seconds"]
         out.append(m)

@@ -15,6 +15,7 @@ rank is skipped on every rank, with a ``limit`` row, and its strategy goes no lo
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 
 import torch
@@ -138,6 +139,9 @@ def rank_sweep(rank, world, shape_d, cfg):
     rank returns the same sequence of rows: each skip (memory limit, out of memory) is agreed by
     all of them."""
     sw = Sweep(rank, ModelShape(**shape_d), cfg)
+    if cfg.cells:  # a calibration to this host: its cells timed alone
+        _calibration_rows(sw)
+        return sw.rows
     if cfg.recompute_only:
         sw.total_w = sw.done_w = 0.0  # the estimate counts this phase's cells only
         _recompute_rows(sw, None)
@@ -157,6 +161,86 @@ def rank_sweep(rank, world, shape_d, cfg):
     if cfg.nonlayer:
         _nonlayer_rows(sw, pool_points)
     return sw.rows
+
+
+def settled(history: list, tol: float, least: int) -> bool:
+    """Whether a cell's timed passes may stop: ``history`` holds its statistic after each timed
+    pass (the same on every rank); at least ``least`` passes, and the last pass moved it by less
+    than ``tol`` (relative)."""
+    if len(history) < max(least, 2):
+        return False
+    return abs(history[-1] - history[-2]) <= tol * abs(history[-2])
+
+
+def pass_statistic(per_rank: list, stat: str = "median") -> float:
+    """A cell's time from every rank's passes so far, as ``profile.merge_ranks`` and
+    ``calibrate.factors`` read it: the max over ranks of each rank's median (``stat ==
+    "min"``: the least pass of any rank)."""
+    if stat == "min":
+        return min(t for times in per_rank for t in times)
+    return max(statistics.median(times) for times in per_rank)
+
+
+def _calibration_rows(sw: Sweep) -> None:
+    """A calibration's cells (``cfg.cells``: (strategy, s) at b = 1, the layer alone, each
+    strategy's longest first): one warm-up pass per strategy, at its first cell, then per cell
+    timed passes back to back until :func:`settled` (``cfg.stable``; at least ``cfg.repeats``,
+    at most :func:`calibration_repeats`). Each timed pass follows a pass of its own size or a
+    larger one, which is all the profile's untimed pass is for (``_timed_rounds``): the
+    strategy's shorter cells reuse its warm-up. Every pass's time is shared by all ranks (one
+    all-reduce), so every rank stops its cell at the same pass. No pool, memory or kernel phase.
+    A cell out of memory on any rank drops it and its strategy's other cells (a ``limit`` row)."""
+    cfg, stopped, current = sw.cfg, set(), None
+    for st, s in cfg.cells:
+        if st in stopped:
+            continue
+        warm = st != current
+        if warm:
+            M.set_strategy(sw.model, st)
+            current = st
+        times = _calibration_cell(sw, st, s, warm)
+        if times is None:
+            stopped.add(st)
+            continue
+        sw.rows.append({"type": "calibration", "strategy": st, "s": s, "b": 1, "rank": sw.rank, "layer_times": times})
+        sw.progress(f"{st:8s} s={s:5d}: {statistics.median(times) * 1e3:8.1f} ms after {len(times)} timed passes")
+
+
+def calibration_repeats(repeats: int, tokens: int) -> int:
+    """The most timed passes of a calibration cell: twice ``repeats``, more for short passes
+    (:func:`repeats_for`), which are noisier."""
+    return max(2 * repeats, repeats_for(repeats, tokens))
+
+
+def _calibration_cell(sw: Sweep, st: str, s: int, warm: bool):
+    """One calibration cell's timed passes (this rank's), after a warm-up pass where ``warm``;
+    None where any rank ran out of memory."""
+    cfg, bad = sw.cfg, []
+    if warm:
+        _, bad = sw.attempt(lambda: sw.runner.time("layer", s, 1, 1, 0), f"{st} s={s} (warm-up)")
+    per_rank, history = [[] for _ in range(sw.n_ranks)], []
+    while not bad and len(history) < calibration_repeats(cfg.repeats, s):
+        got, bad = sw.attempt(lambda: sw.runner.time("layer", s, 1, 0, 1), f"{st} s={s} (timed)")
+        if bad:
+            break
+        for r, t in enumerate(_shared(sw, got[0])):
+            per_rank[r].append(t)
+        history.append(pass_statistic(per_rank, cfg.time_stat))
+        if settled(history, cfg.stable, cfg.repeats):
+            break
+    if bad:
+        sw.stop(st, s, 1, oom_reason(bad), oom_ranks=bad)
+        return None
+    return per_rank[sw.me]
+
+
+def _shared(sw: Sweep, seconds: float) -> list:
+    """Every rank's ``seconds`` (one all-reduce of a vector on this rank's device)."""
+    vals = torch.zeros(sw.n_ranks, device=sw.dev, dtype=torch.float64)
+    vals[sw.me] = seconds
+    if sw.collective:
+        dist.all_reduce(vals)
+    return vals.tolist()
 
 
 def _pool_rows(sw: Sweep, points: list) -> None:

@@ -43,9 +43,11 @@ def calibrated_cost_model(args):
         raise UserError("--paradyse-calibrate needs a fitted cost model: give --paradyse-cost-model (none is "
                         "shipped for this model's shape)")
     model_args = {k: getattr(args, k) for k in M.model_flag_names() if hasattr(args, k)}
-    out = calibrate.calibrate_in_world(cm, args.seq_length, model_args)
-    log_single_rank(log, logging.INFO, f"> calibrated the cost model to this host in "
-                                       f"{out.meta['calibration']['seconds']:.0f} s: {calibrate.summary(out)}")
+    budget = args.paradyse_memory_budget  # None: measured once the model exists; every cell then
+    out = calibrate.calibrate_in_world(cm, args.seq_length, model_args, None if budget is None else budget * GiB)
+    cal = out.meta["calibration"]
+    log_single_rank(log, logging.INFO, f"> calibrated the cost model to this host in {cal['seconds']:.1f} s "
+                                       f"({cal['passes']} timed passes): {calibrate.summary(out)}")
     return out
 
 

@@ -94,12 +94,19 @@ class RunReport:
                  + (f" against a budget of {self.budget / MiB:.1f} MiB: {len(over)} step(s) over" if self.budget else "")]
         lines += self._errors() + self._stage_lines()
         if self.calibration:
-            pts = [x[3] for v in self.calibration["strategies"].values() for x in v]
-            lines.append(f"  cost model calibrated to this host: times x{min(pts):.2f} .. x{max(pts):.2f} "
-                         f"(at s = {'/'.join(map(str, self.calibration['lengths']))}; run_report.json)")
+            lines.append(self._calibration_line())
         lines.append("  plans used (micro-batches): " + ", ".join(
             f"{k} x{v}" for k, v in sorted(plans.items(), key=lambda kv: -kv[1])))
         return "\n".join(lines + self._static_lines())
+
+    def _calibration_line(self) -> str:
+        """The cost model's calibration to this host: its factors' range, lengths, and its own
+        wall time (max over ranks; before the run's first step, not in the steps' time)."""
+        cal = self.calibration
+        pts = [x[3] for v in cal["strategies"].values() for x in v]
+        took = f" in {cal['seconds']:.1f} s" if cal.get("seconds") is not None else ""
+        return (f"  cost model calibrated to this host{took}: times x{min(pts):.2f} .. x{max(pts):.2f} "
+                f"(at s = {'/'.join(map(str, cal['lengths']))}; run_report.json)")
 
     def _static_lines(self) -> list:
         """With a planner: every uniform plan, plain and recomputed, on the run's own micro-batches,
@@ -155,7 +162,8 @@ class RunReport:
         os.makedirs(out_dir, exist_ok=True)
         path = os.path.join(out_dir, "run_report.json")
         with open(path, "w") as fh:
-            json.dump({"budget_bytes": self.budget, "calibration": self.calibration, "steps": self.steps},
+            json.dump({"budget_bytes": self.budget, "calibration": self.calibration,
+                       "calibration_seconds": (self.calibration or {}).get("seconds"), "steps": self.steps},
                       fh, indent=1, default=float)
         paths = [path]
         png = self.plot(os.path.join(out_dir, "run_report.png"))
