@@ -105,8 +105,14 @@ def test_ranks_end_when_their_parent_is_killed(tmp_path):
 
 
 def _start_env(rank, world):
+    import torch.distributed as dist
+
     with open("/proc/self/environ", "rb") as f:  # the environment the process was started with
-        return dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    # no rank leaves before every rank has connected: a rank that exits at once can close its
+    # socket while a slower peer is still inside gloo's connectFullMesh (seen under load)
+    dist.barrier()
+    return env
 
 
 def test_cpu_launcher_exports_the_allocator_settings():

@@ -66,9 +66,10 @@ def run_world(fn, world_size: int, *args, timeout: float = 300.0, env: dict | No
     return _ranks(fn, world_size, *args, timeout=timeout, env=env, grace=grace, **kwargs)
 
 
-# gloo's TCP mesh, set up inside ``init_process_group``, can be refused by the host when two
-# test worlds start at once (the suite runs two test files side by side): then no rank has run
-# the test's function, and the world starts once more
+# gloo's TCP mesh, set up inside ``init_process_group``, can fail with "Connection closed by
+# peer" when a peer closes its socket before this rank finished connecting (seen under load,
+# with two test files side by side): then the failing ranks have not run the test's function,
+# and the world starts once more
 CONNECT_FAILED = "connectFullMesh failed"
 
 
