@@ -36,8 +36,15 @@ def test_factors_scale_times_only_and_interpolate_in_log_s(tmp_path):
             want = 1.5 if st != "ring" else (2.0 if s <= 1024 else 1.25 if s >= 4096 else 1.625)  # linear in log s
             assert b.seconds == pytest.approx(a.seconds * want) and b.saved_bytes == a.saved_bytes
             assert b.transient_bytes == a.transient_bytes
-    pack = PackShape((300, 1000, 748))  # its padded length, 2048, takes the factor
-    assert cal.layer("ring", pack, 1).seconds == pytest.approx(cm.layer("ring", pack, 1).seconds * 1.625)
+    # a pack takes the factor of the single sequence with its share of attention, sum(d^2) / T:
+    # 805 tokens for these three documents (held at the shortest calibrated length's 2.0), not
+    # its total's (2048: 1.625); one document is a sequence of its length
+    pack = PackShape((300, 1000, 748))
+    assert cal.layer("ring", pack, 1).seconds == pytest.approx(cm.layer("ring", pack, 1).seconds * 2.0)
+    one = PackShape((2048,))
+    assert cal.layer("ring", one, 1).seconds == pytest.approx(cm.layer("ring", one, 1).seconds * 1.625)
+    even = PackShape((1024, 1024, 1024, 1024))  # 4096 tokens of 1024-token documents: 1024's factor
+    assert cal.layer("ring", even, 1).seconds == pytest.approx(cm.layer("ring", even, 1).seconds * 2.0)
     other = cal.meta["calibration"]["other"]  # the median ratio: non-layer part and update
     assert other == pytest.approx(1.5)
     assert cal.nonlayer(2048, 1).seconds == pytest.approx(cm.nonlayer(2048, 1).seconds * other)

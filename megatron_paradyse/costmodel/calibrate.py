@@ -12,7 +12,8 @@ one reuses it), then per cell timed passes until one moves the cell's time by le
 least 3). It then scales
 
 * each strategy's predicted layer time by ``measured here / predicted`` at those lengths,
-  interpolated in log s between them and held constant outside (a pack by its padded length);
+  interpolated in log s between them and held constant outside (a pack at
+  ``fitted.host_length``: the single sequence with its share of attention);
 * the non-layer part and the step's update by the median of those ratios (measuring them
   would build the whole model a second time).
 

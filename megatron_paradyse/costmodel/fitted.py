@@ -95,6 +95,18 @@ def fade(s: float, s_max: float) -> float:
     return max(0.0, 1.0 - float(np.log2(s / s_max)))
 
 
+def host_length(s, p: int) -> float:
+    """The length at which a calibration's factor applies to ``s``: ``s`` itself for one
+    sequence; for a pack (padded to a multiple of ``p``), the single sequence with the same
+    share of attention in its work, sum(d_i^2) / T. A host's factor moves with that share (at
+    long lengths attention dominates a layer); a pack of short documents does the work of its
+    documents, not of one sequence of its total length, so it takes the factor of a short one."""
+    if not packs.is_pack(s):
+        return s
+    pk = s.padded(p)
+    return max(1.0, pk.sum_sq / pk.tokens)
+
+
 class FittedCostModel(CostModel):
     kind = "fitted"
 
@@ -325,7 +337,7 @@ class FittedCostModel(CostModel):
         if key not in self._cache:
             fn = self.predict_pack if packs.is_pack(s) else (lambda st, tg, x: self.predict(st, tg, x, b))
             vals = [max(0.0, fn(strategy, tg, s)) for tg in TARGETS]
-            vals[0] *= self.host_factor(strategy, s.padded(self.shape.p).tokens if packs.is_pack(s) else s)
+            vals[0] *= self.host_factor(strategy, host_length(s, self.shape.p))
             self._cache[key] = LayerCost(*vals)
         return self._cache[key]
 
