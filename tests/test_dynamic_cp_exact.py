@@ -132,3 +132,42 @@ def test_dynamic_cp_rounds_match_stock_tp1():
         for block, seen in out["ran"]:
             assert seen == ([(block, block[1])] if block[1] > 1 else []), f"rank {r}: a micro-batch on {block} posted {seen}"
     print("worst rel. errors under Dynamic CP:", {k: f"{v:.1e}" for k, v in errs.items()})
+
+
+def test_dynamic_cp_flags_are_checked_before_any_collective():
+    """Every Dynamic CP combination that cannot run is one line, raised while parsing (every rank
+    parses the same flags), before torch.distributed starts; Megatron-LM's entry point refuses the
+    flag for now, and the layout check refuses Dynamic CP without the per-token loss."""
+    import pytest
+
+    from megatron_paradyse.layout import ParallelDims
+    from megatron_paradyse.training.arguments import ArgumentError, parse_args
+    from megatron_paradyse.training.dims import LayoutError, check_layout
+
+    from .test_training import _argv
+
+    dcp = ["--dynamic-context-parallel", "--paradyse-plan", "tp_sp", "--micro-batch-size", "1", "--global-batch-size", "8"]
+    cases = [
+        (_argv(2, dcp), 8, "--dynamic-context-parallel needs --paradyse"),
+        (_argv(2, dcp + ["--paradyse", "--pipeline-model-parallel-size", "2"]), 8, "with --pipeline-model-parallel"),
+        (_argv(2, dcp[:-1] + ["6", "--paradyse"]), 6, "pool of DP x CP = 3 nodes"),
+        (_argv(2, dcp + ["--paradyse", "--min-dynamic-context-parallel-size", "8"]), 8, "from 1 to the pool"),
+        (_argv(2, dcp + ["--paradyse", "--min-dynamic-context-parallel-size", "3"]), 8, "must be a power of two"),
+        (_argv(2, dcp + ["--paradyse", "--max-seqlen-per-dp-cp-rank", "7"]), 8, "positive multiple of"),
+        (_argv(2, dcp + ["--paradyse", "--cp-comm-type", "a2a"]), 8, "--cp-comm-type a2a"),
+        (_argv(2, ["--hybrid-context-parallel"] + dcp[1:] + ["--paradyse", "--context-parallel-size", "3"]), 6,
+         "pool of DP x CP = 3 nodes"),
+        (_argv(2, dcp + ["--paradyse", "--paradyse-pack", "greedy"]), 8, "packs each step's documents itself"),
+        (_argv(2, dcp[:1] + dcp[3:] + ["--paradyse"]), 8, "needs --paradyse-plan for now"),
+    ]
+    for argv, world, needle in cases:
+        with pytest.raises(ArgumentError, match=needle.replace("-", r"\-").replace("(", r"\(")) as e:
+            parse_args(argv, world_size=world)
+        assert "\n" not in str(e.value)
+    args = parse_args(_argv(2, dcp + ["--paradyse", "--context-parallel-size", "2"]), world_size=8)
+    assert args.paradyse_dims == ParallelDims(tp=2, dp=4, sequence_parallel=True, dynamic_cp=True)
+    dims = ParallelDims(tp=2, dp=4, sequence_parallel=True, dynamic_cp=True)
+    with pytest.raises(LayoutError, match="needs --calculate-per-token-loss"):
+        check_layout(dims, paradyse=True, dynamic_cp_runs=True, per_token_loss=False)
+    with pytest.raises(LayoutError, match="not supported with --paradyse in Megatron-LM's pretrain_gpt.py"):
+        check_layout(dims, paradyse=True)
