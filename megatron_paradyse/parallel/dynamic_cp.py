@@ -109,13 +109,27 @@ class DynamicCPGroups:
         return CPPlace(block.size, self.node - block.first, self.by_block[(block.first, block.size)])
 
 
-def enable() -> None:
-    """Dynamic CP on for this process: ``context.cp_of`` answers the current place (None: c = 1)."""
-    runtime.cache(DYNAMIC_CP)["place"] = None
+def enable(groups: DynamicCPGroups | None = None) -> None:
+    """Dynamic CP on for this process: ``context.cp_of`` answers the current place (None: c = 1);
+    ``groups``: the run's groups, which :func:`place_of` reads."""
+    cache = runtime.cache(DYNAMIC_CP)
+    cache["place"], cache["groups"] = None, groups
 
 
 def disable() -> None:
     runtime.cache(DYNAMIC_CP).clear()
+
+
+def place_of(block) -> CPPlace | None:
+    """This rank's place in ``block`` (``(first, size)``, or None: c = 1) of the groups
+    :func:`enable` was given."""
+    if block is None:
+        return None
+    groups = runtime.cache(DYNAMIC_CP).get("groups")
+    if groups is None:
+        raise RuntimeError("Dynamic CP is not enabled with its groups in this process (dynamic_cp.enable(groups))")
+    first, size = block
+    return groups.place(NodeBlock(first, size))
 
 
 def enabled() -> bool:
