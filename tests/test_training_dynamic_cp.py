@@ -3,7 +3,8 @@ on 8 gloo ranks (a pool of 4 nodes x TP = 2) trains equal to stock megatron-core
 on the same global batches: per step the loss and the gradient norm, and the final weights
 (relative error < 1e-5). Documents run at c = 1, 2 and 4 within a step (the placeholder
 schedule with ``--max-seqlen-per-dp-cp-rank 16``: 6 .. 64 tokens), plans cycling per step,
-micro-batch and layer over every strategy. The schedule's cheap properties are checked
+micro-batch and layer over every strategy; the validation after step 3 (every micro-batch at
+c = 1) equals stock's. The schedule's cheap properties are checked
 without ranks. The training world is slow (``-m slow``); the runtime's exactness, on every c
 within a step, is ``tests/test_dynamic_cp_exact.py``'s, in the default suite.
 """
@@ -16,17 +17,17 @@ from megatron_paradyse.testing.spawn import run_world
 from .test_training import _cycling_plan_fn, _param_rel, _rel, _summary, _train
 
 STEPS = 3
-BATCH = ["--micro-batch-size", "1", "--global-batch-size", "8"]
+BATCH = ["--micro-batch-size", "1", "--global-batch-size", "8", "--eval-interval", "3", "--eval-iters", "1"]
 DCP = ["--dynamic-context-parallel", "--max-seqlen-per-dp-cp-rank", "16", "--paradyse-plan", "tp_sp"]
 
 
 def _world(rank, world):
     out = {}
-    hist, out["stock_params"], _ = _train(2, world, BATCH, paradyse=False, steps=STEPS)
-    out["stock"] = _summary(hist)
+    hist, out["stock_params"], trainer = _train(2, world, BATCH, paradyse=False, steps=STEPS)
+    out["stock"], out["stock_eval"] = _summary(hist), [r.loss for r in trainer.evaluation.results]
     hist, out["dcp_params"], trainer = _train(2, world, BATCH + DCP, paradyse=True,
                                               plan_fn_factory=_cycling_plan_fn, steps=STEPS)
-    out["dcp"] = _summary(hist)
+    out["dcp"], out["dcp_eval"] = _summary(hist), [r.loss for r in trainer.evaluation.results]
     loader = trainer.data_iterator.source
     out["rounds"] = [[tuple((a.first, a.size) for a in r) for r in loader.schedule(s)[0]] for s in range(STEPS)]
     return out if rank == 0 else None
@@ -45,6 +46,9 @@ def test_dynamic_cp_training_equals_stock_tp2_dp4():
     print(f"\nDynamic CP: max rel loss err {worst:.2e}, grad-norm {worst_gn:.2e}, final weights {prel:.2e}; "
           f"rounds {out['rounds']}")
     assert worst < 1e-5 and worst_gn < 1e-5 and prel < 1e-5
+    # validation (each micro-batch at c = 1: no CP block) equals stock's as well
+    assert len(out["dcp_eval"]) == len(out["stock_eval"]) == 1
+    assert _rel(out["dcp_eval"][0], out["stock_eval"][0]) < 1e-5, (out["dcp_eval"], out["stock_eval"])
     assert all(len(s) > 1 for s in sizes) and set().union(*sizes) == {1, 2, 4}, sizes
 
 
