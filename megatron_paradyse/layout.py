@@ -27,7 +27,9 @@ class ParallelDims:
     per rank); ``sequence_parallel``: megatron's sequence parallelism (only with ``tp`` > 1);
     ``cp_comm_type``: megatron's CP exchange per level (``("p2p",)`` is a K/V ring);
     ``hierarchical_cp``: megatron's CP sizes per level (empty: one level); ``dynamic_cp``:
-    megatron's hybrid (dynamic) CP, each micro-batch over a chosen subset of the CP ranks."""
+    megatron's Dynamic (hybrid) CP, each micro-batch on a power-of-two group of nodes of the
+    DP x CP pool, at least ``dcp_min_size`` (the pool is then ``dp``, with ``cp`` 1: megatron's
+    parallel state and the model are built without a fixed CP)."""
 
     tp: int = 1
     cp: int = 1
@@ -38,6 +40,7 @@ class ParallelDims:
     cp_comm_type: tuple = ("p2p",)
     hierarchical_cp: tuple = ()
     dynamic_cp: bool = False
+    dcp_min_size: int = 1
 
     def __post_init__(self):
         for name in ("tp", "cp", "pp", "dp"):
@@ -80,7 +83,8 @@ class ParallelDims:
     def describe(self) -> str:
         """``TP=2 x PP=1 x CP=2 x DP=1`` (CP only when on)."""
         cp = f"CP={self.cp} x " if self.cp_on else ""
-        return f"TP={self.tp} x PP={self.pp} x {cp}DP={self.dp}"
+        dynamic = " (Dynamic CP over the DP ranks)" if self.dynamic_cp else ""
+        return f"TP={self.tp} x PP={self.pp} x {cp}DP={self.dp}{dynamic}"
 
 
 @dataclass(frozen=True)

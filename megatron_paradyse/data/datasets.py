@@ -387,6 +387,7 @@ class MicroBatch:
     plan: tuple | None = None  # set by hooks.PlannedIterator: one strategy name per layer
     cu_seqlens: tuple | None = None  # a pack's document boundaries (0, ..., T) (packing.pack_documents)
     choice: object = None  # the planner's choice for it (its predicted seconds and peak), if planned
+    cp_block: tuple | None = None  # Dynamic CP: (first node, c) of the block of nodes it runs on
 
     @property
     def seq_length(self) -> int:

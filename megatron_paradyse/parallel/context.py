@@ -28,6 +28,7 @@ import functools
 import torch
 import torch.distributed as dist
 
+from .. import runtime
 from .pack_layout import PackedLayout, PieceLayout, place
 from .ring_comm import RingComm, ring_over
 from .packing import Documents
@@ -43,8 +44,15 @@ class CPPlace:
     group: dist.ProcessGroup
 
 
+DYNAMIC_CP = "dynamic_cp"  # the runtime cache of Dynamic CP's current place (``dynamic_cp.py``)
+
+
 def cp_of(config) -> CPPlace | None:
-    """The CP dimension of a model built with ``config``, or None without one (C = 1)."""
+    """The CP dimension of a model built with ``config``, or None without one (C = 1); under
+    Dynamic CP (``dynamic_cp.enable``) the current micro-batch's place."""
+    dynamic = runtime.cache(DYNAMIC_CP)
+    if "place" in dynamic:
+        return dynamic["place"]
     size = getattr(config, "context_parallel_size", 1) or 1
     if size == 1:
         return None
@@ -55,6 +63,14 @@ def cp_of(config) -> CPPlace | None:
         raise RuntimeError(f"the model was built with context_parallel_size={size} but megatron's CP group has "
                            f"{dist.get_world_size(group)} ranks: initialise its parallel state with the same size")
     return CPPlace(size, dist.get_rank(group), group)
+
+
+def cp_size(config) -> int:
+    """C of the current micro-batch: the config's, or under Dynamic CP the current place's."""
+    dynamic = runtime.cache(DYNAMIC_CP)
+    if "place" in dynamic:
+        return dynamic["place"].size if dynamic["place"] is not None else 1
+    return getattr(config, "context_parallel_size", 1) or 1
 
 
 def chunks(size: int, rank: int, local: int) -> tuple:

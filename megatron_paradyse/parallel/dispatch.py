@@ -120,7 +120,7 @@ def _mlp_block(self, *args, **kwargs):
 
 def _attention_forward(self, hidden_states, attention_mask=None, *args, **kwargs):
     name = recompute.lookup(self, _ATTR)
-    cp = getattr(self.config, "context_parallel_size", 1)
+    cp = context.cp_size(self.config)
     if name is None and cp > 1:
         raise NotImplementedError(
             f"context_parallel_size={cp}: megatron's local attention cannot attend across CP ranks "
@@ -171,7 +171,7 @@ def _gpt_forward(self, input_ids, position_ids, attention_mask, *args, **kwargs)
     p = self.config.tensor_model_parallel_size
     s = input_ids.shape[1]
     params = kwargs.get("packed_seq_params")
-    cp = getattr(self.config, "context_parallel_size", 1)
+    cp = context.cp_size(self.config)
     if cp > 1:
         _check_cp_batch(input_ids, params, s, cp, p)
         return _original(_GPT, "forward")(self, input_ids, position_ids, attention_mask, *args, **kwargs)

@@ -272,6 +272,14 @@ def _add_distributed_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--cp-comm-type", default="p2p", help="Megatron-LM's flag; ParaDySe runs 'p2p' (a K/V ring)")
     g.add_argument("--hierarchical-context-parallel-sizes", type=int, nargs="+", default=None)
+    g.add_argument("--dynamic-context-parallel", "--hybrid-context-parallel", dest="dynamic_context_parallel",
+                   action="store_true",
+                   help="Dynamic CP: each micro-batch on a power-of-two group of nodes (TP groups) of the DP x CP "
+                        "pool, with its own plan (docs/context_parallel.md); needs --paradyse")
+    g.add_argument("--min-dynamic-context-parallel-size", type=int, default=1,
+                   help="with --dynamic-context-parallel: the smallest CP size a micro-batch runs at")
+    g.add_argument("--max-seqlen-per-dp-cp-rank", type=int, default=None,
+                   help="with --dynamic-context-parallel: a cap on the tokens a node holds of a micro-batch")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
                    help="default: nccl with CUDA, gloo without")
@@ -463,7 +471,8 @@ def _check_parallel(args, world_size: int) -> None:
         dims = dims_from_args(args, world_size)
         check_layout(dims, paradyse=args.paradyse, seq_length=args.seq_length,
                      interleaving=interleaving_flag(args), pack=args.paradyse_pack,
-                     plan_given=args.paradyse_plan is not None, cp_links=args.paradyse_cp_links)
+                     plan_given=args.paradyse_plan is not None, cp_links=args.paradyse_cp_links,
+                     dynamic_cp_runs=True, max_seqlen=args.max_seqlen_per_dp_cp_rank)
     except ValueError as e:
         _err(str(e))
     attach(args, dims)

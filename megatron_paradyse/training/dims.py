@@ -44,12 +44,16 @@ def dims_from_args(args, world_size: int | None = None) -> ParallelDims:
         raise LayoutError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
                           f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp}")
     vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    dynamic = bool(getattr(args, "dynamic_context_parallel", False) or getattr(args, "hybrid_context_parallel", False))
+    dp = world_size // (tp * pp * cp)
+    if dynamic:  # Dynamic CP: the DP x CP pool is megatron's DP, each micro-batch's CP group chosen per micro-batch
+        dp, cp = dp * cp, 1
     return ParallelDims(
-        tp=tp, cp=cp, pp=pp, dp=world_size // (tp * pp * cp), vpp=int(vpp) if vpp else None,
+        tp=tp, cp=cp, pp=pp, dp=dp, vpp=int(vpp) if vpp else None,
         sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
         cp_comm_type=getattr(args, "cp_comm_type", None) or ("p2p",),
         hierarchical_cp=getattr(args, "hierarchical_context_parallel_sizes", None) or (),
-        dynamic_cp=bool(getattr(args, "hybrid_context_parallel", False)))
+        dynamic_cp=dynamic, dcp_min_size=int(getattr(args, "min_dynamic_context_parallel_size", 1) or 1))
 
 
 # Megatron-LM pickles its args into every checkpoint and loads them with torch's weights-only
@@ -89,13 +93,15 @@ def interleaving_flag(args) -> str | None:
 
 def check_layout(dims: ParallelDims, *, paradyse: bool, seq_length: int | None = None,
                  interleaving: str | None = None, pack: str = "none", plan_given: bool = True,
-                 cp_links: str | None = None) -> None:
+                 cp_links: str | None = None, dynamic_cp_runs: bool = False, per_token_loss: bool = True,
+                 max_seqlen: int | None = None) -> None:
     """What the plugin can run of ``dims`` (both trainers, the bench): megatron's 1F1B schedule
     only (``interleaving``: the flag that selects the interleaved one); ``--paradyse`` keeps
     the sequence-parallel layout with TP; context parallelism only with ``--paradyse``, one K/V
     ring ('p2p') over one level of CP ranks, no dynamic CP, no pipeline stages, no packs for
     the planner (``pack`` without ``plan_given``), links the planner knows (``cp_links``),
-    sequences (``seq_length``) in 2 x CP x TP equal pieces. :class:`LayoutError` naming the flag."""
+    sequences (``seq_length``) in 2 x CP x TP equal pieces; Dynamic CP where the trainer runs it
+    (``dynamic_cp_runs``, :func:`_check_dynamic_cp`). :class:`LayoutError` naming the flag."""
     if interleaving is not None or dims.vpp is not None:
         flag = interleaving or "--" + VIRTUAL_PIPELINE_FLAGS[0].replace("_", "-")
         raise LayoutError(f"{flag} selects the interleaved (virtual-pipeline) schedule, which is not supported: "
@@ -104,8 +110,49 @@ def check_layout(dims: ParallelDims, *, paradyse: bool, seq_length: int | None =
     if paradyse and dims.tp > 1 and not dims.sequence_parallel:
         raise LayoutError("--paradyse needs --sequence-parallel: every strategy keeps the "
                           "[s/p, b, h] sequence-parallel layout between layers")
+    if dims.dynamic_cp:
+        _check_dynamic_cp(dims, paradyse, dynamic_cp_runs, per_token_loss, max_seqlen, plan_given, pack)
     if dims.cp_on:
         _check_context_parallel(dims, paradyse, seq_length, pack, plan_given, cp_links)
+
+
+def _check_dynamic_cp(dims, paradyse, runs, per_token_loss, max_seqlen, plan_given, pack) -> None:
+    """``--dynamic-context-parallel`` (Megatron-LM's ``--hybrid-context-parallel`` too): each
+    micro-batch on a power-of-two group of nodes of the DP x CP pool (``parallel/dynamic_cp.py``),
+    in the plugin's trainer, with the per-token loss, without pipeline stages."""
+    flag = "--dynamic-context-parallel"
+    if not runs:
+        raise LayoutError(f"{flag} / --hybrid-context-parallel is not supported with --paradyse in Megatron-LM's "
+                          "pretrain_gpt.py yet (pretrain_gpt_paradyse.py runs it): drop the flag")
+    if not paradyse:
+        raise LayoutError(f"{flag} needs --paradyse: stock megatron-core runs Dynamic CP only with Transformer "
+                          "Engine's attention, and this trainer builds the local layer spec")
+    if dims.pp_on:
+        raise LayoutError(f"{flag} with --pipeline-model-parallel-size {dims.pp} is not supported (Dynamic CP runs "
+                          "without pipeline stages, as in megatron)")
+    if not per_token_loss:
+        raise LayoutError(f"{flag} needs --calculate-per-token-loss (as megatron's Dynamic CP does): each token's "
+                          "loss is counted once, on the CP ranks that ran it")
+    pool, low = dims.dp, dims.dcp_min_size
+    if pool & (pool - 1):
+        raise LayoutError(f"{flag}: the pool of DP x CP = {pool} nodes (world / TP) must be a power of two")
+    if low < 1 or low & (low - 1) or low > pool:
+        raise LayoutError(f"--min-dynamic-context-parallel-size {low} must be a power of two from 1 to the pool "
+                          f"of DP x CP = {pool} nodes")
+    if max_seqlen is not None and (max_seqlen < 1 or max_seqlen % dims.tp):
+        raise LayoutError(f"--max-seqlen-per-dp-cp-rank {max_seqlen} must be a positive multiple of "
+                          f"--tensor-model-parallel-size {dims.tp}")
+    if any(c != "p2p" for c in dims.cp_comm_type):
+        raise LayoutError(f"--cp-comm-type {' '.join(dims.cp_comm_type)}: with {flag} every strategy passes K/V on "
+                          "a ring over the micro-batch's CP group (megatron's p2p); give --cp-comm-type p2p")
+    if dims.hierarchical_cp:
+        raise LayoutError(f"--hierarchical-context-parallel-sizes is not supported with {flag} (drop the flag)")
+    if pack != "none":
+        raise LayoutError(f"--paradyse-pack with {flag}: Dynamic CP packs each step's documents itself (drop "
+                          "--paradyse-pack)")
+    if not plan_given:
+        raise LayoutError(f"{flag} needs --paradyse-plan for now: the Dynamic CP planner (a CP size and plan per "
+                          "micro-batch) is not wired into the trainer yet")
 
 
 def _check_context_parallel(dims, paradyse, seq_length, pack, plan_given, cp_links) -> None:
@@ -127,9 +174,6 @@ def _check_context_parallel(dims, paradyse, seq_length, pack, plan_given, cp_lin
     if dims.hierarchical_cp:
         raise LayoutError("--hierarchical-context-parallel-sizes is not supported with --paradyse: one CP ring "
                           "across nodes (drop the flag)")
-    if dims.dynamic_cp:
-        raise LayoutError("--hybrid-context-parallel is not supported with --paradyse: every micro-batch is "
-                          "split over all --context-parallel-size ranks (drop the flag)")
     if pack != "none" and not plan_given:
         raise LayoutError("--paradyse-pack with --context-parallel-size > 1 needs --paradyse-plan: the planner's "
                           "CP cost model prices one sequence per row, not packs (give a plan or rule, or drop "

@@ -6,6 +6,7 @@ from functools import partial
 import torch
 
 from ..parallel.buffers import release_pool
+from ..parallel import dynamic_cp
 from ..parallel.context import split_for_cp
 from ..parallel.dispatch import set_plan
 from ..parallel.packing import attach_documents, to_device
@@ -35,7 +36,9 @@ def forward_step(data_iterator, model, paradyse: bool = True, cp: int = 1):
 
     With context parallelism (``cp`` > 1) this rank runs its CP chunks of the micro-batch
     (megatron's ``get_batch_on_this_cp_rank`` order; a pack's boundaries stay the whole pack's)
-    and its loss is its chunks' sum: megatron's per-token loss sums tokens over DP x CP.
+    and its loss is its chunks' sum: megatron's per-token loss sums tokens over DP x CP. Under
+    Dynamic CP the micro-batch's block (``mb.cp_block``) gives its CP group and this rank's
+    place in it (``parallel/dynamic_cp.py``), set here and left for its backward.
     """
     mb = next(data_iterator)
     if paradyse:
@@ -44,7 +47,13 @@ def forward_step(data_iterator, model, paradyse: bool = True, cp: int = 1):
     dev = next(model.parameters()).device
     mb = mb.to(dev)
     extra = {} if mb.cu_seqlens is None else {"packed_seq_params": packed_seq_params(mb.cu_seqlens, dev)}
-    tokens, positions, labels, mask = cp_chunks(cp, mb.tokens, mb.position_ids, mb.labels, mb.loss_mask)
+    if dynamic_cp.enabled():
+        place = dynamic_cp.place_of(mb.cp_block)
+        dynamic_cp.use_place(place)
+        tokens, positions, labels, mask = (t if place is None else split_for_cp(t, place.size, place.rank)
+                                           for t in (mb.tokens, mb.position_ids, mb.labels, mb.loss_mask))
+    else:
+        tokens, positions, labels, mask = cp_chunks(cp, mb.tokens, mb.position_ids, mb.labels, mb.loss_mask)
     output = model(tokens, positions, None, labels=labels, **extra)
     return output, partial(loss_func, mask)
 

@@ -40,7 +40,7 @@ from ..device import synchronize
 from ..memory import PeakMemory, static_bytes
 from ..model import build_gpt_for
 from .. import runtime
-from ..parallel import groups
+from ..parallel import dynamic_cp, groups
 from ..parallel.buffers import release_pool
 from ..paths import shown
 from ..parallel.dispatch import install
@@ -50,6 +50,7 @@ from ..units import GiB, MiB
 from . import checkpointing, p2p_shapes
 from .arguments import parse_args, transformer_config_from_args
 from .dims import data_config, dims_of, runtime_options
+from .dynamic_cp import DynamicCPLoader, placeholder_schedule
 from .exits import ExitCheck
 from .model_args import model_flags
 from .faults import FailFast
@@ -194,6 +195,9 @@ class Trainer:
         made = groups.created() if args.paradyse else None
         if made is not None:
             log.info(f"> {made.describe()}")
+        dynamic_cp.disable()
+        if dims.dynamic_cp:  # every CP group of the pool, made once here on every rank (dynamic_cp.py)
+            dynamic_cp.enable(dynamic_cp.DynamicCPGroups(dims.tp, min_size=dims.dcp_min_size))
 
     def _build_model_and_optimizer(self):
         """The stock GPT in megatron-core's DDP, its optimizer and scheduler, the grad hooks."""
@@ -243,6 +247,9 @@ class Trainer:
         if plan_fn is None and args.paradyse and self._step_plan_fn is None:
             plan_fn = rule_plan_fn(parse_plan(args.paradyse_plan, args.num_layers))
         self._data_plan_fn = plan_fn if args.paradyse else None  # validation plans the same way
+        if self.dims.dynamic_cp:
+            self._build_dynamic_cp_data(plan_fn)
+            return
         if self.data.packed:
             self._build_packed_data(plan_fn if args.paradyse else None)
             return
@@ -276,6 +283,19 @@ class Trainer:
         self.data_iterator = PlannedIterator(
             loader, plan_fn, args.num_microbatches, group_index=self.dp_rank, num_groups=self.dp_size,
             start_step=self.iteration, counts=loader.counts, step_plan_fn=self._step_plan_fn)
+
+    def _build_dynamic_cp_data(self, plan_fn):
+        """``--dynamic-context-parallel``: every rank reads the step's global batch and runs its
+        node's micro-batch of each round of the step's schedule (``dynamic_cp.py``; for now its
+        placeholder schedule, in place of the Dynamic CP planner)."""
+        args, dims = self.args, self.dims
+        schedule_fn = partial(placeholder_schedule, nodes=dims.dp, min_size=dims.dcp_min_size,
+                              max_seqlen=args.max_seqlen_per_dp_cp_rank)
+        loader = DynamicCPLoader(self.dataset, args.global_batch_size, dims.dp, self.dp_rank, dims.tp, schedule_fn,
+                                 start_step=self.iteration)
+        self.data_iterator = PlannedIterator(
+            loader, plan_fn, args.num_microbatches, group_index=self.dp_rank, num_groups=self.dp_size,
+            start_step=self.iteration, counts=loader.counts)
 
     # ------------------------------------------------------------------ one step, measured
     def measured_step(self, report=None):
@@ -411,7 +431,7 @@ class Trainer:
             t = total[:2].to(collective_device())
             dist.all_reduce(t, group=self.cp_group)
             total[:2] = t.cpu()
-        total[2] = sum(mb.tokens.numel() for mb in micro)
+        total[2] = sum(mb.tokens.numel() // (mb.cp_block[1] if mb.cp_block else 1) for mb in micro)
         if self.dp_size > 1:
             t = total.to(collective_device())
             dist.all_reduce(t, group=self.dp_group)
