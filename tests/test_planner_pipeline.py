@@ -481,3 +481,57 @@ def test_cli_step(capsys):
         with pytest.raises(SystemExit) as e:
             main(["--analytic", "--memory-budget", "0.05"] + args)
         assert e.value.code == 2 and why in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the interleaved schedule
+
+
+def megatron_interleaved_order(r, P, M, V, N):
+    """The (kind, micro-batch, chunk) order of megatron-core's ``forward_backward_pipelining_with_
+    interleaving`` on stage r, from its own table and warm-up count (``get_schedule_table``,
+    ``get_pp_rank_microbatches``) and its loops' chunk rule (backward: ``V - 1 - c``)."""
+    from types import SimpleNamespace
+
+    from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches, get_schedule_table
+
+    comm = SimpleNamespace(pp_group=SimpleNamespace(size=lambda: P, rank=lambda: r),
+                           virtual_pipeline_model_parallel_size=V)
+    total, _, warmup, remaining = get_pp_rank_microbatches(M, V, N, p2p_communicator=comm)
+    table = get_schedule_table(M, V, N)
+    ops = [("F",) + table[k] for k in range(warmup)]
+    for i in range(remaining):
+        ops += [("F",) + table[warmup + i], ("B", table[i][0], V - 1 - table[i][1])]
+    ops += [("B", table[k][0], V - 1 - table[k][1]) for k in range(remaining, total)]
+    return ops
+
+
+def test_interleaved_order_is_megatrons():
+    from megatron_paradyse.costmodel.schedule import interleaved_order
+
+    for P in (2, 3, 4):
+        for V in (2, 3):
+            for M in range(P, 3 * P + 1):
+                for N in sorted({P, M}):
+                    if 0 < M % N < P:
+                        continue  # megatron refuses it
+                    for r in range(P):
+                        got = [(op.kind, op.mb, op.chunk) for op in interleaved_order(r, P, M, V, N)]
+                        assert got == megatron_interleaved_order(r, P, M, V, N), (P, V, M, N, r)
+
+
+def test_interleaved_schedule_by_hand():
+    """P = 2, V = 2, M = 2, equal forwards f = 1, backwards b = 2: each micro-batch crosses the
+    four virtual stages forward (4 f) and back (4 b); stage 0 holds both micro-batches of both
+    chunks at once (warm-up 2 + 2), and the schedule's time is the critical path."""
+    from megatron_paradyse.costmodel.schedule import interleaved_receives, simulate_interleaved
+
+    P, V, M = 2, 2, 2
+    sch = simulate_interleaved([[[1.0] * M] * V] * P, [[[2.0] * M] * V] * P)
+    assert max(len(op.in_flight) for op in sch.ops[0]) == 4
+    assert max(len(op.in_flight) for op in sch.ops[1]) == 3
+    assert all(math.isclose(b, M * V * 3.0) for b in sch.busy)
+    # stage 0: F00 F10 F01 F11 (1 each, F01 waits for stage 1's F00 at 2) ... 15 s in all
+    assert math.isclose(sch.makespan, 15.0), sch.makespan
+    assert [(op.kind, op.mb, op.chunk) for op in sch.ops[0]][:4] == [("F", 0, 0), ("F", 1, 0), ("F", 0, 1), ("F", 1, 1)]
+    assert interleaved_receives(0, P, M, V) == ((0, 1), (0, 1, 0, 1))
+    assert interleaved_receives(1, P, M, V) == ((0, 1, 0, 1), (0, 1))
