@@ -30,6 +30,11 @@ TOO_SMALL_GIB = str(1.1 / 1024)
 UNPACKED = ["--micro-batch-size", "1", "--global-batch-size", "4"]
 PACK = ["--paradyse-pack-tokens", "64", "--paradyse-pack", "balanced"]  # stock: the same documents unpacked
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"]
+# the interleaved schedule: two model chunks per stage, one layer each (stage 0 runs layers 1
+# and 3, stage 1 layers 2 and 4); packed: four documents per replica and step, so that every
+# step has at least PP packs (megatron's groups of PP micro-batches per chunk)
+VPP = ["--virtual-pipeline-model-parallel-size", "2"]
+VPP_PACKED = VPP + ["--global-batch-size", "8"]
 
 
 def _with_rc(config, p):
@@ -148,6 +153,8 @@ def _world(rank, world, root):
     out["resume"] = _resume(world, root)
     out["packed"] = _pair(world, UNPACKED, packed=True)
     out["recompute"] = _pair(world, RECOMPUTE, factory=_with_rc)
+    out["interleaved"] = _pair(world, VPP)
+    out["interleaved_packed"] = _pair(world, VPP_PACKED, packed=True)
     out["planned"] = _planned(world, root)
     out["divergence"] = {"error": _stage_divergence(rank, world)}
     if rank in FIRST_OF_STAGE:
@@ -182,14 +189,16 @@ def world(tmp_path_factory):
     return run_world(_world, WORLD, root, timeout=300, trace=True)  # NCCL's ordering rule checked on every stage
 
 
-@pytest.mark.parametrize("case", ["plain", "packed", "recompute"])
+@pytest.mark.parametrize("case", ["plain", "packed", "recompute", "interleaved", "interleaved_packed"])
 def test_pipeline_stages_train_equal_to_stock_pipeline(world, case):
     got = world[0][case]
     stock, pd = got["stock"], got["paradyse"]
     assert len(stock) == len(pd) == STEPS
     plans = [p for step in pd for p in step["plans"]]
-    # per stage: stage 0 runs layers 1-2, stage 1 layers 3-4; each changes per micro-batch
+    # per stage: stage 0 runs layers 1-2, stage 1 layers 3-4 (interleaved: 1 and 3, 2 and 4);
+    # each changes per micro-batch
     assert len({p[:2] for p in plans}) > 1 and len({p[2:] for p in plans}) > 1, plans
+    assert len({p[0::2] for p in plans}) > 1 and len({p[1::2] for p in plans}) > 1, plans
     assert len({s for step in pd for s in step["s"]}) > 1  # lengths vary per micro-batch
     loss = max(_rel(x["loss"], y["loss"]) for x, y in zip(pd, stock))
     gn = max(_rel(x["gn"], y["gn"]) for x, y in zip(pd, stock))

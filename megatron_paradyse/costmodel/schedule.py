@@ -95,6 +95,12 @@ def simulate_1f1b(fwd, bwd) -> Schedule:
 # group through chunk 1, ...; backwards take the same table with the chunks reversed.
 
 
+def interleaved_group(num_microbatches: int, num_stages: int) -> int:
+    """Micro-batches per group: megatron's default P where P divides M, else all M in one
+    group (megatron refuses a last group smaller than P; a packed step's M varies)."""
+    return num_stages if num_microbatches % num_stages == 0 else num_microbatches
+
+
 def interleaved_table(num_microbatches: int, num_chunks: int, group: int) -> tuple:
     """The ``(micro-batch, chunk)`` of each forward virtual micro-batch, in run order: groups of
     ``group`` micro-batches through every chunk in turn (the last group takes the rest)."""

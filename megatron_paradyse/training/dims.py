@@ -89,14 +89,16 @@ def interleaving_flag(args) -> str | None:
 
 def check_layout(dims: ParallelDims, *, paradyse: bool, seq_length: int | None = None,
                  interleaving: str | None = None, pack: str = "none", plan_given: bool = True,
-                 cp_links: str | None = None) -> None:
+                 cp_links: str | None = None, interleaved: bool = False) -> None:
     """What the plugin can run of ``dims`` (both trainers, the bench): megatron's 1F1B schedule
     only (``interleaving``: the flag that selects the interleaved one); ``--paradyse`` keeps
     the sequence-parallel layout with TP; context parallelism only with ``--paradyse``, one K/V
     ring ('p2p') over one level of CP ranks, no dynamic CP, no pipeline stages, no packs for
     the planner (``pack`` without ``plan_given``), links the planner knows (``cp_links``),
-    sequences (``seq_length``) in 2 x CP x TP equal pieces. :class:`LayoutError` naming the flag."""
-    if interleaving is not None or dims.vpp is not None:
+    sequences (``seq_length``) in 2 x CP x TP equal pieces. ``interleaved``: the trainer runs
+    the interleaved schedule too (``pretrain_gpt_paradyse.py``; it checks the rest itself).
+    :class:`LayoutError` naming the flag."""
+    if not interleaved and (interleaving is not None or dims.vpp is not None):
         flag = interleaving or "--" + VIRTUAL_PIPELINE_FLAGS[0].replace("_", "-")
         raise LayoutError(f"{flag} selects the interleaved (virtual-pipeline) schedule, which is not supported: "
                           f"only megatron's 1F1B schedule (one stage per pipeline rank) is supported with "
