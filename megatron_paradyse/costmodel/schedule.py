@@ -23,6 +23,7 @@ class StageOp(NamedTuple):
     start: float = 0.0
     end: float = 0.0
     chunk: int = 0      # the model chunk (virtual pipeline stage) it runs; 0 under 1F1B
+    chunks: tuple = ()  # interleaved: the (chunk, position) pairs in flight (in_flight: their positions)
 
 
 class Schedule(NamedTuple):
@@ -128,8 +129,9 @@ def interleaved_order(stage: int, num_stages: int, num_microbatches: int, num_ch
     (``forward_backward_pipelining_with_interleaving``), untimed: the warm-up forwards, then
     pairs (forward ``w + i``, backward ``i``), then the cool-down backwards, where forward
     ``k`` is the table's ``k``-th entry and backward ``k`` the same entry with the chunk
-    reversed (``V - 1 - c``). Each op has its ``chunk``; ``in_flight`` holds ``(chunk,
-    micro-batch)`` pairs whose forward ran and backward did not, itself included."""
+    reversed (``V - 1 - c``). Each op has its ``chunk``; ``chunks`` holds the ``(chunk,
+    micro-batch)`` pairs whose forward ran and backward did not, itself included, and
+    ``in_flight`` their micro-batches."""
     P, M, V = int(num_stages), int(num_microbatches), int(num_chunks)
     N = P if group is None else int(group)
     table = interleaved_table(M, V, N)
@@ -144,7 +146,7 @@ def interleaved_order(stage: int, num_stages: int, num_microbatches: int, num_ch
     live, out = set(), []
     for kind, j, c in order:
         live.add((c, j))
-        out.append(StageOp(kind, j, tuple(sorted(live)), chunk=c))
+        out.append(StageOp(kind, j, tuple(sorted({k for _, k in live})), chunk=c, chunks=tuple(sorted(live))))
         if kind == "B":
             live.discard((c, j))
     return tuple(out)

@@ -98,7 +98,7 @@ def planner_from_args(args, can_refine: bool = True, cost_model=None):
     dims = dims_of(args)
     multiple = args.paradyse_pad_multiple or dims.seq_divisor
     if dims.pp_on:
-        planner = PipelinePlanner(args.paradyse_planner, cm, budget * GiB, dims.pp,
+        planner = PipelinePlanner(args.paradyse_planner, cm, budget * GiB, dims.pp, num_chunks=dims.vpp or 1,
                                   **dict(options, refinement=None))  # block recompute: per stage
         plan_fn = make_step_plan_fn(planner, args.paradyse_on_no_fit, multiple=multiple)
     else:
@@ -118,8 +118,9 @@ def describe_planner(planner) -> str:
     stages = getattr(planner, "stages", None)
     if stages is None:
         return planner.describe()
+    schedule = "1F1B" if planner.num_chunks == 1 else f"interleaved ({planner.num_chunks} chunks per stage)"
     return (f"{stages[0].describe()}, one per pipeline stage ({planner.num_stages} stages, a step's "
-            f"micro-batches planned together over the 1F1B schedule)")
+            f"micro-batches planned together over the {schedule} schedule)")
 
 
 def recompute_plan(args) -> tuple:
