@@ -9,6 +9,7 @@ p2p shape exchange (``variable_seq_lengths``); ParaDySe answers it from the agre
 (``training/p2p_shapes.py``), and the test makes megatron's exchange raise in those runs.
 """
 import contextlib
+import time
 
 import pytest
 
@@ -35,6 +36,7 @@ RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "block", "
 # step has at least PP packs (megatron's groups of PP micro-batches per chunk)
 VPP = ["--virtual-pipeline-model-parallel-size", "2"]
 VPP_PACKED = VPP + ["--global-batch-size", "8"]
+PLANNED_STEPS = 2  # the interleaved step planner's run
 
 
 def _with_rc(config, p):
@@ -123,6 +125,16 @@ def _planned(world, root):
     return {"summary": _summary(hist), "report": report, "error": error, "eval": evaluated}
 
 
+def _planned_interleaved(world):
+    """The step planner under the interleaved schedule with online refinement: each stage
+    planner's factors from its own ranks' measurements, the same on every rank."""
+    hist, _, trainer = _train(2, world, PP + VPP + ["--paradyse-memory-budget", str(2.0 / 1024),
+                                                    "--paradyse-refine", "on"], paradyse=True, steps=PLANNED_STEPS)
+    pipeline = trainer.planner.pipeline
+    return {"summary": _summary(hist), "chunks": pipeline.num_chunks, "measure": trainer.last_measure,
+            "refinement": [dict(ref.state(), updates=ref.updates) for ref in pipeline.refinements]}
+
+
 def _divergent(rank):
     """The cycling plan, except on a rank of stage 1 (global rank 6) at step 1: another plan for
     its stage's layers. Every rank of every stage must stop together before the step."""
@@ -153,9 +165,14 @@ def _world(rank, world, root):
     out["resume"] = _resume(world, root)
     out["packed"] = _pair(world, UNPACKED, packed=True)
     out["recompute"] = _pair(world, RECOMPUTE, factory=_with_rc)
+    t0 = time.perf_counter()
     out["interleaved"] = _pair(world, VPP)
     out["interleaved_packed"] = _pair(world, VPP_PACKED, packed=True)
+    out["times"] = {"interleaved pairs": time.perf_counter() - t0}
     out["planned"] = _planned(world, root)
+    t0 = time.perf_counter()
+    out["planned_interleaved"] = _planned_interleaved(world)
+    out["times"]["interleaved planner"] = time.perf_counter() - t0
     out["divergence"] = {"error": _stage_divergence(rank, world)}
     if rank in FIRST_OF_STAGE:
         return out
@@ -181,6 +198,24 @@ def test_a_step_no_plan_fits_stops_on_every_rank_naming_the_stage(world):
         e = r["planned"]["error"]
         assert e is not None and "step 0" in e and "stage 0 of 2" in e and "in flight" in e, e
         assert "MiB" in e and "limit" in e and "budget" in e
+
+
+def test_the_interleaved_step_planner_refines_each_stage(world):
+    """--paradyse-refine on with stages (here interleaved): one refinement per stage planner,
+    updated every step from its own stage's measurements summed over the world, the same on
+    every rank; the planner's plans and peaks per stage."""
+    got = world[0]["planned_interleaved"]
+    assert got["chunks"] == 2 and len(got["summary"]) == PLANNED_STEPS
+    refs = got["refinement"]
+    assert len(refs) == 2 and all(ref["updates"] == PLANNED_STEPS for ref in refs), refs
+    assert refs[0]["mem"] != refs[1]["mem"]  # each stage's own peaks
+    for r in world[1:]:
+        assert r["planned_interleaved"]["refinement"] == refs
+    m = got["measure"]
+    assert max(m["pred_stage_peaks"]) <= m["budget"], m
+    print(f"\ninterleaved step planner: stage peaks pred {[round(x / 2**20, 2) for x in m['pred_stage_peaks']]} "
+          f"meas {[round(x / 2**20, 2) for x in m['stage_peaks']]} MiB, budget {m['budget'] / 2**20:.2f} MiB; "
+          f"refinement versions {[ref['version'] for ref in refs]}; world seconds {world[0]['times']}")
 
 
 @pytest.fixture(scope="module")

@@ -36,6 +36,17 @@ last stage, the non-layer saved bytes); ``pool``: each buffer name once at its l
 the micro-batches in flight (a bound: exact if the pool keeps its buffers across interleaved
 micro-batches). The in-flight sets depend only on the run order, so memory is checked without
 timing; the simulation gives the step time.
+
+Under megatron's interleaved schedule (``num_chunks`` V > 1: each rank holds V model chunks,
+its L/P layers laid out chunk after chunk) the ops are chunks of micro-batches in megatron's
+interleaved order (``costmodel/schedule.py``: ``interleaved_order``, ``simulate_interleaved``,
+a chunk taking 1/V of its micro-batch's stage seconds); each other (chunk, micro-batch) in
+flight holds its chunk's input tensor and 1/V of the micro-batch's other saved bytes on the
+stage (``_Part.chunk_held``), the running one its own peak as above.
+
+Online refinement: one :class:`~megatron_paradyse.planner.refine.Refinement` per stage planner,
+fed by its own stage's ranks (:meth:`PipelinePlanner.contribution`, :meth:`PipelinePlanner.refine`:
+every stage's slot in one all-reduce over the world).
 """
 from __future__ import annotations
 
@@ -251,8 +262,6 @@ class PipelinePlanner:
 
     def __init__(self, kind: str, cost_model, memory_budget_bytes: float, num_stages: int,
                  reorder: bool = True, refinement=None, strategies=None, num_chunks: int = 1, **options):
-        if refinement is True:
-            refinement = Refinement(tuple(strategies) if strategies is not None else tuple(cost_model.strategies))
         P = self.num_stages = int(num_stages)
         self.num_chunks = int(num_chunks)
         if self.num_chunks > 1 and cost_model.num_layers % (P * self.num_chunks):
@@ -261,7 +270,12 @@ class PipelinePlanner:
         # its cache) serve them all
         role = [r if r in (0, P - 1) else 1 for r in range(P)]
         models = {k: stage_cost_model(cost_model, k, P) for k in sorted(set(role))}
-        planners = {k: build_planner(kind, m, memory_budget_bytes, refinement=refinement, strategies=strategies,
+        if refinement is True:  # one per stage planner: each stage's measurements refine its own
+            names = tuple(strategies) if strategies is not None else tuple(cost_model.strategies)
+            refinement = {k: Refinement(names) for k in models}
+        refined = refinement if isinstance(refinement, dict) else {k: refinement for k in models}
+        self.refinements = [refined[k] for k in sorted(models)]  # per stage planner (role)
+        planners = {k: build_planner(kind, m, memory_budget_bytes, refinement=refined[k], strategies=strategies,
                                      **options) for k, m in models.items()}
         self.models: list[StageCostModel] = [models[k] for k in role]
         self.stages = [planners[k] for k in role]
@@ -272,6 +286,48 @@ class PipelinePlanner:
         self._memo = _StepMemo()  # one step's answers (plan_step)
         first = self.stages[0]
         self.budget, self.margin, self.limit, self.multiple = first.budget, first.margin, first.limit, first.multiple
+
+    # -------------------------------------------------------------- online refinement
+    def refines(self) -> bool:
+        """Whether each stage planner has its own online refinement."""
+        return all(r is not None for r in self.refinements) and len(set(map(id, self.refinements))) == len(self.refinements)
+
+    def contribution(self, stage: int, micro, predicted_seconds: float, measured_seconds,
+                     predicted_peak: float, measured_peak, micro_batch: int = 1) -> list:
+        """One rank of stage ``stage``: its step as the refinement's vector, in its stage
+        planner's slot of one vector for all of them (zeros elsewhere); ``micro``: [(the
+        stage's plan entries, padded length)] of the step's micro-batches. Summed over the
+        world (:meth:`refine`), each stage's factors come from its own ranks' measurements."""
+        roles = sorted(set(self._role))
+        size = self.refinements[0].size()
+        out = [0.0] * (size * len(roles))
+        slot = roles.index(self._role[stage])
+        pl = self.stages[stage]
+        vec = self.refinements[slot].contribution(
+            micro, predicted_seconds, measured_seconds, predicted_peak, measured_peak,
+            layer_seconds=lambda n, s: pl.layer_seconds(n, s, micro_batch))
+        out[slot * size:(slot + 1) * size] = vec
+        return out
+
+    def refine(self, contribution, group=None) -> bool:
+        """All-reduce (SUM) the ranks' :meth:`contribution` s over ``group`` (the world) in one
+        collective and apply each stage planner's slot; whether some planner's view changed."""
+        import torch
+        import torch.distributed as dist
+
+        from ..parallel.plan_check import collective_device
+
+        t = torch.tensor(contribution, dtype=torch.float64)
+        if dist.is_available() and dist.is_initialized():
+            t = t.to(collective_device())
+            dist.all_reduce(t, group=group)
+            t = t.cpu()
+        size, summed = self.refinements[0].size(), t.tolist()
+        moved = [ref.apply(summed[i * size:(i + 1) * size]) for i, ref in enumerate(self.refinements)]
+        return any(moved)
+
+    def refinement_versions(self) -> tuple:
+        return tuple(ref.version for ref in self.refinements)
 
     # -------------------------------------------------------------- one micro-batch on a stage
     def part(self, r: int, shape, choice: PlanChoice) -> _Part:

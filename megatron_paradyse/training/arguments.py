@@ -458,7 +458,7 @@ def _check_parallel(args, world_size: int) -> None:
     """The parallel layout: built and checked by ``dims.py`` (the one builder and validator of
     both trainers; its ``LayoutError`` here an ``ArgumentError``) and attached as
     ``args.paradyse_dims``; then what only this trainer needs: PP splits the layers evenly (the
-    1F1B schedule), no online refinement with stages, no overlapped parameter gather with
+    1F1B schedule), no overlapped parameter gather with
     ``--paradyse``, local layers."""
     _virtual_stages(args)
     try:
@@ -475,9 +475,6 @@ def _check_parallel(args, world_size: int) -> None:
     if args.num_layers % dims.pp:
         _err(f"--num-layers {args.num_layers} must be divisible by --pipeline-model-parallel-size {dims.pp} "
              "(megatron's even split of the layers over the stages)")
-    if dims.pp_on and args.paradyse_refine == "on":
-        _err("--paradyse-refine on is not available with pipeline stages: the step planner plans "
-             "without online refinement (leave --paradyse-refine at auto or off)")
     if args.paradyse and args.overlap_param_gather:
         _err(OVERLAP_PARAM_GATHER_WITH_PARADYSE)
     if args.transformer_impl != "local":

@@ -99,14 +99,15 @@ def planner_from_args(args, can_refine: bool = True, cost_model=None):
     multiple = args.paradyse_pad_multiple or dims.seq_divisor
     if dims.pp_on:
         planner = PipelinePlanner(args.paradyse_planner, cm, budget * GiB, dims.pp, num_chunks=dims.vpp or 1,
-                                  **dict(options, refinement=None))  # block recompute: per stage
+                                  **options)  # block recompute and refinement: per stage
         plan_fn = make_step_plan_fn(planner, args.paradyse_on_no_fit, multiple=multiple)
     else:
         planner = build_planner(args.paradyse_planner, cm, budget * GiB, **options)
         plan_fn = make_plan_fn(planner, args.paradyse_on_no_fit, multiple=multiple)  # plans packs too
     log.info(f"> planner: {describe_planner(planner)}; cost model {type(cm).__name__}"
              + (f" ({args.paradyse_cost_model})" if args.paradyse_cost_model else "")
-             + f"; on no fit: {args.paradyse_on_no_fit}; refinement {'on' if refine and not dims.pp_on else 'off'}")
+             + f"; on no fit: {args.paradyse_on_no_fit}; refinement {'on' if refine else 'off'}"
+             + (" (per stage)" if refine and dims.pp_on else ""))
     for note in (allocator_mismatch(cm), extrapolation_note(cm, args.seq_length)):
         if note:
             log_single_rank(log, logging.WARNING, f"> warning: {note}")

@@ -320,6 +320,7 @@ class Trainer:
             predicted, text = self._refine(stats, measured, reserved, time_ok=every == 1 or not tracked)
         elif self._step_plan_fn is not None:
             predicted, text = self._pipeline_prediction(stages)
+            text += self._refine_stages(stats, measured, time_ok=every == 1 or not tracked)
         if report is not None:
             peak = None if measured is None else max_over_ranks(measured) - static
             sp = self.data_iterator.last_step_plan
@@ -369,6 +370,21 @@ class Trainer:
         text = (f"pred: {sp.seconds:.3f} s (bubbles {100 * (1 - sum(sp.stage_seconds) / (len(sp.stage_seconds) * sp.makespan)):.0f}%) | "
                 f"stage peaks pred/meas: {per} MiB (budget {self.planner.budget / MiB:.1f} MiB)")
         return (sp.seconds, sp.stage_peaks[self.pp_rank]), text
+
+    def _refine_stages(self, stats, measured, time_ok: bool = True) -> str:
+        """With pipeline stages and ``--paradyse-refine``: this rank's stage's plans, the step's
+        predicted and measured time and its stage's predicted and measured peak, summed over
+        the world in one all-reduce in that stage planner's slot (``PipelinePlanner.refine``);
+        the log text (each stage planner's refinement version)."""
+        pipeline = self.planner.pipeline
+        if not pipeline.refines():
+            return ""
+        sp, r = self.data_iterator.last_step_plan, self.pp_rank
+        micro = [(sp.stage_plans[r][j].layers, mb.plan_length) for j, mb in zip(sp.order, self.data_iterator.current)]
+        vec = pipeline.contribution(r, micro, sp.seconds, stats.seconds if time_ok else None, sp.stage_peaks[r],
+                                    measured, self.args.micro_batch_size)
+        pipeline.refine(vec)
+        return f" | refinement v{'/'.join(str(v) for v in pipeline.refinement_versions())}"
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> StepStats:
