@@ -131,7 +131,7 @@ class Evaluation:
         """``--eval-iters`` global batches forward-only: ``(loss per token, measured peak)``."""
         t = self.trainer
         measure = t.planner is not None
-        static = static_bytes(t.model, t.optimizer) if measure else 0
+        static = static_bytes(t.whole_model, t.optimizer) if measure else 0
         total, peak = torch.zeros(3, dtype=torch.float64), 0.0
         for chunk in t.chunks:
             chunk.eval()

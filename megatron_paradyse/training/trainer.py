@@ -223,6 +223,7 @@ class Trainer:
         self.chunks = [DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=m,
                                                disable_bucketing=i > 0) for i, m in enumerate(modules)]
         self.model = self.chunks[0]
+        self.whole_model = self.model if vpp is None else torch.nn.ModuleList(self.chunks)  # every chunk's parameters
         self.optimizer, self.scheduler = build_optimizer(args, self.chunks)
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.no_sync_func = self.model.no_sync if vpp is None else [c.no_sync for c in self.chunks]
@@ -305,7 +306,7 @@ class Trainer:
             return self.train_step(), ""
         every = self.args.paradyse_memory_every
         tracked = self.iteration % every == 0  # the same on every rank
-        static, held = static_bytes(self.model, self.optimizer), pool_bytes()  # live before the tracker
+        static, held = static_bytes(self.whole_model, self.optimizer), pool_bytes()  # live before the tracker
         if tracked:
             with PeakMemory() as m:
                 stats = self.train_step()
