@@ -1,7 +1,9 @@
 """Training with pipeline stages (issue 35): ``pretrain_gpt_paradyse.py`` at PP = 2 x TP = 2 x
 DP = 2 equals stock megatron-core at the same layout on the same data, with plans changing per
 step, micro-batch, layer and so per stage: variable lengths, packs, megatron's recompute with
-``:rc`` entries; checkpoints move both ways between stock and ParaDySe.
+``:rc`` entries; megatron's interleaved schedule (2 model chunks per stage), unpacked and
+packed; checkpoints move both ways between stock and ParaDySe; the step planner with online
+refinement per stage.
 
 One world of 8 gloo ranks (megatron's order: TP fastest, then DP, then PP; stage 0 is ranks
 0-3, stage 1 ranks 4-7), about 30 s here. Stock runs megatron's own
