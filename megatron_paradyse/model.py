@@ -246,7 +246,13 @@ def transformer_config(flags: ModelFlags, dims: ParallelDims, **overrides):
         persist_layer_norm=False, gradient_accumulation_fusion=f.gradient_accumulation_fusion,
         apply_rope_fusion=f.apply_rope_fusion,
         pipeline_model_parallel_size=dims.pp, context_parallel_size=dims.cp,
+        virtual_pipeline_model_parallel_size=dims.vpp,
     )
+    if dims.vpp is not None:
+        # Megatron-LM's default with the interleaved schedule (--no-overlap-p2p-communication
+        # not given): overlapped, unbatched p2p; batched, two ranks would post a send and a
+        # receive each way in one batch and match them crosswise (Megatron-LM refuses PP = 2 so)
+        kw.update(overlap_p2p_comm=True, batch_p2p_comm=False)
     kw.update(overrides)
     config = TransformerConfig(**kw)
     if dims.pp_on:
@@ -256,8 +262,9 @@ def transformer_config(flags: ModelFlags, dims: ParallelDims, **overrides):
     return config
 
 
-def layer_spec(config):
-    """megatron-core's local GPT layer spec; with sequence parallelism, the SP torch norm."""
+def layer_spec(config, vp_stage: int | None = None):
+    """megatron-core's local GPT layer spec; with sequence parallelism, the SP torch norm (for
+    model chunk ``vp_stage`` under the interleaved schedule)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
@@ -266,46 +273,52 @@ def layer_spec(config):
         return spec
     spec.submodules.input_layernorm = SPTorchNorm
     spec.submodules.pre_mlp_layernorm = SPTorchNorm
-    return TransformerBlockSubmodules(layer_specs=[spec] * stage_layers(config), layer_norm=SPTorchNorm)
+    return TransformerBlockSubmodules(layer_specs=[spec] * stage_layers(config, vp_stage), layer_norm=SPTorchNorm)
 
 
-def stage_layers(config) -> int:
-    """Decoder layers this pipeline stage builds (megatron's own count; all of them without PP)."""
+def stage_layers(config, vp_stage: int | None = None) -> int:
+    """Decoder layers this pipeline stage (its model chunk ``vp_stage`` under the interleaved
+    schedule) builds: megatron's own count; all of them without PP."""
     if config.pipeline_model_parallel_size == 1:
         return config.num_layers
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
-    return get_num_layers_to_build(config)
+    return get_num_layers_to_build(config, vp_stage=vp_stage)
 
 
-def pipeline_ends() -> tuple:
-    """``(pre_process, post_process)`` of this rank's pipeline stage: the embedding lives on the
-    first stage, the output layer and loss on the last (both without PP)."""
+def pipeline_ends(vp_stage: int | None = None) -> tuple:
+    """``(pre_process, post_process)`` of this rank's pipeline stage (of its model chunk
+    ``vp_stage`` under the interleaved schedule: the first rank's chunk 0 embeds, the last
+    rank's last chunk has the output layer and loss): both without PP."""
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
         return True, True
-    return parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+    if vp_stage is None:
+        return parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+    return (parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage))
 
 
 def build_gpt(config, vocab_size: int, max_sequence_length: int, *, position_embedding_type="rope",
               rotary_percent=1.0, rotary_base=10000, share_embeddings_and_output_weights=False,
-              seed: int | None = None, device=None):
+              seed: int | None = None, device=None, vp_stage: int | None = None):
     """The stock ``GPTModel`` for ``config`` on ``device`` (default: this process's device),
     unwrapped; with pipeline stages (``config.pipeline_model_parallel_size``) this rank's
-    stage. ``seed`` seeds torch first: with ``use_cpu_initialization`` every rank draws
+    stage, under the interleaved schedule its model chunk ``vp_stage`` (megatron's global layer
+    numbers). ``seed`` seeds torch first: with ``use_cpu_initialization`` every rank draws
     the same full master weights, so any TP size holds shards of the same model."""
     from megatron.core.models.gpt import GPTModel
 
     if seed is not None:
         torch.manual_seed(seed)
-    pre, post = pipeline_ends() if config.pipeline_model_parallel_size > 1 else (True, True)
+    pre, post = pipeline_ends(vp_stage) if config.pipeline_model_parallel_size > 1 else (True, True)
     model = GPTModel(
-        config=config, transformer_layer_spec=layer_spec(config), vocab_size=vocab_size,
+        config=config, transformer_layer_spec=layer_spec(config, vp_stage), vocab_size=vocab_size,
         max_sequence_length=max_sequence_length, pre_process=pre, post_process=post,
         parallel_output=True, share_embeddings_and_output_weights=share_embeddings_and_output_weights,
         position_embedding_type=position_embedding_type, rotary_percent=rotary_percent,
-        rotary_base=rotary_base,
+        rotary_base=rotary_base, **({} if vp_stage is None else {"vp_stage": vp_stage}),
     )
     device = torch.device(device) if device is not None else current_device()
     if device.type != "cpu":
@@ -313,14 +326,14 @@ def build_gpt(config, vocab_size: int, max_sequence_length: int, *, position_emb
     return model
 
 
-def build_gpt_for(flags: ModelFlags, config, seed: int | None = None):
+def build_gpt_for(flags: ModelFlags, config, seed: int | None = None, vp_stage: int | None = None):
     """:func:`build_gpt` for completed model flags, wrapped in ``Float16Module`` for bf16 (as
-    Megatron-LM)."""
+    Megatron-LM); ``vp_stage``: the model chunk (the interleaved schedule)."""
     model = build_gpt(config, flags.padded_vocab_size, flags.max_position_embeddings,
                       position_embedding_type=flags.position_embedding_type,
                       rotary_percent=flags.rotary_percent, rotary_base=flags.rotary_base,
                       share_embeddings_and_output_weights=not flags.untie_embeddings_and_output_weights,
-                      seed=seed)
+                      seed=seed, vp_stage=vp_stage)
     if flags.bf16:
         from megatron.core.transformer.module import Float16Module
 

@@ -146,10 +146,11 @@ def test_choose_under_a_limit():
 # ---------------------------------------------------------------- the step planner
 
 
-def check_peaks(pp, shapes, sp):
+def check_peaks(pp, shapes, sp, V=1):
     """Each stage's peak recomputed from the stage cost models alone (``CostModel.step``, the
-    pools, the layers' saved bytes) over megatron's op order: equal to the planner's. Returns
-    them."""
+    pools, the layers' saved bytes) over megatron's op order (with V > 1 its interleaved
+    order: each chunk in flight holds its input and 1/V of the rest): equal to the
+    planner's. Returns them."""
     P, M = pp.num_stages, len(shapes)
     out = []
     for r in range(P):
@@ -171,14 +172,22 @@ def check_peaks(pp, shapes, sp):
             plan = layers if pp.stages[r].order == "ordered" else plan_counts(layers)
             return m.step(plan, s, b).peak_bytes - static - union_bytes(pool(j))
 
+        def chunk_held(j):
+            s, b = shapes[j]
+            return m.resident_bytes(s, b) + (held(j) - m.resident_bytes(s, b)) / V
+
         live, peak = set(), 0.0
-        for kind, k in megatron_order(r, P, M):
+        order = ([(kind, k, 0) for kind, k in megatron_order(r, P, M)] if V == 1 else
+                 megatron_interleaved_order(r, P, M, V, P if M % P == 0 else M))
+        for kind, k, c in order:
             j = sp.order[k]
-            live.add(j)
-            peak = max(peak, static + union_bytes([d for i in live for d in pool(i)]) + act(j)
-                       + sum(held(i) for i in live if i != j))
+            live.add((c, j))
+            mbs = {i for _, i in live}
+            rest = held if V == 1 else chunk_held
+            peak = max(peak, static + union_bytes([d for i in mbs for d in pool(i)]) + act(j)
+                       + sum(rest(i) for ci, i in live if (ci, i) != (c, j)))
             if kind == "B":
-                live.discard(j)
+                live.discard((c, j))
         out.append(peak)
     for a, b in zip(out, sp.stage_peaks):
         assert math.isclose(a, b, rel_tol=1e-9), (out, sp.stage_peaks)
@@ -481,3 +490,80 @@ def test_cli_step(capsys):
         with pytest.raises(SystemExit) as e:
             main(["--analytic", "--memory-budget", "0.05"] + args)
         assert e.value.code == 2 and why in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the interleaved schedule
+
+
+def megatron_interleaved_order(r, P, M, V, N):
+    """The (kind, micro-batch, chunk) order of megatron-core's ``forward_backward_pipelining_with_
+    interleaving`` on stage r, from its own table and warm-up count (``get_schedule_table``,
+    ``get_pp_rank_microbatches``) and its loops' chunk rule (backward: ``V - 1 - c``)."""
+    from types import SimpleNamespace
+
+    from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches, get_schedule_table
+
+    comm = SimpleNamespace(pp_group=SimpleNamespace(size=lambda: P, rank=lambda: r),
+                           virtual_pipeline_model_parallel_size=V)
+    total, _, warmup, remaining = get_pp_rank_microbatches(M, V, N, p2p_communicator=comm)
+    table = get_schedule_table(M, V, N)
+    ops = [("F",) + table[k] for k in range(warmup)]
+    for i in range(remaining):
+        ops += [("F",) + table[warmup + i], ("B", table[i][0], V - 1 - table[i][1])]
+    ops += [("B", table[k][0], V - 1 - table[k][1]) for k in range(remaining, total)]
+    return ops
+
+
+def test_interleaved_order_is_megatrons():
+    from megatron_paradyse.costmodel.schedule import interleaved_order
+
+    for P in (2, 3, 4):
+        for V in (2, 3):
+            for M in range(P, 3 * P + 1):
+                for N in sorted({P, M}):
+                    if 0 < M % N < P:
+                        continue  # megatron refuses it
+                    for r in range(P):
+                        got = [(op.kind, op.mb, op.chunk) for op in interleaved_order(r, P, M, V, N)]
+                        assert got == megatron_interleaved_order(r, P, M, V, N), (P, V, M, N, r)
+
+
+def test_interleaved_schedule_by_hand():
+    """P = 2, V = 2, M = 2, equal forwards f = 1, backwards b = 2: each micro-batch crosses the
+    four virtual stages forward (4 f) and back (4 b); stage 0 holds both micro-batches of both
+    chunks at once (warm-up 2 + 2), and the schedule's time is the critical path."""
+    from megatron_paradyse.costmodel.schedule import interleaved_receives, simulate_interleaved
+
+    P, V, M = 2, 2, 2
+    sch = simulate_interleaved([[[1.0] * M] * V] * P, [[[2.0] * M] * V] * P)
+    assert max(len(op.chunks) for op in sch.ops[0]) == 4
+    assert max(len(op.chunks) for op in sch.ops[1]) == 3
+    assert max(len(op.in_flight) for op in sch.ops[0]) == 2
+    assert all(math.isclose(b, M * V * 3.0) for b in sch.busy)
+    # stage 0: F00 F10 F01 F11 (1 each, F01 waits for stage 1's F00 at 2) ... 15 s in all
+    assert math.isclose(sch.makespan, 15.0), sch.makespan
+    assert [(op.kind, op.mb, op.chunk) for op in sch.ops[0]][:4] == [("F", 0, 0), ("F", 1, 0), ("F", 0, 1), ("F", 1, 1)]
+    assert interleaved_receives(0, P, M, V) == ((0, 1), (0, 1, 0, 1))
+    assert interleaved_receives(1, P, M, V) == ((0, 1, 0, 1), (0, 1))
+
+
+def test_interleaved_step_planner():
+    """V = 2 chunks per stage: the step planner tightens over megatron's interleaved order (its
+    peaks recomputed here over that order), times the step by the interleaved simulation, and
+    lays each stage's plan out chunk after chunk (stage 0: layers 1-2 and 5-6 of 8)."""
+    cm = analytic_l8()
+    P, V, shapes = 2, 2, [(4096, 1)] * 4
+    fast = build_planner("optimal", stage_cost_model(cm, 0, P), 1e12, margin_bytes=0).choose(4096, 1)
+    budget = 1.2 * fast.peak_bytes
+    loose = PipelinePlanner("optimal", cm, 1e12, P, margin_bytes=0, reorder=False, num_chunks=V).plan_step(shapes)
+    assert loose.stage_peaks[0] > budget  # the fastest plans, in flight together, do not fit
+    pp = PipelinePlanner("optimal", cm, budget, P, margin_bytes=0, reorder=False, num_chunks=V)
+    sp = pp.plan_step(shapes)
+    assert sp.fits, sp.message
+    peaks = check_peaks(pp, shapes, sp, V=V)
+    assert all(p <= lim for p, lim in zip(peaks, sp.stage_limits))
+    assert sp.seconds > loose.seconds
+    a, b = sp.stage_plans[0][0].layers, sp.stage_plans[1][0].layers
+    assert sp.plans[0] == a[:2] + b[:2] + a[2:] + b[2:]
+    one = PipelinePlanner("optimal", cm, 1e12, P, margin_bytes=0, reorder=False).plan_step(shapes)
+    assert loose.makespan < one.makespan  # the interleaved schedule's smaller bubble

@@ -685,10 +685,15 @@ def test_bad_flags_fail_before_any_collective():
         (_argv(4, ["--exit-duration-in-mins", "-1"]), 4, "--exit-duration-in-mins must be positive"),
         (_argv(2, ["--pipeline-model-parallel-size", "3"]), 6, "must be divisible by --pipeline-model-parallel-size"),
         (_argv(2, ["--pipeline-model-parallel-size", "2"]), 6, "not divisible by --tensor-model-parallel-size 2 x"),
-        (_argv(2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]), 4,
-         "selects the interleaved .virtual.pipeline. schedule, which is not supported"),
-        (_argv(2, ["--pipeline-model-parallel-size", "2", "--paradyse", "--paradyse-refine", "on"]), 4,
-         "not available with pipeline stages"),
+        (_argv(2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+                   "--global-batch-size", "2"]), 4, "micro-batches per replica and step, not a multiple of 2"),
+        (_argv(2, ["--virtual-pipeline-model-parallel-size", "2"]), 4, "needs --pipeline-model-parallel-size > 1"),
+        (_argv(2, ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "4"]), 4,
+         "must be divisible by --pipeline-model-parallel-size 2 x --virtual-pipeline-model-parallel-size 4"),
+        (_argv(2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"]), 4,
+         "must be a multiple of it"),
+        (_argv(2, ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
+                   "--save", "/tmp/x"]), 4, "not supported yet with the interleaved schedule"),
         (_argv(4, ["--split", "0,1,0"]), 4, "the training one above zero"),
         (_argv(4, ["--split", "90,x"]), 4, "--split '90,x'"),
         (_argv(4, ["--eval-iters", "-1"]), 4, "must be >= 0"),
@@ -700,6 +705,9 @@ def test_bad_flags_fail_before_any_collective():
     assert args.data_parallel_size == 2 and args.num_microbatches == 1 and args.paradyse_pad_multiple == 4
     args = parse_args(_argv(2, ["--paradyse", "--pipeline-model-parallel-size", "2"]), world_size=8)
     assert args.data_parallel_size == 2
+    args = parse_args(_argv(2, ["--paradyse", "--pipeline-model-parallel-size", "2", "--paradyse-refine", "on",
+                                "--num-layers-per-virtual-pipeline-stage", "1"]), world_size=4)
+    assert args.paradyse_dims.vpp == 2 and args.virtual_pipeline_model_parallel_size == 2
 
 
 def test_pad_to_multiple_and_data():

@@ -1,7 +1,9 @@
 """Training with pipeline stages (issue 35): ``pretrain_gpt_paradyse.py`` at PP = 2 x TP = 2 x
 DP = 2 equals stock megatron-core at the same layout on the same data, with plans changing per
 step, micro-batch, layer and so per stage: variable lengths, packs, megatron's recompute with
-``:rc`` entries; checkpoints move both ways between stock and ParaDySe.
+``:rc`` entries; megatron's interleaved schedule (2 model chunks per stage), unpacked and
+packed; checkpoints move both ways between stock and ParaDySe; the step planner with online
+refinement per stage.
 
 One world of 8 gloo ranks (megatron's order: TP fastest, then DP, then PP; stage 0 is ranks
 0-3, stage 1 ranks 4-7), about 30 s here. Stock runs megatron's own
@@ -9,6 +11,7 @@ p2p shape exchange (``variable_seq_lengths``); ParaDySe answers it from the agre
 (``training/p2p_shapes.py``), and the test makes megatron's exchange raise in those runs.
 """
 import contextlib
+import time
 
 import pytest
 
@@ -30,6 +33,12 @@ TOO_SMALL_GIB = str(1.1 / 1024)
 UNPACKED = ["--micro-batch-size", "1", "--global-batch-size", "4"]
 PACK = ["--paradyse-pack-tokens", "64", "--paradyse-pack", "balanced"]  # stock: the same documents unpacked
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"]
+# the interleaved schedule: two model chunks per stage, one layer each (stage 0 runs layers 1
+# and 3, stage 1 layers 2 and 4); four documents per replica and step, so that a packed step
+# has at least PP packs (megatron's groups of PP micro-batches per chunk); one stock run is the
+# reference of both ParaDySe runs, unpacked and packed (the same documents)
+VPP = ["--virtual-pipeline-model-parallel-size", "2", "--global-batch-size", "8"]
+VPP_STEPS = 2
 
 
 def _with_rc(config, p):
@@ -106,8 +115,10 @@ def _planned(world, root):
     from megatron_paradyse.planner import NoFitError
 
     hist, _, trainer = _train(2, world, PP + ["--paradyse-memory-budget", BUDGET_GIB, "--paradyse-run-report",
-                                              f"{root}/report", "--eval-iters", "1"], paradyse=True)
+                                              f"{root}/report", "--eval-iters", "1", "--paradyse-refine", "on"],
+                              paradyse=True)
     evaluated = _evaluated(trainer)
+    refinement = [dict(ref.state(), updates=ref.updates) for ref in trainer.planner.pipeline.refinements]
     with open(f"{root}/report/run_report.json") as fh:
         report = json.load(fh)
     try:
@@ -115,7 +126,21 @@ def _planned(world, root):
         error = None
     except (NoFitError, PlanMismatchError) as e:  # a replica whose own step fits hears the other's
         error = str(e)
-    return {"summary": _summary(hist), "report": report, "error": error, "eval": evaluated}
+    return {"summary": _summary(hist), "report": report, "error": error, "eval": evaluated, "refinement": refinement}
+
+
+def _interleaved(world):
+    """Stock megatron-core's interleaved schedule and ParaDySe's under cycling plans, unpacked
+    and packed (two steps each): their summaries and the first model chunk's final weights."""
+    hist, stock_params, _ = _train(2, world, PP + VPP, paradyse=False, steps=VPP_STEPS)
+    out = {}
+    for case, more in (("interleaved", []), ("interleaved_packed", PACK)):
+        with _NoExchange():
+            pd, params, _ = _train(2, world, PP + VPP + more, paradyse=True, plan_fn_factory=_cycling_plan_fn,
+                                   steps=VPP_STEPS)
+        out[case] = {"stock": _summary(hist), "paradyse": _summary(pd), "stock_params": stock_params,
+                     "paradyse_params": params}
+    return out
 
 
 def _divergent(rank):
@@ -148,6 +173,9 @@ def _world(rank, world, root):
     out["resume"] = _resume(world, root)
     out["packed"] = _pair(world, UNPACKED, packed=True)
     out["recompute"] = _pair(world, RECOMPUTE, factory=_with_rc)
+    t0 = time.perf_counter()
+    out.update(_interleaved(world))
+    out["times"] = {"interleaved": time.perf_counter() - t0}
     out["planned"] = _planned(world, root)
     out["divergence"] = {"error": _stage_divergence(rank, world)}
     if rank in FIRST_OF_STAGE:
@@ -176,26 +204,41 @@ def test_a_step_no_plan_fits_stops_on_every_rank_naming_the_stage(world):
         assert "MiB" in e and "limit" in e and "budget" in e
 
 
+def test_the_step_planner_refines_each_stage(world):
+    """--paradyse-refine on with stages (the planned run above): one refinement per stage
+    planner, updated every step from its own stage's measurements summed over the world, the
+    same on every rank."""
+    refs = world[0]["planned"]["refinement"]
+    assert len(refs) == 2 and all(ref["updates"] == STEPS for ref in refs), refs
+    assert refs[0]["mem"] != refs[1]["mem"]  # each stage's own peaks
+    for r in world[1:]:
+        assert r["planned"]["refinement"] == refs
+    print(f"\nrefinement versions per stage {[ref['version'] for ref in refs]}; the interleaved runs took "
+          f"{world[0]['times']['interleaved']:.1f} s")
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("pp"))
     return run_world(_world, WORLD, root, timeout=300, trace=True)  # NCCL's ordering rule checked on every stage
 
 
-@pytest.mark.parametrize("case", ["plain", "packed", "recompute"])
+@pytest.mark.parametrize("case", ["plain", "packed", "recompute", "interleaved", "interleaved_packed"])
 def test_pipeline_stages_train_equal_to_stock_pipeline(world, case):
     got = world[0][case]
     stock, pd = got["stock"], got["paradyse"]
-    assert len(stock) == len(pd) == STEPS
+    assert len(stock) == len(pd) == (VPP_STEPS if case.startswith("interleaved") else STEPS)
     plans = [p for step in pd for p in step["plans"]]
-    # per stage: stage 0 runs layers 1-2, stage 1 layers 3-4; each changes per micro-batch
+    # per stage: stage 0 runs layers 1-2, stage 1 layers 3-4 (interleaved: 1 and 3, 2 and 4);
+    # each changes per micro-batch
     assert len({p[:2] for p in plans}) > 1 and len({p[2:] for p in plans}) > 1, plans
+    assert len({p[0::2] for p in plans}) > 1 and len({p[1::2] for p in plans}) > 1, plans
     assert len({s for step in pd for s in step["s"]}) > 1  # lengths vary per micro-batch
     loss = max(_rel(x["loss"], y["loss"]) for x, y in zip(pd, stock))
     gn = max(_rel(x["gn"], y["gn"]) for x, y in zip(pd, stock))
     weights = max(_param_rel(world[r][case]["paradyse_params"], world[r][case]["stock_params"])
                   for r in FIRST_OF_STAGE)
-    print(f"\n{case}: {STEPS} steps at PP=2 x TP=2 x DP=2, loss {loss:.1e}, grad norm {gn:.1e}, weights {weights:.1e}")
+    print(f"\n{case}: {len(pd)} steps at PP=2 x TP=2 x DP=2, loss {loss:.1e}, grad norm {gn:.1e}, weights {weights:.1e}")
     assert loss < 1e-5 and gn < 1e-5 and weights < 1e-5
     for r in world[1:]:  # every rank reports the same losses (summed over the stages)
         assert [x["loss"] for x in r[case]["paradyse"]] == [x["loss"] for x in pd]

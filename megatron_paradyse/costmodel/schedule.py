@@ -22,6 +22,8 @@ class StageOp(NamedTuple):
     in_flight: tuple    # positions whose forward is done (or running) and backward not done
     start: float = 0.0
     end: float = 0.0
+    chunk: int = 0      # the model chunk (virtual pipeline stage) it runs; 0 under 1F1B
+    chunks: tuple = ()  # interleaved: the (chunk, position) pairs in flight (in_flight: their positions)
 
 
 class Schedule(NamedTuple):
@@ -82,4 +84,124 @@ def simulate_1f1b(fwd, bwd) -> Schedule:
     if any(pos[r] < len(orders[r]) for r in range(P)):
         raise RuntimeError("1F1B schedule deadlocked")  # cannot happen: 1F1B is deadlock-free
     busy = tuple(float(sum(fwd[r]) + sum(bwd[r])) for r in range(P))
+    return Schedule(max(clock, default=0.0), busy, tuple(clock), tuple(tuple(o) for o in ops))
+
+
+# ---------------------------------------------------------------- the interleaved schedule
+#
+# With V model chunks per pipeline rank (megatron's virtual pipeline stages) rank r holds chunks
+# c = 0..V-1, virtual stage c P + r, layers split evenly over the P V virtual stages. Every rank
+# runs the same table of (micro-batch, chunk) "virtual micro-batches": groups of N micro-batches
+# (``microbatch_group_size_per_vp_stage``, megatron's default P) through chunk 0, then the same
+# group through chunk 1, ...; backwards take the same table with the chunks reversed.
+
+
+def interleaved_group(num_microbatches: int, num_stages: int) -> int:
+    """Micro-batches per group: megatron's default P where P divides M, else all M in one
+    group (megatron refuses a last group smaller than P; a packed step's M varies)."""
+    return num_stages if num_microbatches % num_stages == 0 else num_microbatches
+
+
+def interleaved_table(num_microbatches: int, num_chunks: int, group: int) -> tuple:
+    """The ``(micro-batch, chunk)`` of each forward virtual micro-batch, in run order: groups of
+    ``group`` micro-batches through every chunk in turn (the last group takes the rest)."""
+    M, V, N = int(num_microbatches), int(num_chunks), int(group)
+    out = []
+    for lo in range(0, M, N):
+        hi = M if lo + N >= M else lo + N
+        out += [(j, c) for c in range(V) for j in range(lo, hi)]
+    return tuple(out)
+
+
+def interleaved_warmup(stage: int, num_stages: int, num_microbatches: int, num_chunks: int, group: int,
+                       forward_only: bool = False) -> int:
+    """Forwards stage ``stage`` runs before its first backward: ``2 (P - r - 1) + (V - 1) N``,
+    at most all ``M V`` of them (all of them forward-only)."""
+    total = num_microbatches * num_chunks
+    if forward_only:
+        return total
+    return min(2 * (num_stages - stage - 1) + (num_chunks - 1) * group, total)
+
+
+def interleaved_order(stage: int, num_stages: int, num_microbatches: int, num_chunks: int,
+                      group: int | None = None) -> tuple:
+    """``stage``'s :class:`StageOp` s in the order megatron's interleaved schedule runs them
+    (``forward_backward_pipelining_with_interleaving``), untimed: the warm-up forwards, then
+    pairs (forward ``w + i``, backward ``i``), then the cool-down backwards, where forward
+    ``k`` is the table's ``k``-th entry and backward ``k`` the same entry with the chunk
+    reversed (``V - 1 - c``). Each op has its ``chunk``; ``chunks`` holds the ``(chunk,
+    micro-batch)`` pairs whose forward ran and backward did not, itself included, and
+    ``in_flight`` their micro-batches."""
+    P, M, V = int(num_stages), int(num_microbatches), int(num_chunks)
+    N = P if group is None else int(group)
+    table = interleaved_table(M, V, N)
+    T = len(table)
+    w = interleaved_warmup(stage, P, M, V, N)
+    fwd = [("F", j, c) for j, c in table]
+    bwd = [("B", j, V - 1 - c) for j, c in table]
+    order = fwd[:w]
+    for i in range(T - w):
+        order += [fwd[w + i], bwd[i]]
+    order += bwd[T - w:]
+    live, out = set(), []
+    for kind, j, c in order:
+        live.add((c, j))
+        out.append(StageOp(kind, j, tuple(sorted({k for _, k in live})), chunk=c, chunks=tuple(sorted(live))))
+        if kind == "B":
+            live.discard((c, j))
+    return tuple(out)
+
+
+def interleaved_receives(stage: int, num_stages: int, num_microbatches: int, num_chunks: int,
+                         group: int | None = None, forward_only: bool = False) -> tuple:
+    """``(forward, backward)``: the micro-batches whose activations (gradients) ``stage``
+    receives, in the order it receives them: its peer's sends in that peer's run order. Stage r
+    > 0 receives every forward output of stage r - 1; stage 0 those of stage P - 1 but its last
+    chunk's; backwards the same way down (stage P - 1 all of stage 0's but chunk 0's)."""
+    P, M, V = int(num_stages), int(num_microbatches), int(num_chunks)
+    table = interleaved_table(M, V, P if group is None else int(group))
+    fwd = tuple(j for j, c in table if stage > 0 or c != V - 1)
+    bwd = () if forward_only else tuple(j for j, c in table if stage < P - 1 or c != V - 1)
+    return fwd, bwd
+
+
+def simulate_interleaved(fwd, bwd, group: int | None = None) -> Schedule:
+    """The interleaved step of ``fwd[r][c][j]`` / ``bwd[r][c][j]`` seconds (stage r, chunk c,
+    micro-batch j in run order): each stage runs its ops in :func:`interleaved_order`, an op
+    starting when the stage is free and its input is there: F(r, c, j) after F(r - 1, c, j),
+    on stage 0 after F(P - 1, c - 1, j); B(r, c, j) after B(r + 1, c, j), on the last stage
+    after B(0, c + 1, j), and the last virtual stage's after its own forward. Communication
+    takes no time; ``Schedule.ops`` are the :class:`StageOp` s with their chunks."""
+    P = len(fwd)
+    V = len(fwd[0]) if P else 0
+    M = len(fwd[0][0]) if V else 0
+    orders = [interleaved_order(r, P, M, V, group) for r in range(P)]
+
+    def dep(kind, r, c, j):
+        if kind == "F":
+            return ("F", r - 1, c, j) if r > 0 else (("F", P - 1, c - 1, j) if c > 0 else None)
+        if r < P - 1:
+            return ("B", r + 1, c, j)
+        return ("B", 0, c + 1, j) if c < V - 1 else ("F", r, c, j)
+
+    done, clock, pos = {}, [0.0] * P, [0] * P
+    ops = [[] for _ in range(P)]
+    moved = True
+    while moved:
+        moved = False
+        for r in range(P):
+            while pos[r] < len(orders[r]):
+                op = orders[r][pos[r]]
+                d = dep(op.kind, r, op.chunk, op.mb)
+                if d is not None and d not in done:
+                    break
+                start = max(clock[r], done[d] if d is not None else 0.0)
+                end = start + (fwd if op.kind == "F" else bwd)[r][op.chunk][op.mb]
+                done[(op.kind, r, op.chunk, op.mb)] = clock[r] = end
+                ops[r].append(op._replace(start=start, end=end))
+                pos[r] += 1
+                moved = True
+    if any(pos[r] < len(orders[r]) for r in range(P)):
+        raise RuntimeError("interleaved schedule deadlocked")
+    busy = tuple(float(sum(sum(x) for x in fwd[r]) + sum(sum(x) for x in bwd[r])) for r in range(P))
     return Schedule(max(clock, default=0.0), busy, tuple(clock), tuple(tuple(o) for o in ops))

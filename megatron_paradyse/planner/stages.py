@@ -36,6 +36,17 @@ last stage, the non-layer saved bytes); ``pool``: each buffer name once at its l
 the micro-batches in flight (a bound: exact if the pool keeps its buffers across interleaved
 micro-batches). The in-flight sets depend only on the run order, so memory is checked without
 timing; the simulation gives the step time.
+
+Under megatron's interleaved schedule (``num_chunks`` V > 1: each rank holds V model chunks,
+its L/P layers laid out chunk after chunk) the ops are chunks of micro-batches in megatron's
+interleaved order (``costmodel/schedule.py``: ``interleaved_order``, ``simulate_interleaved``,
+a chunk taking 1/V of its micro-batch's stage seconds); each other (chunk, micro-batch) in
+flight holds its chunk's input tensor and 1/V of the micro-batch's other saved bytes on the
+stage (``_Part.chunk_held``), the running one its own peak as above.
+
+Online refinement: one :class:`~megatron_paradyse.planner.refine.Refinement` per stage planner,
+fed by its own stage's ranks (:meth:`PipelinePlanner.contribution`, :meth:`PipelinePlanner.refine`:
+every stage's slot in one all-reduce over the world).
 """
 from __future__ import annotations
 
@@ -43,7 +54,8 @@ import math
 from typing import NamedTuple
 
 from ..costmodel.base import union_bytes
-from ..costmodel.schedule import StageOp, Schedule, one_f_one_b, simulate_1f1b
+from ..costmodel.schedule import (StageOp, Schedule, interleaved_group, interleaved_order, one_f_one_b,
+                                  simulate_1f1b, simulate_interleaved)
 from ..costmodel.stage import FORWARD_SHARE, StageCostModel, forward_share, stage_cost_model
 from ..parallel.packing import PackShape, seq_tokens
 from ..parallel.plans import describe
@@ -97,6 +109,13 @@ class _Part(NamedTuple):
     act: float     # its own peak above static and pool
     fwd: float     # forward seconds
     bwd: float     # backward seconds
+    resident: float = 0.0  # of ``held``: the stage's input tensor
+
+    def chunk_held(self, num_chunks: int) -> float:
+        """What one of its V model chunks keeps from forward to backward (interleaved): its
+        own input tensor and 1/V of the rest (the layers' and non-layer saved bytes, split
+        evenly: an approximation where the plan differs per chunk)."""
+        return self.resident + (self.held - self.resident) / num_chunks
 
 
 def _length(shape) -> str:
@@ -105,6 +124,14 @@ def _length(shape) -> str:
     if isinstance(s, PackShape):
         return f"{s.tokens} (pack)"
     return f"{int(s)}" + (f"x{b}" if b != 1 else "")
+
+
+def _counts(pairs) -> dict:
+    """Per position, how many of the ``(chunk, position)`` pairs are its."""
+    out: dict = {}
+    for _, k in pairs:
+        out[k] = out.get(k, 0) + 1
+    return out
 
 
 def _pool_bytes(pools) -> float:
@@ -229,19 +256,26 @@ class PipelinePlanner:
     stages, ``device_kind``, ``recompute``, ``recompute_chunk``, ``recompute_first``: per
     stage, other keywords) are ``build_planner``'s, applied to each stage's cost model.
     ``reorder``: also try :func:`candidate_orders` and keep the fastest run order that fits.
+    ``num_chunks`` V > 1: megatron's interleaved schedule (module docstring's last section).
     Deterministic, no state between steps (no hysteresis), no collectives.
     """
 
     def __init__(self, kind: str, cost_model, memory_budget_bytes: float, num_stages: int,
-                 reorder: bool = True, refinement=None, strategies=None, **options):
-        if refinement is True:
-            refinement = Refinement(tuple(strategies) if strategies is not None else tuple(cost_model.strategies))
+                 reorder: bool = True, refinement=None, strategies=None, num_chunks: int = 1, **options):
         P = self.num_stages = int(num_stages)
+        self.num_chunks = int(num_chunks)
+        if self.num_chunks > 1 and cost_model.num_layers % (P * self.num_chunks):
+            raise ValueError(f"{cost_model.num_layers} layers do not split over {P} stages x {self.num_chunks} chunks")
         # the middle stages (neither first nor last) are alike: one model and one planner (and
         # its cache) serve them all
         role = [r if r in (0, P - 1) else 1 for r in range(P)]
         models = {k: stage_cost_model(cost_model, k, P) for k in sorted(set(role))}
-        planners = {k: build_planner(kind, m, memory_budget_bytes, refinement=refinement, strategies=strategies,
+        if refinement is True:  # one per stage planner: each stage's measurements refine its own
+            names = tuple(strategies) if strategies is not None else tuple(cost_model.strategies)
+            refinement = {k: Refinement(names) for k in models}
+        refined = refinement if isinstance(refinement, dict) else {k: refinement for k in models}
+        self.refinements = [refined[k] for k in sorted(models)]  # per stage planner (role)
+        planners = {k: build_planner(kind, m, memory_budget_bytes, refinement=refined[k], strategies=strategies,
                                      **options) for k, m in models.items()}
         self.models: list[StageCostModel] = [models[k] for k in role]
         self.stages = [planners[k] for k in role]
@@ -252,6 +286,48 @@ class PipelinePlanner:
         self._memo = _StepMemo()  # one step's answers (plan_step)
         first = self.stages[0]
         self.budget, self.margin, self.limit, self.multiple = first.budget, first.margin, first.limit, first.multiple
+
+    # -------------------------------------------------------------- online refinement
+    def refines(self) -> bool:
+        """Whether each stage planner has its own online refinement."""
+        return all(r is not None for r in self.refinements) and len(set(map(id, self.refinements))) == len(self.refinements)
+
+    def contribution(self, stage: int, micro, predicted_seconds: float, measured_seconds,
+                     predicted_peak: float, measured_peak, micro_batch: int = 1) -> list:
+        """One rank of stage ``stage``: its step as the refinement's vector, in its stage
+        planner's slot of one vector for all of them (zeros elsewhere); ``micro``: [(the
+        stage's plan entries, padded length)] of the step's micro-batches. Summed over the
+        world (:meth:`refine`), each stage's factors come from its own ranks' measurements."""
+        roles = sorted(set(self._role))
+        size = self.refinements[0].size()
+        out = [0.0] * (size * len(roles))
+        slot = roles.index(self._role[stage])
+        pl = self.stages[stage]
+        vec = self.refinements[slot].contribution(
+            micro, predicted_seconds, measured_seconds, predicted_peak, measured_peak,
+            layer_seconds=lambda n, s: pl.layer_seconds(n, s, micro_batch))
+        out[slot * size:(slot + 1) * size] = vec
+        return out
+
+    def refine(self, contribution, group=None) -> bool:
+        """All-reduce (SUM) the ranks' :meth:`contribution` s over ``group`` (the world) in one
+        collective and apply each stage planner's slot; whether some planner's view changed."""
+        import torch
+        import torch.distributed as dist
+
+        from ..parallel.plan_check import collective_device
+
+        t = torch.tensor(contribution, dtype=torch.float64)
+        if dist.is_available() and dist.is_initialized():
+            t = t.to(collective_device())
+            dist.all_reduce(t, group=group)
+            t = t.cpu()
+        size, summed = self.refinements[0].size(), t.tolist()
+        moved = [ref.apply(summed[i * size:(i + 1) * size]) for i, ref in enumerate(self.refinements)]
+        return any(moved)
+
+    def refinement_versions(self) -> tuple:
+        return tuple(ref.version for ref in self.refinements)
 
     # -------------------------------------------------------------- one micro-batch on a stage
     def part(self, r: int, shape, choice: PlanChoice) -> _Part:
@@ -281,7 +357,7 @@ class PipelinePlanner:
             + sum(costs.m[index[e]] for e in choice.layers)
         fwd = forward_seconds(costs, choice.layers)
         return _Part(choice, pool, held, choice.peak_bytes - costs.base - union_bytes([pool]),
-                     fwd, choice.seconds - fwd)
+                     fwd, choice.seconds - fwd, model.resident_bytes(s, b) * fm)
 
     def under(self, r: int, shape, limit: float) -> PlanChoice:
         """Stage ``r``'s ``choose_under(s, b, limit)`` through this step's memo: the answer under
@@ -372,16 +448,32 @@ class PipelinePlanner:
     # -------------------------------------------------------------- one run order
     def windows(self, order) -> list:
         """Per stage, its :class:`~megatron_paradyse.costmodel.schedule.StageOp` s in 1F1B order
-        (untimed: the in-flight positions are all memory needs)."""
-        return [one_f_one_b(r, self.num_stages, len(order)) for r in range(self.num_stages)]
+        or the interleaved one (untimed: the in-flight positions are all memory needs)."""
+        P, M, V = self.num_stages, len(order), self.num_chunks
+        if V > 1:
+            return [interleaved_order(r, P, M, V, interleaved_group(M, P)) for r in range(P)]
+        return [one_f_one_b(r, P, M) for r in range(P)]
 
     def timed(self, parts, order) -> tuple:
-        """(schedule, step seconds) of ``parts`` run in ``order``: the 1F1B simulation, then each
-        stage's update after its last backward."""
-        P = self.num_stages
-        sched = simulate_1f1b([[parts[r][j].fwd for j in order] for r in range(P)],
-                              [[parts[r][j].bwd for j in order] for r in range(P)])
+        """(schedule, step seconds) of ``parts`` run in ``order``: the 1F1B (interleaved)
+        simulation, a chunk taking 1/V of its micro-batch's stage seconds, then each stage's
+        update after its last backward."""
+        P, V = self.num_stages, self.num_chunks
+        if V > 1:
+            group = interleaved_group(len(order), P)
+            sched = simulate_interleaved([[[parts[r][j].fwd / V for j in order]] * V for r in range(P)],
+                                         [[[parts[r][j].bwd / V for j in order]] * V for r in range(P)], group)
+        else:
+            sched = simulate_1f1b([[parts[r][j].fwd for j in order] for r in range(P)],
+                                  [[parts[r][j].bwd for j in order] for r in range(P)])
         return sched, max(sched.ends[r] + self.stages[r].update_seconds() for r in range(P))
+
+    def whole_plan(self, stage_layers) -> tuple:
+        """A micro-batch's full plan from its stages' plans (``stage_layers[r]``): stage after
+        stage; interleaved, chunk after chunk, each stage's plan split evenly over its chunks."""
+        V = self.num_chunks
+        n = len(stage_layers[0]) // V
+        return tuple(e for c in range(V) for layers in stage_layers for e in layers[c * n:(c + 1) * n])
 
     # -------------------------------------------------------------- the API
     def _shapes(self, shapes) -> list:
@@ -477,14 +569,15 @@ class _Trial:
         micro-batch under another plan."""
         parts_r, order = self.parts[r], self.order
         held, pools = 0.0, []
+        chunks = _counts(op.chunks) if op.chunks else None  # interleaved: chunks in flight per position
         for k in op.in_flight:
             j = order[k]
             p = swap[1] if swap is not None and swap[0] == j else parts_r[j]
             pools.append(p.pool)
+            others = (0 if k == op.mb else 1) if chunks is None else chunks[k] - (k == op.mb)
             if k == op.mb:
                 act = p.act
-            else:
-                held += p.held
+            held += others * (p.held if chunks is None else p.chunk_held(self.pp.num_chunks))
         return self.pp._static[r] + _pool_bytes(pools) + act + held
 
     def plan(self) -> StepPlan:
@@ -631,7 +724,7 @@ class _Trial:
         P = pp.num_stages
         peaks = tuple(max(self.op_bytes(r, op) for op in self.windows[r]) for r in range(P))
         sched, seconds = pp.timed(parts, self.order)
-        plans = tuple(tuple(e for r in range(P) for e in parts[r][j].choice.layers) for j in range(len(shapes)))
+        plans = tuple(pp.whole_plan([parts[r][j].choice.layers for r in range(P)]) for j in range(len(shapes)))
         message, offenders = "", ()
         if alone:
             r, j = alone[0]

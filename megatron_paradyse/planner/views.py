@@ -15,7 +15,7 @@ class MicroBatchView:
         self.stages = pipeline_planner.stages
         self.kind = pipeline_planner.kind
         self.budget, self.margin = pipeline_planner.budget, pipeline_planner.margin
-        self.refinement = None  # not with pipeline stages (yet): a step's stages would need one each
+        self.refinement = None  # with pipeline stages each stage planner has its own (``pipeline.refinements``)
 
     def choose(self, seq_len, micro_batch: int) -> PlanChoice:
         """The slowest stage's choice, ``fits`` when every stage fits the micro-batch alone."""

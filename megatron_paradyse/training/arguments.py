@@ -266,9 +266,9 @@ def _add_distributed_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="pipeline stages (megatron's 1F1B schedule; layers split evenly)")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
-                   help="refused: the interleaved schedule is not supported (docs/pipeline.md)")
+                   help="the interleaved schedule: layers per model chunk (docs/pipeline.md)")
     g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
-                   help="refused: the interleaved schedule is not supported (docs/pipeline.md)")
+                   help="the interleaved schedule: model chunks per pipeline rank (docs/pipeline.md)")
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--cp-comm-type", default="p2p", help="Megatron-LM's flag; ParaDySe runs 'p2p' (a K/V ring)")
     g.add_argument("--hierarchical-context-parallel-sizes", type=int, nargs="+", default=None)
@@ -443,6 +443,7 @@ def validate_args(args, world_size: int | None = None) -> argparse.Namespace:
     _check_parallel(args, world_size)
     _check_backend(args)
     _check_batches(args, world_size, tp)
+    _check_interleaved(args)
     _check_data(args)
     _complete_model(args, tp)
     check_recompute(args, args.num_layers // args.paradyse_dims.pp)
@@ -465,14 +466,16 @@ def _check_parallel(args, world_size: int) -> None:
     """The parallel layout: built and checked by ``dims.py`` (the one builder and validator of
     both trainers; its ``LayoutError`` here an ``ArgumentError``) and attached as
     ``args.paradyse_dims``; then what only this trainer needs: PP splits the layers evenly (the
-    1F1B schedule), no online refinement with stages, no overlapped parameter gather with
+    1F1B schedule), no overlapped parameter gather with
     ``--paradyse``, local layers."""
+    _virtual_stages(args)
     try:
         dims = dims_from_args(args, world_size)
         check_layout(dims, paradyse=args.paradyse, seq_length=args.seq_length,
                      interleaving=interleaving_flag(args), pack=args.paradyse_pack,
                      plan_given=args.paradyse_plan is not None, cp_links=args.paradyse_cp_links,
-                     dynamic_cp_runs=True, max_seqlen=args.max_seqlen_per_dp_cp_rank)
+                     dynamic_cp_runs=True, max_seqlen=args.max_seqlen_per_dp_cp_rank,
+                     interleaved=True)
     except ValueError as e:
         _err(str(e))
     attach(args, dims)
@@ -481,15 +484,54 @@ def _check_parallel(args, world_size: int) -> None:
     if args.num_layers % dims.pp:
         _err(f"--num-layers {args.num_layers} must be divisible by --pipeline-model-parallel-size {dims.pp} "
              "(megatron's even split of the layers over the stages)")
-    if dims.pp_on and args.paradyse_refine == "on":
-        _err("--paradyse-refine on is not available with pipeline stages: the step planner plans "
-             "without online refinement (leave --paradyse-refine at auto or off)")
     if args.paradyse and args.overlap_param_gather:
         _err(OVERLAP_PARAM_GATHER_WITH_PARADYSE)
     if args.transformer_impl != "local":
         _err("--transformer-impl transformer_engine: this trainer builds megatron-core's local layer spec "
              "(Transformer Engine is not installable here and its layers are not switchable); give "
              "--transformer-impl local or leave the flag out")
+
+
+def _virtual_stages(args) -> None:
+    """``--num-layers-per-virtual-pipeline-stage L`` as Megatron-LM: ``--virtual-pipeline-
+    model-parallel-size`` = layers / PP / L (one of the two flags); a size of 1 is no
+    interleaving."""
+    per, vpp = args.num_layers_per_virtual_pipeline_stage, args.virtual_pipeline_model_parallel_size
+    pp = args.pipeline_model_parallel_size
+    if per is not None and vpp is not None:
+        _err("give one of --num-layers-per-virtual-pipeline-stage and --virtual-pipeline-model-parallel-size")
+    if per is not None:
+        if per < 1 or args.num_layers % (pp * per):
+            _err(f"--num-layers-per-virtual-pipeline-stage {per}: --num-layers {args.num_layers} must be a "
+                 f"multiple of it x --pipeline-model-parallel-size {pp}")
+        vpp = args.virtual_pipeline_model_parallel_size = args.num_layers // (pp * per)
+    if vpp is not None and vpp < 1:
+        _err(f"--virtual-pipeline-model-parallel-size must be at least 1, got {vpp}")
+    if vpp == 1:
+        args.virtual_pipeline_model_parallel_size = None
+
+
+def _check_interleaved(args) -> None:
+    """The interleaved schedule (megatron-core's ``forward_backward_pipelining_with_
+    interleaving``): pipeline stages, the layers split evenly over PP x V model chunks, a
+    multiple of PP micro-batches per step (megatron's groups of PP micro-batches per chunk;
+    packed steps are checked per step by the iterator), no checkpoints yet."""
+    vpp, pp = args.virtual_pipeline_model_parallel_size, args.pipeline_model_parallel_size
+    if vpp is None:
+        return
+    flag = interleaving_flag(args)
+    if pp < 2:
+        _err(f"{flag} needs --pipeline-model-parallel-size > 1 (the interleaved schedule's model chunks "
+             "are pipeline stages)")
+    if args.num_layers % (pp * vpp):
+        _err(f"--num-layers {args.num_layers} must be divisible by --pipeline-model-parallel-size {pp} x "
+             f"--virtual-pipeline-model-parallel-size {vpp} (megatron's even split over the model chunks)")
+    if args.paradyse_pack == "none" and args.num_microbatches % pp:
+        _err(f"the interleaved schedule runs micro-batches in groups of --pipeline-model-parallel-size {pp}: "
+             f"--global-batch-size {args.global_batch_size} gives {args.num_microbatches} micro-batches per "
+             f"replica and step, not a multiple of {pp}")
+    if args.save or args.load:
+        _err(f"--save and --load are not supported yet with the interleaved schedule ({flag})")
 
 
 def _check_backend(args) -> None:

@@ -94,19 +94,22 @@ def interleaving_flag(args) -> str | None:
 def check_layout(dims: ParallelDims, *, paradyse: bool, seq_length: int | None = None,
                  interleaving: str | None = None, pack: str = "none", plan_given: bool = True,
                  cp_links: str | None = None, dynamic_cp_runs: bool = False, per_token_loss: bool = True,
-                 max_seqlen: int | None = None) -> None:
+                 max_seqlen: int | None = None, interleaved: bool = False) -> None:
     """What the plugin can run of ``dims`` (both trainers, the bench): megatron's 1F1B schedule
-    only (``interleaving``: the flag that selects the interleaved one); ``--paradyse`` keeps
+    (``interleaving``: the flag that selects the interleaved one, refused unless ``interleaved``); ``--paradyse`` keeps
     the sequence-parallel layout with TP; context parallelism only with ``--paradyse``, one K/V
     ring ('p2p') over one level of CP ranks, no dynamic CP, no pipeline stages, no packs for
     the planner (``pack`` without ``plan_given``), links the planner knows (``cp_links``),
     sequences (``seq_length``) in 2 x CP x TP equal pieces; Dynamic CP where the trainer runs it
-    (``dynamic_cp_runs``, :func:`_check_dynamic_cp`). :class:`LayoutError` naming the flag."""
-    if interleaving is not None or dims.vpp is not None:
+    (``dynamic_cp_runs``, :func:`_check_dynamic_cp`). ``interleaved``: the trainer runs the
+    interleaved schedule too (``pretrain_gpt_paradyse.py``; it checks the rest itself).
+    :class:`LayoutError` naming the flag."""
+    if not interleaved and (interleaving is not None or dims.vpp is not None):
         flag = interleaving or "--" + VIRTUAL_PIPELINE_FLAGS[0].replace("_", "-")
-        raise LayoutError(f"{flag} selects the interleaved (virtual-pipeline) schedule, which is not supported: "
-                          f"only megatron's 1F1B schedule (one stage per pipeline rank) is supported with "
-                          f"--pipeline-model-parallel-size (drop {flag}; docs/pipeline.md says why)")
+        raise LayoutError(f"{flag} selects the interleaved (virtual-pipeline) schedule, which is not supported "
+                          f"here: only megatron's 1F1B schedule (one stage per pipeline rank) is supported with "
+                          f"--pipeline-model-parallel-size (drop {flag}; pretrain_gpt_paradyse.py runs the "
+                          "interleaved schedule: docs/pipeline.md)")
     if paradyse and dims.tp > 1 and not dims.sequence_parallel:
         raise LayoutError("--paradyse needs --sequence-parallel: every strategy keeps the "
                           "[s/p, b, h] sequence-parallel layout between layers")

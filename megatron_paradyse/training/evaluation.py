@@ -131,9 +131,10 @@ class Evaluation:
         """``--eval-iters`` global batches forward-only: ``(loss per token, measured peak)``."""
         t = self.trainer
         measure = t.planner is not None
-        static = static_bytes(t.model, t.optimizer) if measure else 0
+        static = static_bytes(t.whole_model, t.optimizer) if measure else 0
         total, peak = torch.zeros(3, dtype=torch.float64), 0.0
-        t.model.eval()
+        for chunk in t.chunks:
+            chunk.eval()
         try:
             with t._params_gathered(), torch.no_grad():
                 for _ in range(self.eval_iters):
@@ -144,7 +145,8 @@ class Evaluation:
                         peak = max(peak, m.peak_bytes + held + static)
                     total += t._reduce_losses(reports, micro)
         finally:
-            t.model.train()
+            for chunk in t.chunks:
+                chunk.train()
         loss = float(total[0] / max(total[1], 1))
         return loss, (max_over_ranks(peak) if measure else None)
 
@@ -154,11 +156,9 @@ class Evaluation:
 
         t, args = self.trainer, self.trainer.args
         micro = iterator.prefetch()
-        if args.paradyse and t.dims.pp_on:
-            p2p_shapes.expect([p2p_shapes.micro_batch_shape(mb, args.hidden_size, t.dims) for mb in micro])
         reports = get_forward_backward_func()(
             forward_step_func=partial(forward_step, paradyse=args.paradyse, cp=t.dims.cp),
-            data_iterator=iterator, model=[t.model], num_microbatches=len(micro),
+            **t.schedule_inputs(iterator, micro, forward_only=True), num_microbatches=len(micro),
             seq_length=max(mb.seq_length for mb in micro), micro_batch_size=args.micro_batch_size,
             forward_only=True)
         if args.paradyse:

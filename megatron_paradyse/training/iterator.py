@@ -27,13 +27,15 @@ class PlannedIterator:
     """
 
     def __init__(self, source, plan_fn, num_microbatches, group_index: int = 0, num_groups: int = 1,
-                 start_step: int = 0, check: bool = True, group=None, counts=None, step_plan_fn=None):
+                 start_step: int = 0, check: bool = True, group=None, counts=None, step_plan_fn=None,
+                 min_count: int = 1):
         self.source = source
         # pipeline stages: the step's micro-batches planned together, ``step_plan_fn(mbs, step)
         # -> (run order, plans, step plan)`` (planner/stages.py), instead of plan_fn one by one
         self.step_plan_fn = step_plan_fn
         self.last_step_plan = None
         self.counts = counts  # step -> (this group's micro-batches, the most any group runs)
+        self.min_count = min_count  # fewer micro-batches in a step is an error (the interleaved schedule's P)
         self.plan_fn = plan_fn
         self._nmb = num_microbatches
         self.group_index, self.num_groups = group_index, num_groups
@@ -90,6 +92,10 @@ class PlannedIterator:
         n = self.num_microbatches()
         items, error, mistake = [], None, None
         try:
+            if n < self.min_count:
+                raise UserError(f"step {self.step} has {n} packed micro-batches on replica {self.group_index}: the "
+                                f"interleaved schedule needs at least --pipeline-model-parallel-size {self.min_count} "
+                                "(raise --global-batch-size or lower --paradyse-pack-tokens)")
             for i in range(n):
                 mb = next(self.source)
                 if self.plan_fn is not None:

@@ -61,12 +61,14 @@ def micro_batch_shape(mb, hidden: int, dims) -> list:
     return activation_shape(s, mb.tokens.shape[0], hidden, tp, dims.sequence_parallel)
 
 
-def expect(shapes: list) -> None:
-    """The step's activation shapes in run order: what this rank's receives will be."""
+def expect(shapes: list, backward: list | None = None) -> None:
+    """The step's activation shapes in run order: what this rank's receives will be (forward
+    and backward alike under 1F1B); under the interleaved schedule ``backward`` differs
+    (``costmodel.schedule.interleaved_receives``: each direction in its sender's order)."""
     install()
-    for q in _queues():
+    for q, these in zip(_queues(), (shapes, shapes if backward is None else backward)):
         q.clear()
-        q.extend(tuple(int(x) for x in s) for s in shapes)
+        q.extend(tuple(int(x) for x in s) for s in these)
     _state()["active"] = True
 
 

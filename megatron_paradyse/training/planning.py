@@ -98,15 +98,16 @@ def planner_from_args(args, can_refine: bool = True, cost_model=None):
     dims = dims_of(args)
     multiple = args.paradyse_pad_multiple or dims.seq_divisor
     if dims.pp_on:
-        planner = PipelinePlanner(args.paradyse_planner, cm, budget * GiB, dims.pp,
-                                  **dict(options, refinement=None))  # block recompute: per stage
+        planner = PipelinePlanner(args.paradyse_planner, cm, budget * GiB, dims.pp, num_chunks=dims.vpp or 1,
+                                  **options)  # block recompute and refinement: per stage
         plan_fn = make_step_plan_fn(planner, args.paradyse_on_no_fit, multiple=multiple)
     else:
         planner = build_planner(args.paradyse_planner, cm, budget * GiB, **options)
         plan_fn = make_plan_fn(planner, args.paradyse_on_no_fit, multiple=multiple)  # plans packs too
     log.info(f"> planner: {describe_planner(planner)}; cost model {type(cm).__name__}"
              + (f" ({args.paradyse_cost_model})" if args.paradyse_cost_model else "")
-             + f"; on no fit: {args.paradyse_on_no_fit}; refinement {'on' if refine and not dims.pp_on else 'off'}")
+             + f"; on no fit: {args.paradyse_on_no_fit}; refinement {'on' if refine else 'off'}"
+             + (" (per stage)" if refine and dims.pp_on else ""))
     for note in (allocator_mismatch(cm), extrapolation_note(cm, args.seq_length)):
         if note:
             log_single_rank(log, logging.WARNING, f"> warning: {note}")
@@ -118,8 +119,9 @@ def describe_planner(planner) -> str:
     stages = getattr(planner, "stages", None)
     if stages is None:
         return planner.describe()
+    schedule = "1F1B" if planner.num_chunks == 1 else f"interleaved ({planner.num_chunks} chunks per stage)"
     return (f"{stages[0].describe()}, one per pipeline stage ({planner.num_stages} stages, a step's "
-            f"micro-batches planned together over the 1F1B schedule)")
+            f"micro-batches planned together over the {schedule} schedule)")
 
 
 def recompute_plan(args) -> tuple:

@@ -39,6 +39,7 @@ from ..device import select as select_device
 from ..device import synchronize
 from ..memory import PeakMemory, static_bytes
 from ..model import build_gpt_for
+from ..costmodel.schedule import interleaved_group, interleaved_receives
 from .. import runtime
 from ..parallel import dynamic_cp, groups
 from ..parallel.buffers import release_pool
@@ -82,7 +83,7 @@ def build_optimizer(args, model):
         sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, bf16=args.bf16,
         params_dtype=args.params_dtype, use_distributed_optimizer=args.use_distributed_optimizer,
     )
-    optimizer = get_megatron_optimizer(opt_config, [model])
+    optimizer = get_megatron_optimizer(opt_config, model if isinstance(model, list) else [model])
     gbs = args.global_batch_size
     warmup = (args.lr_warmup_iters * gbs if getattr(args, "lr_warmup_fraction", None) is None
               else args.lr_warmup_fraction * args.lr_decay_iters * gbs)  # as Megatron-LM
@@ -179,6 +180,7 @@ class Trainer:
         dims = self.dims
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=dims.tp,
                                                  pipeline_model_parallel_size=dims.pp,
+                                                 virtual_pipeline_model_parallel_size=dims.vpp,
                                                  context_parallel_size=dims.cp)
         random.seed(args.seed)
         np.random.seed(args.seed)
@@ -200,7 +202,10 @@ class Trainer:
             dynamic_cp.enable(dynamic_cp.DynamicCPGroups(dims.tp, min_size=dims.dcp_min_size))
 
     def _build_model_and_optimizer(self):
-        """The stock GPT in megatron-core's DDP, its optimizer and scheduler, the grad hooks."""
+        """The stock GPT in megatron-core's DDP, its optimizer and scheduler, the grad hooks.
+        Under the interleaved schedule (``dims.vpp``) its model chunks, one DDP each (as
+        Megatron-LM's ``get_model``: bucketing on the first only), in ``self.chunks``;
+        ``self.model`` is the first."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
 
@@ -215,11 +220,17 @@ class Trainer:
             overlap_param_gather=args.overlap_param_gather,
             bucket_size=args.ddp_bucket_size,
         )
-        self.model = DistributedDataParallel(config=self.config, ddp_config=ddp_config,
-                                             module=build_model(args, self.config))
-        self.optimizer, self.scheduler = build_optimizer(args, self.model)
+        vpp = self.dims.vpp
+        modules = ([build_model(args, self.config)] if vpp is None else
+                   [build_gpt_for(model_flags(args), self.config, seed=args.seed if i == 0 else None, vp_stage=i)
+                    for i in range(vpp)])
+        self.chunks = [DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=m,
+                                               disable_bucketing=i > 0) for i, m in enumerate(modules)]
+        self.model = self.chunks[0]
+        self.whole_model = self.model if vpp is None else torch.nn.ModuleList(self.chunks)  # every chunk's parameters
+        self.optimizer, self.scheduler = build_optimizer(args, self.chunks)
         self.config.finalize_model_grads_func = finalize_model_grads
-        self.config.no_sync_func = self.model.no_sync
+        self.config.no_sync_func = self.model.no_sync if vpp is None else [c.no_sync for c in self.chunks]
         self.config.grad_scale_func = self.optimizer.scale_loss
 
     def _build_planner(self):
@@ -282,7 +293,8 @@ class Trainer:
                                     start_step=self.iteration)
         self.data_iterator = PlannedIterator(
             loader, plan_fn, args.num_microbatches, group_index=self.dp_rank, num_groups=self.dp_size,
-            start_step=self.iteration, counts=loader.counts, step_plan_fn=self._step_plan_fn)
+            start_step=self.iteration, counts=loader.counts, step_plan_fn=self._step_plan_fn,
+            min_count=self.dims.pp if self.dims.vpp else 1)
 
     def _build_dynamic_cp_data(self, plan_fn):
         """``--dynamic-context-parallel``: every rank reads the step's global batch and runs its
@@ -314,7 +326,7 @@ class Trainer:
             return self.train_step(), ""
         every = self.args.paradyse_memory_every
         tracked = self.iteration % every == 0  # the same on every rank
-        static, held = static_bytes(self.model, self.optimizer), pool_bytes()  # live before the tracker
+        static, held = static_bytes(self.whole_model, self.optimizer), pool_bytes()  # live before the tracker
         if tracked:
             with PeakMemory() as m:
                 stats = self.train_step()
@@ -329,6 +341,7 @@ class Trainer:
             predicted, text = self._refine(stats, measured, reserved, time_ok=every == 1 or not tracked)
         elif self._step_plan_fn is not None:
             predicted, text = self._pipeline_prediction(stages)
+            text += self._refine_stages(stats, measured, time_ok=every == 1 or not tracked)
         if report is not None:
             peak = None if measured is None else max_over_ranks(measured) - static
             sp = self.data_iterator.last_step_plan
@@ -379,6 +392,21 @@ class Trainer:
                 f"stage peaks pred/meas: {per} MiB (budget {self.planner.budget / MiB:.1f} MiB)")
         return (sp.seconds, sp.stage_peaks[self.pp_rank]), text
 
+    def _refine_stages(self, stats, measured, time_ok: bool = True) -> str:
+        """With pipeline stages and ``--paradyse-refine``: this rank's stage's plans, the step's
+        predicted and measured time and its stage's predicted and measured peak, summed over
+        the world in one all-reduce in that stage planner's slot (``PipelinePlanner.refine``);
+        the log text (each stage planner's refinement version)."""
+        pipeline = self.planner.pipeline
+        if not pipeline.refines():
+            return ""
+        sp, r = self.data_iterator.last_step_plan, self.pp_rank
+        micro = [(sp.stage_plans[r][j].layers, mb.plan_length) for j, mb in zip(sp.order, self.data_iterator.current)]
+        vec = pipeline.contribution(r, micro, sp.seconds, stats.seconds if time_ok else None, sp.stage_peaks[r],
+                                    measured, self.args.micro_batch_size)
+        pipeline.refine(vec)
+        return f" | refinement v{'/'.join(str(v) for v in pipeline.refinement_versions())}"
+
     # ------------------------------------------------------------------ one step
     def train_step(self) -> StepStats:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -387,14 +415,13 @@ class Trainer:
         synchronize()
         t0 = time.perf_counter()
         micro = self.data_iterator.prefetch()
-        if args.paradyse and self.dims.pp_on:
-            p2p_shapes.expect([p2p_shapes.micro_batch_shape(mb, args.hidden_size, self.dims) for mb in micro])
-        self.model.zero_grad_buffer()
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         fwd_bwd = get_forward_backward_func()
         reports = fwd_bwd(
             forward_step_func=partial(forward_step, paradyse=args.paradyse, cp=self.dims.cp),
-            data_iterator=self.data_iterator, model=[self.model],
+            **self.schedule_inputs(self.data_iterator, micro, forward_only=False),
             num_microbatches=len(micro), seq_length=max(mb.seq_length for mb in micro),
             micro_batch_size=args.micro_batch_size, forward_only=False,
         )
@@ -419,6 +446,26 @@ class Trainer:
             plans=tuple(mb.plan for mb in micro), skipped=not ok)
         self.history.append(stats)
         return stats
+
+    def schedule_inputs(self, iterator, micro, forward_only: bool) -> dict:
+        """megatron's schedule's ``model`` and ``data_iterator`` for a step of ``micro`` read
+        from ``iterator``; with ParaDySe and stages, the step's p2p shapes queued
+        (``p2p_shapes``). Under the interleaved schedule every model chunk reads the same
+        micro-batches (the first from ``iterator``, the others from copies), in groups of
+        ``costmodel.schedule.interleaved_group`` (set on the config: PP, or all of a packed
+        step's when PP does not divide them)."""
+        args, dims = self.args, self.dims
+        shapes = [p2p_shapes.micro_batch_shape(mb, args.hidden_size, dims) for mb in micro] if dims.pp_on else []
+        if dims.vpp is None:
+            if args.paradyse and dims.pp_on:
+                p2p_shapes.expect(shapes)
+            return dict(model=[self.model], data_iterator=iterator)
+        group = interleaved_group(len(micro), dims.pp)
+        self.config.microbatch_group_size_per_vp_stage = group
+        if args.paradyse:
+            fwd, bwd = interleaved_receives(self.pp_rank, dims.pp, len(micro), dims.vpp, group, forward_only)
+            p2p_shapes.expect([shapes[j] for j in fwd], [shapes[j] for j in bwd])
+        return dict(model=list(self.chunks), data_iterator=[iterator] + [iter(list(micro)) for _ in self.chunks[1:]])
 
     def _reduce_losses(self, reports, micro):
         """``(loss sum, real tokens, padded tokens)`` of a step over the world: the last
