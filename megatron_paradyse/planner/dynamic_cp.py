@@ -159,7 +159,8 @@ class MicroBatchPricer:
         return sum(self.lengths[i] for i in docs)
 
 
-def smallest_size(pr: MicroBatchPricer, doc: int, sizes: tuple, min_size: int, per_node: int | None, fit=None) -> int | None:
+def smallest_size(pr: MicroBatchPricer, doc: int, sizes: tuple, min_size: int, per_node: int | None,
+                  fit=None) -> int | None:
     """The smallest c of ``sizes`` (>= ``min_size``) with at most ``per_node`` tokens per node
     and ``fit((doc,), c)`` (default: the planner's plan fits); None if none."""
     fit = fit or (lambda d, c: pr.choice(d, c).fits)
@@ -319,7 +320,8 @@ def _items(pr: MicroBatchPricer, mbs: list) -> list:
     return [(c, pr.choice(d, c).seconds, d) for d, c in mbs]
 
 
-def local_search(pr: MicroBatchPricer, mbs: list, pool: int, min_size: int, per_node, moves: int = SEARCH_MOVES) -> list:
+def local_search(pr: MicroBatchPricer, mbs: list, pool: int, min_size: int, per_node,
+                 moves: int = SEARCH_MOVES) -> list:
     """Step 4 of the module docstring: the best move on a bottleneck micro-batch while it
     lowers :func:`shelf_seconds`."""
     sizes = power_sizes(pool)
@@ -389,3 +391,38 @@ def cp_planners(kind: str, cost_model, memory_budget_bytes: float, pool: int, li
 
     return {c: build_planner(kind, cost_model if c == 1 else CPCostModel(cost_model, c, links, shape),
                              memory_budget_bytes, **options) for c in power_sizes(pool)}
+
+
+def example(pool: int = 4, docs: int = 32, seed: int = 0) -> list:
+    """docs/planner.md's numbers: ``docs`` log-uniform documents (32..2,896 tokens, ``seed``) on
+    ``pool`` nodes of the demo's fitted model (p = 2, ``cpu_gloo`` links), three budgets and
+    caps; one line each: planning time, rounds, CP sizes, predicted step time, megatron's."""
+    import random
+    import time
+
+    from ..costmodel import build_cost_model, demo_shape
+    from ..costmodel.cp import Links
+
+    base = build_cost_model(demo_shape(2))
+    rng = random.Random(seed)
+    lengths = [int(2 ** rng.uniform(5, 11.5)) for _ in range(docs)]
+    lines = []
+    for mib, cap in ((40, None), (40, 1024), (20, 1024)):
+        planners = cp_planners("optimal", base, mib * 2**20, pool, Links.from_config("cpu_gloo", "cpu_gloo"))
+        pr = MicroBatchPricer(lengths, planners, 2)
+        t0 = time.perf_counter()
+        sched = plan_dynamic_cp(lengths, pool, planners, 2, per_node=cap, pricer=pr)
+        t1 = time.perf_counter()
+        plan_dynamic_cp(lengths, pool, planners, 2, per_node=cap, pricer=pr)
+        again = time.perf_counter() - t1
+        theirs = megatron_dcp(MicroBatchPricer(lengths, planners, 2), pool, per_node=cap)
+        lines.append(f"budget {mib} MiB, cap {cap}: {docs} documents ({sum(lengths)} tokens, longest {max(lengths)}) "
+                     f"on {pool} nodes: planned in {t1 - t0:.2f} s ({again:.2f} s cached); {len(sched.rounds)} "
+                     f"rounds, sizes {dict(sorted(sched.sizes().items()))}, predicted {sched.seconds:.3f} s; "
+                     f"megatron's policy {theirs.seconds:.3f} s ({len(theirs.rounds)} rounds)")
+        print(lines[-1], flush=True)
+    return lines
+
+
+if __name__ == "__main__":
+    example()

@@ -93,9 +93,10 @@ def check_layout(dims: ParallelDims, *, paradyse: bool, seq_length: int | None =
     """What the plugin can run of ``dims`` (both trainers, the bench): megatron's 1F1B schedule
     only (``interleaving``: the flag that selects the interleaved one); ``--paradyse`` keeps
     the sequence-parallel layout with TP; context parallelism only with ``--paradyse``, one K/V
-    ring ('p2p') over one level of CP ranks, no dynamic CP, no pipeline stages, no packs for
-    the planner (``pack`` without ``plan_given``), links the planner knows (``cp_links``),
-    sequences (``seq_length``) in 2 x CP x TP equal pieces. :class:`LayoutError` naming the flag."""
+    ring ('p2p') over one level of CP ranks, no dynamic CP, no pipeline stages, links the
+    planner knows (``cp_links``), sequences (``seq_length``) in 2 x CP x TP equal pieces
+    (``pack`` and ``plan_given`` are accepted and not checked: the planner prices packs under
+    CP). :class:`LayoutError` naming the flag."""
     if interleaving is not None or dims.vpp is not None:
         flag = interleaving or "--" + VIRTUAL_PIPELINE_FLAGS[0].replace("_", "-")
         raise LayoutError(f"{flag} selects the interleaved (virtual-pipeline) schedule, which is not supported: "
@@ -105,10 +106,10 @@ def check_layout(dims: ParallelDims, *, paradyse: bool, seq_length: int | None =
         raise LayoutError("--paradyse needs --sequence-parallel: every strategy keeps the "
                           "[s/p, b, h] sequence-parallel layout between layers")
     if dims.cp_on:
-        _check_context_parallel(dims, paradyse, seq_length, pack, plan_given, cp_links)
+        _check_context_parallel(dims, paradyse, seq_length, cp_links)
 
 
-def _check_context_parallel(dims, paradyse, seq_length, pack, plan_given, cp_links) -> None:
+def _check_context_parallel(dims, paradyse, seq_length, cp_links) -> None:
     """``--context-parallel-size C > 1``: every strategy attends across the CP ranks itself
     (megatron's local attention cannot; stock megatron runs CP only with Transformer Engine's
     attention), with K/V on a ring, one CP level, no pipeline stages, 2 x C x TP pieces."""
@@ -130,10 +131,6 @@ def _check_context_parallel(dims, paradyse, seq_length, pack, plan_given, cp_lin
     if dims.dynamic_cp:
         raise LayoutError("--hybrid-context-parallel is not supported with --paradyse: every micro-batch is "
                           "split over all --context-parallel-size ranks (drop the flag)")
-    if pack != "none" and not plan_given:
-        raise LayoutError("--paradyse-pack with --context-parallel-size > 1 needs --paradyse-plan: the planner's "
-                          "CP cost model prices one sequence per row, not packs (give a plan or rule, or drop "
-                          "--paradyse-pack)")
     if cp_links is not None:
         check_cp_links(cp_links)
     unit = dims.seq_divisor
