@@ -92,6 +92,9 @@ def _check_structure(sched, pool, lengths, pr):
             assert tuple(a.plan) == tuple(choice.layers) and choice.fits and a.peak_bytes <= BUDGET
             seen.extend(a.documents)
         assert covered == pool
+    for node in range(pool):
+        mine = sched.for_node(node)
+        assert len(mine) == len(sched.rounds) and all(a.first <= node < a.first + a.size for a in mine)
     assert sorted(seen) == list(range(len(lengths)))
 
 

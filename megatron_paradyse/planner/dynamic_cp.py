@@ -99,6 +99,10 @@ class DCPSchedule:
     def micro_batches(self) -> list:
         return [a for r in self.rounds for a in r if not a.filler]
 
+    def for_node(self, node: int) -> tuple:
+        """Node ``node``'s assignment in every round (the block that holds it): what its ranks run."""
+        return tuple(next(a for a in r if a.first <= node < a.first + a.size) for r in self.rounds)
+
 
 def power_sizes(pool: int) -> tuple:
     """1, 2, 4, ..., ``pool`` (ValueError unless ``pool`` is a power of two >= 1)."""
