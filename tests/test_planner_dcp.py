@@ -234,7 +234,12 @@ def test_packs_under_cp_are_priced_per_rank_and_planned_within_the_budget():
         every = sum(q - max(b for b in bounds if b <= q) + 1 for q in mine)  # same document, keys <= q
         assert sum(_pairs(a - o, b - o) for a, b, o in pieces) == every
     per_pair = cm.attention_seconds("tp_sp", 412, 1) / (412 * 413 / 2)
-    ring = cm.ring_seconds("tp_sp", 824, 1)
+    ring = cm.ring_seconds("tp_sp", 824, 1, cm.pack_reach(padded))
+    # tp_sp's CP ring makes the hops the runtime makes: one for a document crossing CP ranks,
+    # none when each document sits in one rank's chunks (as one sequence's C - 1 = 1 otherwise)
+    assert cm.pack_reach(padded) == 1 and cm.pack_reach(PackShape((206,) * 4)) == 0
+    assert cm.ring_seconds("tp_sp", 824, 1, 0) == 0 < cm.ring_seconds("tp_sp", 824, 1, 1) == cm.ring_seconds(
+        "tp_sp", 824, 1)
     want = max(base.layer("tp_sp", lp, 1).seconds + per_pair * sum(_pairs(a - o, b - o) - (b - a) * (b - a + 1) / 2
                                                                   for a, b, o in pcs) + ring
                for lp, pcs in zip(cm.local_packs(padded), _rank_pieces(padded.lengths, 2)))

@@ -105,10 +105,12 @@ class CPCostModel(CostModel):
     the largest of each term taken (so seconds and peaks bound every rank's): the base's layer on
     the rank's local pack, plus the attention pairs its queries have with keys outside their own
     piece (same document, other chunks) at the base's attention seconds per pair at the local
-    length, plus the ring and its buffers as for one sequence of the padded length. An upper
-    bound: the ring is priced as if every block travelled every hop (the runtime skips hops no
-    later rank needs, ``RingComm.reach``; a pack whose documents each sit inside one chunk moves
-    nothing across nodes), and ``colossal``'s score rows as if they spanned all keys.
+    length, plus the ring and its buffers as for one sequence of the padded length, except
+    that ``tp_sp`` / ``ulysses``'s ring makes only the hops the runtime makes
+    (:meth:`pack_reach`: none when no document crosses CP ranks). Upper bounds: the ring
+    family's ring priced as if every block travelled every hop (the runtime skips hops no
+    later rank needs, ``RingComm.reach``), the ring's buffers as one sequence's, and
+    ``colossal``'s score rows as if they spanned all keys.
     """
 
     def __init__(self, base: CostModel, cp: int, links: Links, shape: ModelShape | None = None,
@@ -210,7 +212,8 @@ class CPCostModel(CostModel):
         T = s.tokens
         L = T // self.cp
         per_pair = self.attention_seconds(entry, L, 1) / (L * (L + 1) / 2)
-        ring = (1.0 - self.overlap) * self.ring_seconds(entry, T, 1)
+        hops = None if name in RING_FAMILY else self.pack_reach(s)
+        ring = (1.0 - self.overlap) * self.ring_seconds(entry, T, 1, hops)
         saved, transient = self.ring_bytes(name, T, 1)
         if rc in ("layer", "attn"):
             saved, transient = 0.0, saved + transient
@@ -267,21 +270,35 @@ class CPCostModel(CostModel):
             kv = max(sh.query_groups, sh.p) * sh.head_dim
         return s * b / (self.cp * sh.p) * 2 * kv * sh.elt
 
-    def ring_seconds(self, entry: str, s: int, b: int) -> float:
+    def pack_reach(self, s: PackShape) -> int:
+        """The most hops a K/V block of ``tp_sp`` / ``ulysses``'s CP ring travels on the padded
+        pack ``s``: the runtime's ``RingComm.reach`` (``context.cp_layout``'s ``last_hops``);
+        0 when no document crosses CP ranks."""
+        from ..parallel.context import cp_layout
+        from ..parallel.packing import Documents
+
+        bounds = [0]
+        for d in s.lengths:
+            bounds.append(bounds[-1] + d)
+        return max(cp_layout(self.cp, s.tokens // self.cp, Documents(tuple(bounds))).last_hops())
+
+    def ring_seconds(self, entry: str, s: int, b: int, hops: int | None = None) -> float:
         """Seconds the CP ring adds to one layer (before ``overlap``). K/V passes: forward and
         backward (``metp``: 3, its backward recomputes attention; a recomputed entry: one more),
         plus one pass of fp32 dK/dV. ``tp_sp`` / ``ulysses``: C-1 K/V hops per pass and C
-        dK/dV hops, all inter-node. The ring family (:meth:`family_ring_seconds`): its ring
-        over the C*p ranks, less the in-node ring of p-1 (and p) hops on the in-node link that
-        the base already priced at ``s/cp`` (blocks of the same size)."""
+        dK/dV hops, all inter-node (``hops`` given, a pack's :meth:`pack_reach`: that many K/V
+        hops per pass and one more dK/dV hop, none at 0). The ring family
+        (:meth:`family_ring_seconds`): its ring over the C*p ranks, less the in-node ring of p-1
+        (and p) hops on the in-node link that the base already priced at ``s/cp`` (blocks of the
+        same size)."""
         name, rc = split_entry(entry)
         kv = self.block_bytes(name, s, b)
         dkv = kv * 4 / self.shape.elt
         passes = (3 if name == "metp" else 2) + (1 if rc in ("layer", "attn") else 0)
         if name in RING_FAMILY:
             return self.family_ring_seconds(passes, kv, dkv)
-        hop, C = self.links.hop, self.cp
-        return passes * (C - 1) * hop(kv, True) + C * hop(dkv, True)
+        hop, h = self.links.hop, self.cp - 1 if hops is None else int(hops)
+        return passes * h * hop(kv, True) + (h + 1 if h else 0) * hop(dkv, True)
 
     def family_ring_seconds(self, passes: int, kv: float, dkv: float) -> float:
         """The ring family's added ring time: ``flat``, C*p-1 K/V hops per pass and C*p dK/dV
