@@ -67,8 +67,9 @@ def planners(pool: int) -> dict:
     return {c: build_planner("optimal", SynthCP(c), BUDGET, margin_bytes=0) for c in power_sizes(pool)}
 
 
-PLANNERS = {4: planners(4)}
-PLANNERS[2] = {c: PLANNERS[4][c] for c in (1, 2)}
+PLANNERS = {8: planners(8)}
+PLANNERS[4] = {c: PLANNERS[8][c] for c in (1, 2, 4)}
+PLANNERS[2] = {c: PLANNERS[8][c] for c in (1, 2)}
 
 
 def _cases(seed: int, n: int):
@@ -195,6 +196,22 @@ def test_schedule_guarantees_against_brute_force():
         worst = max(worst, sched.seconds / optimum)
     print(f"\nworst predicted step time / brute-force optimum over the cases: {worst:.3f}")
     assert worst < 1.5
+
+
+
+def test_larger_pools_keep_the_guarantees():
+    """N = 8, up to 16 documents (no brute force): structure, budget, the shelf bound, megatron."""
+    rng = random.Random(3)
+    for _ in range(6):
+        per_node = rng.choice((None, 4096))
+        lengths = [min(8 * (per_node or 6000), int(2 ** rng.uniform(6, 15))) for _ in range(rng.randint(6, 16))]
+        pr = MicroBatchPricer(lengths, PLANNERS[8], 2)
+        sched = plan_dynamic_cp(lengths, 8, PLANNERS[8], 2, per_node=per_node, pricer=pr)
+        _check_structure(sched, 8, lengths, pr)
+        items = [(a.size, a.seconds) for a in sched.micro_batches()]
+        shelf = sum(max([a.seconds for a in r if not a.filler], default=0.0) for r in sched.rounds)
+        assert shelf <= max(t for _, t in items) + 2 * sum(c * t for c, t in items) / 8 + 1e-12
+        assert sched.seconds <= megatron_dcp(pr, 8, per_node=per_node).seconds + 1e-12
 
 
 def test_arrange_is_aligned_and_a_document_that_fits_nowhere_is_refused():
