@@ -214,6 +214,22 @@ def test_larger_pools_keep_the_guarantees():
         assert sched.seconds <= megatron_dcp(pr, 8, per_node=per_node).seconds + 1e-12
 
 
+def test_the_rounds_bound_against_brute_force():
+    """:func:`arrange` on random micro-batches (size, seconds): within ``t_max + 2A/N`` and 3x
+    the best arrangement into rounds (brute force), on pools of 2, 4 and 8."""
+    rng = random.Random(5)
+    worst = 1.0
+    for _ in range(300):
+        pool = rng.choice((2, 4, 8))
+        items = [(rng.choice(power_sizes(pool)), rng.choice((0.1, 1.0)) * rng.uniform(0.1, 1.0))
+                 for _ in range(rng.randint(1, 7))]
+        shelf, best = shelf_seconds(items, pool), _best_rounds(items, pool)
+        area = sum(c * t for c, t in items) / pool
+        assert best - 1e-12 <= shelf <= max(t for _, t in items) + 2 * area + 1e-12 and shelf <= 3 * best + 1e-12
+        worst = max(worst, shelf / best)
+    print(f"\nrounds: worst first-fit decreasing / best arrangement {worst:.3f}")
+
+
 def test_arrange_is_aligned_and_a_document_that_fits_nowhere_is_refused():
     items = [(2, 5.0), (1, 4.0), (1, 3.0), (4, 1.0), (2, 2.0)]
     rounds = arrange(items, 4)
