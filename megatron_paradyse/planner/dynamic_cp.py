@@ -21,9 +21,10 @@ the update (the same for every system). :func:`plan_dynamic_cp` builds the sched
    plan fits;
 3. the rounds: first-fit decreasing by predicted seconds (:func:`arrange`), blocks of a round
    in decreasing size (so aligned), the rest of the pool fillers;
-4. a local search on the bottleneck micro-batches (the slowest of each round): double its c,
-   halve it, or split a pack in two, the move that lowers the predicted step time most, until
-   none does;
+4. a local search: on the bottleneck micro-batches (the slowest of each round) double its c,
+   halve it, or split a pack in two; or pack a micro-batch of the cheapest round into one of
+   another round (at that one's c; ``pack_tokens`` is not enforced there, the cap and the
+   budget are); the move that lowers the predicted step time most, until none does;
 5. megatron's Dynamic CP layout (:func:`megatron_layout`) with the planner's plans in place of
    megatron's: taken if it is faster.
 
@@ -321,25 +322,41 @@ def _moves(pr: MicroBatchPricer, mbs: list, k: int, sizes: tuple, min_size: int,
     return out
 
 
+def _merges(pr: MicroBatchPricer, mbs: list, rounds: list, per_node) -> list:
+    """Neighbours of ``mbs`` emptying the cheapest round: one of its micro-batches packed into
+    a micro-batch of another round (at that one's c), where the pack fits."""
+    items = _items(pr, mbs)
+    cheapest = min(rounds, key=lambda r: (max(items[i][1] for i in r), r))
+    out = []
+    for k in cheapest:
+        for j in range(len(mbs)):
+            if j in cheapest:
+                continue
+            docs, c = mbs[j][0] + mbs[k][0], mbs[j][1]
+            if _fits(pr, docs, c, per_node):
+                out.append([m for i, m in enumerate(mbs) if i not in (j, k)] + [(docs, c)])
+    return out
+
+
 def _items(pr: MicroBatchPricer, mbs: list) -> list:
     return [(c, pr.choice(d, c).seconds, d) for d, c in mbs]
 
 
 def local_search(pr: MicroBatchPricer, mbs: list, pool: int, min_size: int, per_node,
                  moves: int = SEARCH_MOVES) -> list:
-    """Step 4 of the module docstring: the best move on a bottleneck micro-batch while it
-    lowers :func:`shelf_seconds`."""
+    """Step 4 of the module docstring: the best move while it lowers :func:`shelf_seconds`."""
     sizes = power_sizes(pool)
     best = shelf_seconds(_items(pr, mbs), pool)
     for _ in range(moves):
         items = _items(pr, mbs)
-        necks = sorted({max(r, key=lambda i: (items[i][1], -i)) for r in arrange(items, pool)})
+        rounds = arrange(items, pool)
+        necks = sorted({max(r, key=lambda i: (items[i][1], -i)) for r in rounds})
+        cands = [c for k in necks for c in _moves(pr, mbs, k, sizes, min_size, per_node)]
         trial = None
-        for k in necks:
-            for cand in _moves(pr, mbs, k, sizes, min_size, per_node):
-                t = shelf_seconds(_items(pr, cand), pool)
-                if t < best * (1 - 1e-12):
-                    best, trial = t, cand
+        for cand in cands + (_merges(pr, mbs, rounds, per_node) if len(rounds) > 1 else []):
+            t = shelf_seconds(_items(pr, cand), pool)
+            if t < best * (1 - 1e-12):
+                best, trial = t, cand
         if trial is None:
             break
         mbs = trial
