@@ -294,3 +294,9 @@ def test_packs_under_cp_are_priced_per_rank_and_planned_within_the_budget():
     choice = planner.choose(big, 1)
     assert choice.fits and cm.step(choice.layers, big, 1).peak_bytes == pytest.approx(choice.peak_bytes)
     assert choice.peak_bytes <= budget
+    from megatron_paradyse.planner import cp_planners, plan_dynamic_cp as plan
+
+    got = cp_planners("optimal", base, budget, 2, cm.links, margin_bytes=0)
+    assert sorted(got) == [1, 2] and got[1].cm is base and got[2].cm.cp == 2
+    sched = plan([900, 700, 300, 148, 3000], 2, got, 2, per_node=1600)   # the demo model: 3000 tokens need c = 2
+    assert all(a.peak_bytes <= budget for r in sched.rounds for a in r) and sched.sizes()[2] >= 1
