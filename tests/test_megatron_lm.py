@@ -616,9 +616,6 @@ def test_context_parallel_refusals():
         (dict(seq_length=132), "--seq-length 132 must be a multiple of 2 x --context-parallel-size x "
                                "--tensor-model-parallel-size = 8"),
         (dict(paradyse_pad_multiple=4), "--paradyse-pad-multiple 4 must be a positive multiple of 2 x"),
-        (dict(paradyse_plan=None, paradyse_document_data=True, paradyse_pack="greedy", mock_data=True,
-              data_path=None, micro_batch_size=1), "--paradyse-pack with --context-parallel-size > 1 needs "
-                                                   "--paradyse-plan"),
         (dict(paradyse_cp_links="nvlink4"), "--paradyse-cp-links 'nvlink4': give two names"),
     ]
     for change, needle in cases:
@@ -626,9 +623,8 @@ def test_context_parallel_refusals():
         with pytest.raises(ValueError) as e:
             check_paradyse_args(args)
         assert needle in str(e.value) and "\n" not in str(e.value), (change, str(e.value))
-        if "paradyse_pack" not in change:  # (packs need --paradyse anyway)
-            args.paradyse = False
-            check_paradyse_args(args)
+        args.paradyse = False
+        check_paradyse_args(args)
 
 
 @full

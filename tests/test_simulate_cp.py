@@ -115,8 +115,8 @@ def test_memory_per_rank_falls_about_1_over_c(roofline):
 
 def test_what_cp_refuses(roofline):
     cm = CPCostModel(roofline, 4, LINKS)
-    with pytest.raises(ValueError, match="packs"):
-        cm.layer("tp_sp", PackShape((1024, 1024)), 1)
+    with pytest.raises(ValueError, match="b must be 1"):   # packs are priced (tests/test_planner_dcp.py), one row
+        cm.layer("tp_sp", PackShape((1024, 1024)), 2)
     # a length the 2*cp*p = 64 chunks do not split is priced at its padded length, as the data pads it
     assert cm.layer("tp_sp", 64 * 100 + 8, 1) == cm.layer("tp_sp", 64 * 101, 1)
     with pytest.raises(ValueError, match="length >= 1"):

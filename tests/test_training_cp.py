@@ -54,6 +54,10 @@ def _world(rank, world, root):
                                                                   "tp_sp"], paradyse=True,
                                            plan_fn_factory=_cycling_plan_fn, steps=STEPS)
     out["packed"] = _summary(hist)
+    lines = []  # packs planned under CP (costmodel/cp.py prices them per CP rank)
+    hist, _, _ = _train(2, world, CP + PACK + ["--paradyse-pack", "balanced", "--paradyse-memory-budget",
+                                               str(PLANNER_BUDGET_MIB / 1024)], paradyse=True, steps=STEPS, lines=lines)
+    out["packed_planned"], out["packed_planned_log"] = _summary(hist), lines
     return out
 
 
@@ -119,6 +123,22 @@ def test_cp_packed_training_equals_stock_unpacked(cp_world):
              "packed CP=2 x TP=2 vs stock TP=2 unpacked")
 
 
+def test_the_planner_plans_packs_under_cp_within_its_budget(cp_world):
+    """``--paradyse-pack`` at CP = 2 without a plan: the planner plans each pack on the CP cost
+    model's per-rank pack prices; losses stay stock's (unpacked) and no measured peak exceeds
+    the budget."""
+    import re
+
+    r0 = cp_world[0]
+    log = r0["packed_planned_log"]
+    assert any("cost model CPCostModel" in line for line in log), log[:3]
+    worst = max(_rel(x["loss"], y["loss"]) for x, y in zip(r0["packed_planned"], r0["unpacked"]))
+    peaks = [float(m) for line in log for m in re.findall(r"measured peak \(rank 0\): ([0-9.]+) MiB", line)]
+    print(f"\npacks planned at CP=2: max rel loss err {worst:.2e}; measured peaks {peaks} MiB "
+          f"(budget {PLANNER_BUDGET_MIB})")
+    assert worst < 1e-5 and len(peaks) == STEPS and max(peaks) <= PLANNER_BUDGET_MIB
+
+
 def test_cp_flags_are_checked_before_any_collective():
     """Every refusal is an ArgumentError raised while parsing, before torch.distributed starts."""
     from megatron_paradyse.training.arguments import ArgumentError, parse_args
@@ -133,7 +153,6 @@ def test_cp_flags_are_checked_before_any_collective():
         (_argv(2, ["--context-parallel-size", "3", "--paradyse"]), 4, "not divisible by"),
         (_argv(2, CP + ["--paradyse", "--seq-length", "60"]), 4, "must be a multiple of 2 x"),
         (_argv(2, CP + ["--paradyse", "--paradyse-pad-multiple", "4"]), 4, "multiple of 2 x CP x TP = 8"),
-        (_argv(2, CP + ["--paradyse", "--paradyse-pack", "balanced"]), 4, "needs --paradyse-plan"),
         (_argv(2, CP + ["--paradyse", "--paradyse-cp-links", "nvlink4"]), 4, "give two names"),
         (_argv(2, CP + ["--paradyse", "--paradyse-cp-links", "nvlink4,carrier_pigeon"]), 4, "unknown interconnect"),
     ]
@@ -142,3 +161,5 @@ def test_cp_flags_are_checked_before_any_collective():
             parse_args(argv, world_size=world)
     args = parse_args(_argv(2, CP + ["--paradyse"]), world_size=8)
     assert args.data_parallel_size == 2 and args.paradyse_pad_multiple == 8
+    # packs under CP: the planner plans them (no plan needed)
+    parse_args(_argv(2, CP + PACK + ["--paradyse", "--paradyse-pack", "balanced"]), world_size=4)

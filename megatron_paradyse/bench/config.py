@@ -93,7 +93,7 @@ class BenchConfig:
         bad = [s for s in self.systems if s not in CP_SYSTEMS]
         if bad:
             raise ValueError(f"with --cp > 1 these systems cannot run: {bad} (stock megatron's local attention "
-                             "refuses CP; packs are not priced by the CP cost model); choose from "
+                             "refuses CP; the bench runs no packed system under CP); choose from "
                              + ",".join(CP_SYSTEMS))
         if self.search:
             raise ValueError("--max-seq-len-search is not available with --cp > 1")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..layout import ParallelDims
+from ..parallel.packing import PackShape
 from ..parallel.plans import split_entry
 from . import analytic, packs
 from .base import CostModel, LayerCost
@@ -96,7 +97,20 @@ class CPCostModel(CostModel):
     turns its saved bytes into transient). ``nonlayer``, ``pool`` and the resident bytes are
     the base's at ``s/cp``; ``static_bytes``, ``update_seconds`` (no DP x CP gradient
     reduction unless the base has one), ``recomputes`` and ``device_kind`` are the base's.
-    ``cp = 1`` returns the base's numbers exactly. Packs are out of scope (ValueError).
+    ``cp = 1`` returns the base's numbers exactly.
+
+    A pack (``PackShape``, b = 1; :meth:`pack_layer`) is padded to a multiple of ``2*cp*p`` by a
+    trailing padding document and cut as one sequence (``parallel/context.py``): CP rank c holds
+    chunks c and 2cp-1-c, its documents' pieces there (:meth:`local_packs`). Priced per rank and
+    the largest of each term taken (so seconds and peaks bound every rank's): the base's layer on
+    the rank's local pack, plus the attention pairs its queries have with keys outside their own
+    piece (same document, other chunks) at the base's attention seconds per pair at the local
+    length, plus the ring and its buffers as for one sequence of the padded length, except
+    that ``tp_sp`` / ``ulysses``'s ring makes only the hops the runtime makes
+    (:meth:`pack_reach`: none when no document crosses CP ranks). Upper bounds: the ring
+    family's ring priced as if every block travelled every hop (the runtime skips hops no
+    later rank needs, ``RingComm.reach``), the ring's buffers as one sequence's, and
+    ``colossal``'s score rows as if they spanned all keys.
     """
 
     def __init__(self, base: CostModel, cp: int, links: Links, shape: ModelShape | None = None,
@@ -139,6 +153,12 @@ class CPCostModel(CostModel):
         return self.base.resident_bytes(self.local(s, b), b)
 
     def pool(self, strategy: str, s, b: int) -> dict:
+        if self.cp > 1 and packs.is_pack(s):  # every CP rank's, each buffer at its largest
+            got: dict = {}
+            for local in self.local_packs(self.padded(s, b)):
+                for k, v in self.base.pool(strategy, local, 1).items():
+                    got[k] = max(got.get(k, 0.0), float(v))
+            return got
         return self.base.pool(strategy, self.local(s, b), b)
 
     def step(self, plan, s, b: int):
@@ -153,17 +173,26 @@ class CPCostModel(CostModel):
         of p ranks); ValueError for a pack, a length < 1 or b < 1 (cp = 1: ``s`` as given)."""
         if self.cp == 1:
             return s
-        if packs.is_pack(s):
-            raise ValueError("packs (PackShape) are out of scope of CPCostModel: the plugin's CP pack split "
-                             "(context.py) is not priced")
         unit = ParallelDims(tp=self.shape.p, cp=self.cp).seq_divisor
+        if packs.is_pack(s):
+            if b != 1:
+                raise ValueError(f"a pack is one row of the micro-batch: b must be 1, got b={b}")
+            return s.padded(unit)
         if isinstance(s, bool) or int(s) != s or s < 1 or b < 1:
             raise ValueError(f"CP of size {self.cp} needs a length >= 1 and b >= 1 (got s={s}, b={b})")
         return -(-int(s) // unit) * unit
 
-    def local(self, s, b: int) -> int:
-        """The node's local length: the padded ``s`` / ``cp`` (:meth:`padded`)."""
+    def local(self, s, b: int):
+        """The node's local length: the padded ``s`` / ``cp`` (:meth:`padded`); a pack: CP rank
+        0's local pack (every rank holds as many tokens)."""
+        if self.cp > 1 and packs.is_pack(s):
+            return self.local_packs(self.padded(s, b))[0]
         return s if self.cp == 1 else self.padded(s, b) // self.cp
+
+    def local_packs(self, s: PackShape) -> tuple:
+        """Per CP rank, the pieces of the (padded) pack ``s``'s documents in its two chunks, as
+        a pack (the in-node layout's documents, ``context.local_documents``)."""
+        return tuple(PackShape(tuple(b - a for a, b, _ in pieces)) for pieces in _rank_pieces(s.lengths, self.cp))
 
     def layer(self, strategy: str, s, b: int) -> LayerCost:
         """One rank's layer under the plan entry ``strategy`` at the global length ``s``."""
@@ -173,8 +202,28 @@ class CPCostModel(CostModel):
         key = (strategy, s, b)
         got = self._memo.get(key)
         if got is None:
-            got = self._memo[key] = self._layer(strategy, s, b)
+            got = self._memo[key] = self.pack_layer(strategy, s) if packs.is_pack(s) else self._layer(strategy, s, b)
         return got
+
+    def pack_layer(self, entry: str, s: PackShape) -> LayerCost:
+        """One rank's layer on the padded pack ``s`` (the class docstring): each term the
+        largest over the CP ranks."""
+        name, rc = split_entry(entry)
+        T = s.tokens
+        L = T // self.cp
+        per_pair = self.attention_seconds(entry, L, 1) / (L * (L + 1) / 2)
+        hops = None if name in RING_FAMILY else self.pack_reach(s)
+        ring = (1.0 - self.overlap) * self.ring_seconds(entry, T, 1, hops)
+        saved, transient = self.ring_bytes(name, T, 1)
+        if rc in ("layer", "attn"):
+            saved, transient = 0.0, saved + transient
+        worst = [0.0, 0.0, 0.0]
+        for local, pieces in zip(self.local_packs(s), _rank_pieces(s.lengths, self.cp)):
+            own = self.base.layer(entry, local, 1)
+            extra = sum(_pairs(a - o, b - o) - (b - a) * (b - a + 1) / 2 for a, b, o in pieces)
+            got = (own.seconds + extra * per_pair + ring, own.saved_bytes + saved, own.transient_bytes + transient)
+            worst = [max(x, y) for x, y in zip(worst, got)]
+        return LayerCost(*worst)
 
     def _layer(self, entry: str, s: int, b: int) -> LayerCost:
         """The class docstring's sum, not memoized."""
@@ -221,21 +270,35 @@ class CPCostModel(CostModel):
             kv = max(sh.query_groups, sh.p) * sh.head_dim
         return s * b / (self.cp * sh.p) * 2 * kv * sh.elt
 
-    def ring_seconds(self, entry: str, s: int, b: int) -> float:
+    def pack_reach(self, s: PackShape) -> int:
+        """The most hops a K/V block of ``tp_sp`` / ``ulysses``'s CP ring travels on the padded
+        pack ``s``: the runtime's ``RingComm.reach`` (``context.cp_layout``'s ``last_hops``);
+        0 when no document crosses CP ranks."""
+        from ..parallel.context import cp_layout
+        from ..parallel.packing import Documents
+
+        bounds = [0]
+        for d in s.lengths:
+            bounds.append(bounds[-1] + d)
+        return max(cp_layout(self.cp, s.tokens // self.cp, Documents(tuple(bounds))).last_hops())
+
+    def ring_seconds(self, entry: str, s: int, b: int, hops: int | None = None) -> float:
         """Seconds the CP ring adds to one layer (before ``overlap``). K/V passes: forward and
         backward (``metp``: 3, its backward recomputes attention; a recomputed entry: one more),
         plus one pass of fp32 dK/dV. ``tp_sp`` / ``ulysses``: C-1 K/V hops per pass and C
-        dK/dV hops, all inter-node. The ring family (:meth:`family_ring_seconds`): its ring
-        over the C*p ranks, less the in-node ring of p-1 (and p) hops on the in-node link that
-        the base already priced at ``s/cp`` (blocks of the same size)."""
+        dK/dV hops, all inter-node (``hops`` given, a pack's :meth:`pack_reach`: that many K/V
+        hops per pass and one more dK/dV hop, none at 0). The ring family
+        (:meth:`family_ring_seconds`): its ring over the C*p ranks, less the in-node ring of p-1
+        (and p) hops on the in-node link that the base already priced at ``s/cp`` (blocks of the
+        same size)."""
         name, rc = split_entry(entry)
         kv = self.block_bytes(name, s, b)
         dkv = kv * 4 / self.shape.elt
         passes = (3 if name == "metp" else 2) + (1 if rc in ("layer", "attn") else 0)
         if name in RING_FAMILY:
             return self.family_ring_seconds(passes, kv, dkv)
-        hop, C = self.links.hop, self.cp
-        return passes * (C - 1) * hop(kv, True) + C * hop(dkv, True)
+        hop, h = self.links.hop, self.cp - 1 if hops is None else int(hops)
+        return passes * h * hop(kv, True) + (h + 1 if h else 0) * hop(dkv, True)
 
     def family_ring_seconds(self, passes: int, kv: float, dkv: float) -> float:
         """The ring family's added ring time: ``flat``, C*p-1 K/V hops per pass and C*p dK/dV
@@ -293,3 +356,28 @@ class CPCostModel(CostModel):
             known = sorted(k for k in table if not k.startswith("_"))
             raise ValueError(f"unknown hardware {hardware!r} (known: {known})")
         return float(table[hardware]["flops"][self.shape.dtype])
+
+
+def _pairs(lo: int, hi: int) -> float:
+    """Causal pairs of the queries at in-document positions ``[lo, hi)`` over their document's
+    keys: sum of (i + 1)."""
+    return (hi * (hi + 1) - lo * (lo + 1)) / 2
+
+
+def _rank_pieces(lengths: tuple, cp: int) -> list:
+    """Per CP rank, ``(start, stop, document start)`` (global positions) of the document pieces
+    in its chunks c and 2cp-1-c of a pack of ``lengths`` (its total a multiple of 2cp)."""
+    bounds = [0]
+    for d in lengths:
+        bounds.append(bounds[-1] + d)
+    half = bounds[-1] // (2 * cp)
+    out = []
+    for c in range(cp):
+        pieces = []
+        for k in (c, 2 * cp - 1 - c):
+            lo, hi = k * half, (k + 1) * half
+            for o, e in zip(bounds, bounds[1:]):
+                if o < hi and e > lo:
+                    pieces.append((max(o, lo), min(e, hi), o))
+        out.append(pieces)
+    return out

@@ -10,7 +10,8 @@ Depends only on :mod:`megatron_paradyse.costmodel` (the ``CostModel`` interface,
 stage model and the 1F1B schedule), :mod:`megatron_paradyse.units` and
 :mod:`megatron_paradyse.parallel`. See ``README.md`` here and ``docs/planner.md``. This file
 only re-exports: ``build.py`` (``build_planner``), ``hooks.py`` (the trainers' hooks),
-``stages.py`` (pipeline stages: :class:`PipelinePlanner`), ``views.py`` (``MicroBatchView``).
+``stages.py`` (pipeline stages: :class:`PipelinePlanner`), ``views.py`` (``MicroBatchView``),
+``dynamic_cp.py`` (Dynamic CP planning: :func:`plan_dynamic_cp`).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from ..costmodel.schedule import simulate_1f1b
 from ..costmodel.stage import stage_cost_model
 from .build import KINDS, build_planner
 from .core import RECOMPUTE, NoFitError, PlanChoice, Planner, default_margin_fraction, pareto
+from .dynamic_cp import Assignment, DCPSchedule, cp_planners, megatron_dcp, plan_dynamic_cp
 from .heuristic import HeuristicPlanner
 from .hooks import ON_NO_FIT, make_plan_fn, make_step_plan_fn
 from .optimal import OptimalPlanner, solve_counts
@@ -28,4 +30,5 @@ from .views import MicroBatchView
 __all__ = ["build_planner", "Planner", "PlanChoice", "NoFitError", "HeuristicPlanner", "OptimalPlanner",
            "Refinement", "KINDS", "ON_NO_FIT", "make_plan_fn", "default_margin_fraction", "pareto",
            "solve_counts", "RECOMPUTE", "PipelinePlanner", "StepPlan", "make_step_plan_fn", "simulate_1f1b",
-           "stage_cost_model", "MicroBatchView"]
+           "stage_cost_model", "MicroBatchView", "Assignment", "DCPSchedule", "plan_dynamic_cp", "megatron_dcp",
+           "cp_planners"]

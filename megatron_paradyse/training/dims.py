@@ -98,12 +98,12 @@ def check_layout(dims: ParallelDims, *, paradyse: bool, seq_length: int | None =
     """What the plugin can run of ``dims`` (both trainers, the bench): megatron's 1F1B schedule
     (``interleaving``: the flag that selects the interleaved one, refused unless ``interleaved``); ``--paradyse`` keeps
     the sequence-parallel layout with TP; context parallelism only with ``--paradyse``, one K/V
-    ring ('p2p') over one level of CP ranks, no dynamic CP, no pipeline stages, no packs for
-    the planner (``pack`` without ``plan_given``), links the planner knows (``cp_links``),
-    sequences (``seq_length``) in 2 x CP x TP equal pieces; Dynamic CP where the trainer runs it
-    (``dynamic_cp_runs``, :func:`_check_dynamic_cp`). ``interleaved``: the trainer runs the
-    interleaved schedule too (``pretrain_gpt_paradyse.py``; it checks the rest itself).
-    :class:`LayoutError` naming the flag."""
+    ring ('p2p') over one level of CP ranks, no pipeline stages with a fixed C unless the
+    trainer runs them, links the planner knows (``cp_links``), sequences (``seq_length``) in
+    2 x CP x TP equal pieces (``pack`` and ``plan_given`` are not checked for a fixed C: the
+    planner prices packs under CP); Dynamic CP where the trainer runs it (``dynamic_cp_runs``,
+    :func:`_check_dynamic_cp`). ``interleaved``: the trainer runs the interleaved schedule too
+    (``pretrain_gpt_paradyse.py``; it checks the rest itself). :class:`LayoutError` naming the flag."""
     if not interleaved and (interleaving is not None or dims.vpp is not None):
         flag = interleaving or "--" + VIRTUAL_PIPELINE_FLAGS[0].replace("_", "-")
         raise LayoutError(f"{flag} selects the interleaved (virtual-pipeline) schedule, which is not supported "
@@ -116,7 +116,7 @@ def check_layout(dims: ParallelDims, *, paradyse: bool, seq_length: int | None =
     if dims.dynamic_cp:
         _check_dynamic_cp(dims, paradyse, dynamic_cp_runs, per_token_loss, max_seqlen, plan_given, pack)
     if dims.cp_on:
-        _check_context_parallel(dims, paradyse, seq_length, pack, plan_given, cp_links)
+        _check_context_parallel(dims, paradyse, seq_length, cp_links)
 
 
 def _check_dynamic_cp(dims, paradyse, runs, per_token_loss, max_seqlen, plan_given, pack) -> None:
@@ -158,7 +158,7 @@ def _check_dynamic_cp(dims, paradyse, runs, per_token_loss, max_seqlen, plan_giv
                           "micro-batch) is not wired into the trainer yet")
 
 
-def _check_context_parallel(dims, paradyse, seq_length, pack, plan_given, cp_links) -> None:
+def _check_context_parallel(dims, paradyse, seq_length, cp_links) -> None:
     """``--context-parallel-size C > 1``: every strategy attends across the CP ranks itself
     (megatron's local attention cannot; stock megatron runs CP only with Transformer Engine's
     attention), with K/V on a ring, one CP level, no pipeline stages, 2 x C x TP pieces."""
@@ -177,10 +177,6 @@ def _check_context_parallel(dims, paradyse, seq_length, pack, plan_given, cp_lin
     if dims.hierarchical_cp:
         raise LayoutError("--hierarchical-context-parallel-sizes is not supported with --paradyse: one CP ring "
                           "across nodes (drop the flag)")
-    if pack != "none" and not plan_given:
-        raise LayoutError("--paradyse-pack with --context-parallel-size > 1 needs --paradyse-plan: the planner's "
-                          "CP cost model prices one sequence per row, not packs (give a plan or rule, or drop "
-                          "--paradyse-pack)")
     if cp_links is not None:
         check_cp_links(cp_links)
     unit = dims.seq_divisor
