@@ -169,12 +169,12 @@ def test_dynamic_cp_flags_are_checked_before_any_collective():
         (_argv(2, ["--hybrid-context-parallel"] + dcp[1:] + ["--paradyse", "--context-parallel-size", "3"]), 6,
          "pool of DP x CP = 3 nodes"),
         (_argv(2, dcp + ["--paradyse", "--paradyse-pack", "greedy"]), 8, "packs each step's documents itself"),
-        (_argv(2, dcp[:1] + dcp[3:] + ["--paradyse"]), 8, "needs --paradyse-plan for now"),
     ]
     for argv, world, needle in cases:
         with pytest.raises(ArgumentError, match=needle.replace("-", r"\-").replace("(", r"\(")) as e:
             parse_args(argv, world_size=world)
         assert "\n" not in str(e.value)
+    parse_args(_argv(2, dcp[:1] + dcp[3:] + ["--paradyse"]), world_size=8)  # the planner: accepted
     args = parse_args(_argv(2, dcp + ["--paradyse", "--context-parallel-size", "2"]), world_size=8)
     assert args.paradyse_dims == ParallelDims(tp=2, dp=4, sequence_parallel=True, dynamic_cp=True)
     dims = ParallelDims(tp=2, dp=4, sequence_parallel=True, dynamic_cp=True)

@@ -52,6 +52,41 @@ def test_dynamic_cp_training_equals_stock_tp2_dp4():
     assert all(len(s) > 1 for s in sizes) and set().union(*sizes) == {1, 2, 4}, sizes
 
 
+PLANNED = ["--dynamic-context-parallel", "--max-seqlen-per-dp-cp-rank", "32", "--paradyse-memory-budget", "0.5"]
+PLANNED_BATCH = ["--micro-batch-size", "1", "--global-batch-size", "6"]
+
+
+def _planned_world(rank, world):
+    """Stock TP = 2 x DP = 2, then the Dynamic CP planner on the same 4 ranks (a pool of 2 nodes)."""
+    out = {}
+    hist, out["stock_params"], _ = _train(2, world, PLANNED_BATCH, paradyse=False, steps=2)
+    out["stock"] = _summary(hist)
+    hist, out["dcp_params"], trainer = _train(2, world, PLANNED_BATCH + PLANNED, paradyse=True, steps=2)
+    out["dcp"] = _summary(hist)
+    loader = trainer.data_iterator.source
+    out["schedules"] = [loader.schedule(s)[0] for s in range(2)]
+    out["budget"] = trainer.planner.budget
+    return out if rank == 0 else None
+
+
+def test_the_dynamic_cp_planner_trains_equal_to_stock():
+    """The trainer with the Dynamic CP planner (no --paradyse-plan): each step's schedule is
+    planner/dynamic_cp.py's (every micro-batch at a c of 1 or 2, with its own plan predicted
+    within the budget), and the training equals stock TP = 2 x DP = 2 on the same batches."""
+    out = run_world(_planned_world, 4, timeout=300)[0]
+    got, ref = out["dcp"], out["stock"]
+    assert len(got) == len(ref) == 2
+    assert max(_rel(x["loss"], y["loss"]) for x, y in zip(got, ref)) < 1e-5
+    assert max(_rel(x["gn"], y["gn"]) for x, y in zip(got, ref)) < 1e-5
+    assert _param_rel(out["dcp_params"], out["stock_params"]) < 1e-5
+    blocks = [a for rounds in out["schedules"] for r in rounds for a in r]
+    assert {a.size for a in blocks if a.documents} == {1, 2}  # documents over 32 tokens need both nodes
+    assert all(a.plan and a.peak_bytes <= out["budget"] for a in blocks)
+    # the planner's plans ran: each step's plans are its schedule's, not one rule
+    ran = {tuple(p) for h in got for p in h["plans"]}
+    assert ran <= {tuple(a.plan) for a in blocks}
+
+
 def test_placeholder_schedule_partitions_the_pool():
     """Every round's blocks partition the pool, every document runs once, at the smallest c whose
     tokens per node fit the cap; the smallest size is kept; a document that fits nowhere is refused."""

@@ -114,12 +114,12 @@ def check_layout(dims: ParallelDims, *, paradyse: bool, seq_length: int | None =
         raise LayoutError("--paradyse needs --sequence-parallel: every strategy keeps the "
                           "[s/p, b, h] sequence-parallel layout between layers")
     if dims.dynamic_cp:
-        _check_dynamic_cp(dims, paradyse, dynamic_cp_runs, per_token_loss, max_seqlen, plan_given, pack)
+        _check_dynamic_cp(dims, paradyse, dynamic_cp_runs, per_token_loss, max_seqlen, pack)
     if dims.cp_on:
         _check_context_parallel(dims, paradyse, seq_length, cp_links)
 
 
-def _check_dynamic_cp(dims, paradyse, runs, per_token_loss, max_seqlen, plan_given, pack) -> None:
+def _check_dynamic_cp(dims, paradyse, runs, per_token_loss, max_seqlen, pack) -> None:
     """``--dynamic-context-parallel`` (Megatron-LM's ``--hybrid-context-parallel`` too): each
     micro-batch on a power-of-two group of nodes of the DP x CP pool (``parallel/dynamic_cp.py``),
     in the plugin's trainer, with the per-token loss, without pipeline stages."""
@@ -153,9 +153,6 @@ def _check_dynamic_cp(dims, paradyse, runs, per_token_loss, max_seqlen, plan_giv
     if pack != "none":
         raise LayoutError(f"--paradyse-pack with {flag}: Dynamic CP packs each step's documents itself (drop "
                           "--paradyse-pack)")
-    if not plan_given:
-        raise LayoutError(f"{flag} needs --paradyse-plan for now: the Dynamic CP planner (a CP size and plan per "
-                          "micro-batch) is not wired into the trainer yet")
 
 
 def _check_context_parallel(dims, paradyse, seq_length, cp_links) -> None:

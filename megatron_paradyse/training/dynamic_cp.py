@@ -8,10 +8,12 @@ trainer's plan rule) whose blocks partition the pool (``parallel.dynamic_cp.chec
 Every rank runs one micro-batch per round, so every rank runs the same number (megatron's
 schedule needs that); a node with nothing to run in a round runs a pack of padding alone.
 
-:func:`placeholder_schedule` is a stand-in for the Dynamic CP planner: each document alone, at
-the smallest power-of-two c from ``--min-dynamic-context-parallel-size`` whose tokens per node
-fit ``--max-seqlen-per-dp-cp-rank`` (without it, at the smallest size), rounds filled largest
-first. The planner replaces it (``DynamicCPLoader``'s ``schedule_fn``).
+With the planner the schedule is ``planner.dynamic_cp.plan_dynamic_cp``'s (``training/planning.py:
+dynamic_cp_schedule_fn``) and each micro-batch runs its assignment's plan (:func:`assigned_plan`).
+With ``--paradyse-plan`` it is :func:`placeholder_schedule`: each document alone, at the smallest
+power-of-two c from ``--min-dynamic-context-parallel-size`` whose tokens per node fit
+``--max-seqlen-per-dp-cp-rank`` (without it, at the smallest size), rounds filled largest first,
+every micro-batch under the plan rule.
 """
 from __future__ import annotations
 
@@ -67,6 +69,12 @@ def placeholder_schedule(lengths, nodes: int, min_size: int = 1, max_seqlen: int
         items += [PlaceholderAssignment(f, min_size, ()) for f in range(0, nodes, min_size) if free[f]]
         out.append(tuple(sorted(items, key=lambda a: a.first)))
     return out
+
+
+def assigned_plan(mb, step: int, index: int):
+    """The planned iterator's ``plan_fn`` under the Dynamic CP planner: the plan the step's
+    schedule assigned to this node's micro-batch (the same on every rank of its block)."""
+    return mb.plan
 
 
 def padding_pack(total: int) -> pdata.MicroBatch:

@@ -81,6 +81,31 @@ def planner_from_args(args, can_refine: bool = True, cost_model=None):
     from megatron.core.utils import log_single_rank
 
     cm = with_context_parallel(args, cost_model if cost_model is not None else cost_model_from_args(args))
+    budget, options, refine = planner_options(args, cm, can_refine)
+    dims = dims_of(args)
+    multiple = args.paradyse_pad_multiple or dims.seq_divisor
+    if dims.pp_on:
+        planner = PipelinePlanner(args.paradyse_planner, cm, budget, dims.pp, num_chunks=dims.vpp or 1,
+                                  **options)  # block recompute and refinement: per stage
+        plan_fn = make_step_plan_fn(planner, args.paradyse_on_no_fit, multiple=multiple)
+    else:
+        planner = build_planner(args.paradyse_planner, cm, budget, **options)
+        plan_fn = make_plan_fn(planner, args.paradyse_on_no_fit, multiple=multiple)  # plans packs too
+    log.info(f"> planner: {describe_planner(planner)}; cost model {type(cm).__name__}"
+             + (f" ({args.paradyse_cost_model})" if args.paradyse_cost_model else "")
+             + f"; on no fit: {args.paradyse_on_no_fit}; refinement {'on' if refine else 'off'}"
+             + (" (per stage)" if refine and dims.pp_on else ""))
+    for note in (allocator_mismatch(cm), extrapolation_note(cm, args.seq_length)):
+        if note:
+            log_single_rank(log, logging.WARNING, f"> warning: {note}")
+    return planner, plan_fn
+
+
+def planner_options(args, cm, can_refine: bool = True) -> tuple:
+    """``(budget bytes, build_planner options, refinement on)`` from the planner's flags (see
+    :func:`planner_from_args`), for the cost model ``cm``."""
+    from megatron.core.utils import log_single_rank
+
     budget = args.paradyse_memory_budget
     if budget is None:
         budget = args.paradyse_memory_budget = default_memory_budget_gib()
@@ -95,23 +120,46 @@ def planner_from_args(args, can_refine: bool = True, cost_model=None):
     options = dict(gamma=args.paradyse_gamma, margin_bytes=margin, strategies=args.paradyse_planner_strategies,
                    refinement=True if refine else None, device_kind=current_device().type,
                    recompute=mode, recompute_chunk=chunk, recompute_first=first)
+    return budget * GiB, options, refine
+
+
+def dynamic_cp_planners(args, cost_model=None) -> dict:
+    """``--dynamic-context-parallel`` with the planner: ``{c: planner}`` for every power-of-two
+    CP size c of the pool (``planner.dynamic_cp.cp_planners``: the in-node cost model at c = 1,
+    ``CPCostModel`` on ``--paradyse-cp-links`` above), each with :func:`planner_options`'
+    budget and options, without online refinement (the Dynamic CP step feeds none back). Logs
+    the planner."""
+    from ..costmodel.cp import Links
+    from ..planner.dynamic_cp import cp_planners
+
+    cm = cost_model if cost_model is not None else cost_model_from_args(args)
+    budget, options, _ = planner_options(args, cm, can_refine=False)
     dims = dims_of(args)
-    multiple = args.paradyse_pad_multiple or dims.seq_divisor
-    if dims.pp_on:
-        planner = PipelinePlanner(args.paradyse_planner, cm, budget * GiB, dims.pp, num_chunks=dims.vpp or 1,
-                                  **options)  # block recompute and refinement: per stage
-        plan_fn = make_step_plan_fn(planner, args.paradyse_on_no_fit, multiple=multiple)
-    else:
-        planner = build_planner(args.paradyse_planner, cm, budget * GiB, **options)
-        plan_fn = make_plan_fn(planner, args.paradyse_on_no_fit, multiple=multiple)  # plans packs too
-    log.info(f"> planner: {describe_planner(planner)}; cost model {type(cm).__name__}"
-             + (f" ({args.paradyse_cost_model})" if args.paradyse_cost_model else "")
-             + f"; on no fit: {args.paradyse_on_no_fit}; refinement {'on' if refine else 'off'}"
-             + (" (per stage)" if refine and dims.pp_on else ""))
-    for note in (allocator_mismatch(cm), extrapolation_note(cm, args.seq_length)):
-        if note:
-            log_single_rank(log, logging.WARNING, f"> warning: {note}")
-    return planner, plan_fn
+    links = args.paradyse_cp_links or ("cpu_gloo,cpu_gloo" if is_cpu() else "nvlink4,ib_ndr")
+    planners = cp_planners(args.paradyse_planner, cm, budget, dims.dp, Links.from_config(*links.split(",")),
+                           shape_from_args(args), **options)
+    log.info(f"> planner: Dynamic CP over a pool of {dims.dp} nodes (a CP size and a plan per micro-batch, "
+             f"planner/dynamic_cp.py), each size's {planners[1].describe()}; links {links}")
+    return planners
+
+
+def dynamic_cp_schedule_fn(args, planners):
+    """The Dynamic CP loader's ``schedule_fn(lengths) -> rounds``: the step's schedule from
+    ``planner.dynamic_cp.plan_dynamic_cp`` (each micro-batch's c and plan chosen together,
+    rounds of aligned blocks over the pool, under ``--min-dynamic-context-parallel-size`` and
+    ``--max-seqlen-per-dp-cp-rank``); the last schedule is kept as ``schedule_fn.last``."""
+    from ..planner.dynamic_cp import plan_dynamic_cp
+
+    dims = dims_of(args)
+
+    def schedule_fn(lengths):
+        got = plan_dynamic_cp(lengths, dims.dp, planners, dims.tp, min_size=dims.dcp_min_size,
+                              per_node=args.max_seqlen_per_dp_cp_rank)
+        schedule_fn.last = got
+        return got.rounds
+
+    schedule_fn.last = None
+    return schedule_fn
 
 
 def describe_planner(planner) -> str:

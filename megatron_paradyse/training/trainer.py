@@ -51,14 +51,16 @@ from ..units import GiB, MiB
 from . import checkpointing, p2p_shapes
 from .arguments import parse_args, transformer_config_from_args
 from .dims import data_config, dims_of, runtime_options
-from .dynamic_cp import DynamicCPLoader, placeholder_schedule
+from .dynamic_cp import DynamicCPLoader, assigned_plan, placeholder_schedule
 from .exits import ExitCheck
 from .model_args import model_flags
 from .faults import FailFast
 from .forward_step import forward_step
 from .evaluation import Evaluation
 from .iterator import PlannedIterator
-from .planning import MicroBatchView, calibrated_cost_model, longest_trainable, planner_from_args
+from ..planner import make_plan_fn
+from .planning import (MicroBatchView, calibrated_cost_model, dynamic_cp_planners, dynamic_cp_schedule_fn,
+                       longest_trainable, planner_from_args)
 from .run_report import RunReport, max_over_ranks, max_per_stage, pool_bytes
 from .scalars import ScalarWriter
 
@@ -154,7 +156,7 @@ class Trainer:
         self._build_data()
         # TensorBoard / wandb (scalars.py): the last rank's writer, None elsewhere and without the flags
         self.scalars = ScalarWriter.from_args(self.args, dist.get_rank(), dist.get_world_size(), cp_size=self.cp_size)
-        self.evaluation = Evaluation(self, self._data_plan_fn, max_length=self._max_fit)
+        self.evaluation = Evaluation(self, self._data_plan_fn, max_length=getattr(self, "_eval_max", self._max_fit))
 
     def _calibrate(self):
         """``--paradyse-calibrate`` with the planner: the cost model rescaled to this host
@@ -237,7 +239,13 @@ class Trainer:
         """``--paradyse`` without ``--paradyse-plan`` (and no ``plan_fn``): the planner
         (planning.py) and its plan_fn; else none."""
         args = self.args
-        self.planner, self._planner_fn, self._step_plan_fn = None, None, None
+        self.planner, self._planner_fn, self._step_plan_fn, self._dcp_planners = None, None, None, None
+        if args.paradyse and self.plan_fn is None and args.paradyse_plan is None and self.dims.dynamic_cp:
+            # a CP size and plan per micro-batch (planning.dynamic_cp_planners); validation and
+            # the data's longest document at c = 1, where one node runs a micro-batch alone
+            self._dcp_planners = dynamic_cp_planners(args, cost_model=self.cost_model)
+            self.planner = self._dcp_planners[1]
+            return
         if args.paradyse and self.plan_fn is None and args.paradyse_plan is None:
             planner, fn = planner_from_args(args, cost_model=self.cost_model)
             if self.dims.pp_on:  # a step's micro-batches planned together over the stages
@@ -249,13 +257,16 @@ class Trainer:
         """The dataset (documents longer than any plan fits follow --paradyse-long-docs), the
         sampler, the loader and the planned iterator that gives each micro-batch its plan."""
         args = self.args
-        max_fit = None if self.planner is None else longest_trainable(self.planner, args)
+        top = self.planner if self._dcp_planners is None else self._dcp_planners[max(self._dcp_planners)]
+        max_fit = None if top is None else longest_trainable(top, args)
+        if self._dcp_planners is not None and args.max_seqlen_per_dp_cp_rank:  # the whole pool under the cap
+            max_fit = min(max_fit, self.dims.dp * args.max_seqlen_per_dp_cp_rank)
         self._max_fit = max_fit
         self.data = data_config(args)
         self.dataset = pdata.build_dataset(self.data, max_length=max_fit)
         self.sampler = self.packer = None
         plan_fn = self.plan_fn or self._planner_fn
-        if plan_fn is None and args.paradyse and self._step_plan_fn is None:
+        if plan_fn is None and args.paradyse and self._step_plan_fn is None and self._dcp_planners is None:
             plan_fn = rule_plan_fn(parse_plan(args.paradyse_plan, args.num_layers))
         self._data_plan_fn = plan_fn if args.paradyse else None  # validation plans the same way
         if self.dims.dynamic_cp:
@@ -298,11 +309,18 @@ class Trainer:
 
     def _build_dynamic_cp_data(self, plan_fn):
         """``--dynamic-context-parallel``: every rank reads the step's global batch and runs its
-        node's micro-batch of each round of the step's schedule (``dynamic_cp.py``; for now its
-        placeholder schedule, in place of the Dynamic CP planner)."""
+        node's micro-batch of each round of the step's schedule (``dynamic_cp.py``): with the
+        planner, the Dynamic CP planner's (a c and a plan per micro-batch; validation planned at
+        c = 1); with ``--paradyse-plan``, the placeholder schedule and the plan rule."""
         args, dims = self.args, self.dims
-        schedule_fn = partial(placeholder_schedule, nodes=dims.dp, min_size=dims.dcp_min_size,
-                              max_seqlen=args.max_seqlen_per_dp_cp_rank)
+        if self._dcp_planners is not None:  # the Dynamic CP planner: each micro-batch's c and plan
+            schedule_fn = dynamic_cp_schedule_fn(args, self._dcp_planners)
+            self._data_plan_fn = make_plan_fn(self.planner, args.paradyse_on_no_fit, multiple=dims.seq_divisor)
+            self._eval_max = longest_trainable(self.planner, args)
+            plan_fn = assigned_plan
+        else:
+            schedule_fn = partial(placeholder_schedule, nodes=dims.dp, min_size=dims.dcp_min_size,
+                                  max_seqlen=args.max_seqlen_per_dp_cp_rank)
         loader = DynamicCPLoader(self.dataset, args.global_batch_size, dims.dp, self.dp_rank, dims.tp, schedule_fn,
                                  start_step=self.iteration)
         self.data_iterator = PlannedIterator(
