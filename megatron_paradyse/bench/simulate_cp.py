@@ -224,7 +224,8 @@ def pack_priced(pricer: Pricer, docs: list):
     The pack runs one plan, one that fits its total padded length (activations grow with the
     tokens; attention stays inside each document): the system's own plan, or for the planner
     the fastest for the pack of its plans at the total length and at the longest document and
-    ``tp_sp`` everywhere, among those that fit; its seconds are its documents' under that plan
+    the stock plans (``tp_sp``, ``tp_sp:rc`` everywhere), among those that fit; its seconds are
+    its documents' under that plan
     (the roofline adds no cost per micro-batch, attention is each document's own s^2)."""
     if len(docs) == 1:
         return priced(pricer, docs[0])
@@ -236,7 +237,7 @@ def pack_priced(pricer: Pricer, docs: list):
     if pricer.planner is not None:
         longest = pricer(pricer.pad(max(docs)))
         cands |= {longest[1]} if longest else set()
-        cands.add((STOCK["tp_sp"],) * pricer.cm.num_layers)
+        cands |= {(e,) * pricer.cm.num_layers for e in STOCK.values()}
     best = None
     for plan in cands:
         if plan is not whole[1] and pricer.cm.step(plan, T, 1).peak_bytes > pricer.limit:
@@ -260,11 +261,29 @@ def pack(docs: list, cap: int) -> list:
     return packs
 
 
+def pack_cap(pricer: Pricer, pack_tokens: int) -> int:
+    """A pack's token cap at the pricer's C: ``pack_tokens`` x C, at most the longest the system
+    trains there (megatron's cap is a memory cap too: ``max_seqlen_per_dp_cp_rank`` x C)."""
+    return min(pack_tokens * pricer.cm.cp, pricer.longest)
+
+
+def packed_jobs(pricer: Pricer, docs: list, pack_tokens: int) -> list:
+    """The jobs of ``docs`` at the pricer's C: packed (:func:`pack`, :func:`pack_cap`), a pack
+    that does not fit split back into its documents; a None where a document fits nowhere."""
+    jobs, groups = [], []
+    for p in pack(docs, pack_cap(pricer, pack_tokens) if pack_tokens else 0):
+        got = pack_priced(pricer, p)
+        parts = [(got, p)] if got else [(pack_priced(pricer, [s]), [s]) for s in p]
+        jobs += [j for j, _ in parts]
+        groups += [g for _, g in parts]
+    return jobs, groups
+
+
 def static_jobs(pricer: Pricer, pack_tokens: int = 0):
-    """A static system's ``jobs_of``: the step's documents packed (``pack_tokens`` x C tokens
-    per pack, :func:`pack`), every pack at the pricer's C."""
+    """A static system's ``jobs_of``: the step's documents packed (:func:`packed_jobs`), every
+    pack at the pricer's C."""
     def jobs_of(docs):
-        jobs = [pack_priced(pricer, p) for p in pack(docs, pack_tokens * pricer.cm.cp)]
+        jobs = packed_jobs(pricer, docs, pack_tokens)[0]
         return None if any(j is None for j in jobs) else jobs
     return jobs_of
 
@@ -273,8 +292,7 @@ def dynamic_jobs(pricers: dict, nodes: int, policy: str = "widen", pack_tokens: 
     """Dynamic-CP-style ``jobs_of`` (``pricers``: C -> Pricer; :data:`DCP_POLICIES`): each
     document at the smallest C at which it fits (``fit``, ``widen``) or at the C of the
     fewest node-seconds, C x seconds (``efficient``); the documents of one C packed
-    (``pack_tokens`` x C per pack, :func:`pack`; a pack that does not fit is split back into
-    its documents); then (``widen``, ``efficient``) the step's longest job's C doubled while
+    (:func:`packed_jobs`); then (``widen``, ``efficient``) the step's longest job's C doubled while
     that lowers the step's makespan (:func:`schedule`)."""
     cs = sorted(pricers)
 
@@ -290,11 +308,8 @@ def dynamic_jobs(pricers: dict, nodes: int, policy: str = "widen", pack_tokens: 
             return None
         jobs, groups = [], []
         for c in cs:
-            for p in pack([s for s, j in zip(docs, own) if j[0] == c], pack_tokens * c):
-                got = pack_priced(pricers[c], p)
-                parts = [(got, p)] if got else [(pack_priced(pricers[c], [s]), [s]) for s in p]
-                jobs += [j for j, _ in parts]
-                groups += [g for _, g in parts]
+            got = packed_jobs(pricers[c], [s for s, j in zip(docs, own) if j[0] == c], pack_tokens)
+            jobs, groups = jobs + got[0], groups + got[1]
         return widen(jobs, groups, pricers, nodes) if policy != "fit" else jobs
     return jobs_of
 

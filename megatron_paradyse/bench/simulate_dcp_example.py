@@ -141,6 +141,7 @@ class ExampleCost:
         far = (nvlink, hop) if st.scale_out == "nvlink" else (float(net["bandwidth"]), max(hop, float(net["alpha"])))
         self.links = {False: Links(nvlink, hop, nvlink, hop, "nvlink (roofline)", "nvlink (roofline)"),
                       True: Links(nvlink, hop, far[0], far[1], "nvlink (roofline)", st.scale_out)}
+        self.sync = {False: (nvlink, 0.0), True: (far[0], 0.0 if st.scale_out == "nvlink" else float(net["alpha"]))}
         self.rings: dict = {}
 
     def seconds(self, lens, c: int, across: bool) -> float:
@@ -163,8 +164,8 @@ class ExampleCost:
         scale-out link) and Adam over every parameter at HBM bandwidth."""
         pc = param_counts(self.shape)
         P = pc["layers"] + pc["embedding"] + pc["final_norm"]   # tied output layer
-        lk = self.links[ranks > self.st.gpus_per_node]
-        sync = 0.0 if ranks == 1 else 2 * (ranks - 1) * (lk.inter_alpha + 4 * P / ranks / lk.inter_bandwidth)
+        bw, alpha = self.sync[ranks > self.st.gpus_per_node]   # the link's own alpha: no CP hop cost
+        sync = 0.0 if ranks == 1 else 2 * (ranks - 1) * (alpha + 4 * P / ranks / bw)
         return sync + P * ADAM_BYTES_PER_PARAM / self.hw.hbm_bytes_per_s
 
 
