@@ -269,11 +269,17 @@ def pack_cap(pricer: Pricer, pack_tokens: int) -> int:
 
 def packed_jobs(pricer: Pricer, docs: list, pack_tokens: int) -> list:
     """The jobs of ``docs`` at the pricer's C: packed (:func:`pack`, :func:`pack_cap`), a pack
-    that does not fit split back into its documents; a None where a document fits nowhere."""
+    that does not fit split back into its documents, and so is a planner's pack whose one plan
+    (memory-lean for its total) would take longer than its documents alone; a None where a
+    document fits nowhere."""
     jobs, groups = [], []
     for p in pack(docs, pack_cap(pricer, pack_tokens) if pack_tokens else 0):
         got = pack_priced(pricer, p)
-        parts = [(got, p)] if got else [(pack_priced(pricer, [s]), [s]) for s in p]
+        alone = [(pack_priced(pricer, [s]), [s]) for s in p] if len(p) > 1 and (
+            got is None or pricer.planner is not None) else []
+        if got and alone and (any(j is None for j, _ in alone) or sum(j[1] for j, _ in alone) >= got[1]):
+            alone = []      # the planner keeps a pack unless its documents alone take less time
+        parts = alone or [(got, p)]
         jobs += [j for j, _ in parts]
         groups += [g for _, g in parts]
     return jobs, groups
