@@ -8,8 +8,9 @@ import dataclasses
 import pytest
 
 from megatron_paradyse.bench.simulate import H100Roofline, Hardware, Model7B
-from megatron_paradyse.bench.simulate_cp import (NAMES, STATIC, Pricer, Setup, base_model, dynamic_jobs, main,
-                                                 schedule, simulate_cp, static_jobs, summary)
+from megatron_paradyse.bench.simulate_cp import (NAMES, STATIC, Pricer, Setup, base_model, dynamic_jobs, main, pack,
+                                                 pack_priced, paradyse_dcp_step, schedule, simulate_cp, static_jobs,
+                                                 summary)
 from megatron_paradyse.costmodel import analytic, build_cost_model, demo_shape
 from megatron_paradyse.costmodel.cp import CPCostModel, Links
 from megatron_paradyse.parallel.packing import PackShape
@@ -154,7 +155,7 @@ def test_a_small_simulation_yields_the_tables_fields(result):
     out = summary(result)
     for name in NAMES.values():
         assert f"| {name} |" in out
-    assert "NOT BUILT" in out and "SIMULATION" in out and "aim 4x" in out
+    assert "paradyse_dcp_step" in out and "SIMULATION" in out and "aim 4x" in out and "Dynamic CP against" in out
 
 
 def test_the_longest_trainable_aim_is_consistent(result):
@@ -189,7 +190,7 @@ def test_scheduling_and_dynamic_cp(roofline):
     pr = {c: Pricer(CPCostModel(base, c, LINKS), "tp_sp", budget, c * (1 << 22)) for c in (1, 2, 4)}
     docs = [8192, 4096, pr[1].longest + 1024, 2048]
     fit = dynamic_jobs(pr, 4, "fit")(docs)
-    assert [j[0] for j in fit] == [1, 1, 2, 1]
+    assert sorted(j[0] for j in fit) == [1, 1, 1, 2]                # grouped by C (then packed)
     wide = dynamic_jobs(pr, 4, "widen")(docs)
     assert schedule([j[:2] for j in wide], 4) <= schedule([j[:2] for j in fit], 4)
     long = pr[1].longest + 1024
@@ -210,3 +211,26 @@ def test_command_line(capsys, tmp_path):
         with pytest.raises(SystemExit) as e:
             main(bad)
         assert e.value.code == 2
+
+
+def test_packing_and_paradyse_dynamic_cp(roofline):
+    """First-fit decreasing packs under the cap; a pack is priced as its documents under one plan
+    that fits its total; ParaDySe x Dynamic CP trains every step Dynamic-CP-style trains."""
+    assert pack([5, 9, 3, 4], 12) == [[9, 3], [5, 4]] and pack([5, 9], 0) == [[9], [5]] and pack([20], 8) == [[20]]
+    base, budget = base_model("7b", Hardware(), 4, True)
+    pr = Pricer(CPCostModel(base, 2, LINKS), "paradyse", budget, 1 << 22)
+    docs = [8192, 16384, 4096]
+    c, t, plan = pack_priced(pr, docs)
+    assert c == 2 and t == pytest.approx(sum(pr.cm.step(plan, pr.pad(s), 1).seconds for s in docs))
+    assert t <= sum(pr(pr.pad(s))[0] for s in docs) * 1.05        # about its documents' own best plans
+    assert pack_priced(pr, [pr.longest, pr.longest]) is None        # the pack's total does not fit
+    pricers = {c: Pricer(CPCostModel(base, c, LINKS), "paradyse", budget, c * (1 << 22)) for c in (1, 2, 4)}
+    jobs = paradyse_dcp_step(pricers, 4, 65536)([8192, 4096, pricers[1].longest + 1024, 2048])
+    assert jobs is not None and sum(1 for j in jobs if j[0] >= 2) >= 1
+
+
+def test_the_dynamic_aims_are_reported(result):
+    for r in result["models"]["7b"]["sizes"]:
+        for n, v in r["paradyse_dcp_vs_dcp"].items():
+            assert v["trains_theirs"], n                                 # every step either trains
+            assert v["saved"] is None or v["saved"] > -0.05, n

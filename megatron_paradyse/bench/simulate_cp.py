@@ -60,7 +60,7 @@ DYNAMIC = {"dcp_tp_sp": "tp_sp", "dcp_tp_sp+rc": "tp_sp+rc", "paradyse_dcp": "pa
 NAMES = {"paradyse": "ParaDySe x CP", "tp_sp": "megatron TP+CP (`tp_sp`)",
          "tp_sp+rc": "megatron TP+CP, full recompute (`tp_sp+rc`)", "dcp_tp_sp": "Dynamic-CP-style, `tp_sp`",
          "dcp_tp_sp+rc": "Dynamic-CP-style, `tp_sp+rc`",
-         "paradyse_dcp": "ParaDySe x Dynamic-CP-style (NOT BUILT)"}
+         "paradyse_dcp": "ParaDySe x Dynamic CP (policy: paradyse_dcp_step)"}
 
 
 @dataclasses.dataclass
@@ -80,6 +80,7 @@ class Setup:
     dcp_policy: str = "widen"      # Dynamic-CP-style: DCP_POLICIES
     cp_ring: str = "two_level"     # the ring family's ring over C x p ranks: costmodel.cp.RING_FORMS
     per_node: int = 8              # GPUs per node = the TP (switching) group
+    pack_tokens: int = 65536       # THD packs: at most this x C tokens per micro-batch (0: one document each)
 
 
 # ------------------------------------------------------------------------------------------
@@ -218,19 +219,87 @@ def priced(pricer: Pricer, s: int):
     return None if got is None else (pricer.cm.cp, *got)
 
 
-def static_jobs(pricer: Pricer):
-    """A static system's ``jobs_of``: every document at the pricer's C."""
+def pack_priced(pricer: Pricer, docs: list):
+    """``(C, seconds, plan)`` of a THD pack of the documents ``docs`` at the pricer's C, or None.
+    The pack runs one plan, one that fits its total padded length (activations grow with the
+    tokens; attention stays inside each document): the system's own plan, or for the planner
+    the fastest for the pack of its plans at the total length and at the longest document and
+    the stock plans (``tp_sp``, ``tp_sp:rc`` everywhere), among those that fit; its seconds are
+    its documents' under that plan
+    (the roofline adds no cost per micro-batch, attention is each document's own s^2)."""
+    if len(docs) == 1:
+        return priced(pricer, docs[0])
+    T = sum(pricer.pad(s) for s in docs)
+    whole = pricer(T)
+    if whole is None:
+        return None
+    cands = {whole[1]}
+    if pricer.planner is not None:
+        longest = pricer(pricer.pad(max(docs)))
+        cands |= {longest[1]} if longest else set()
+        cands |= {(e,) * pricer.cm.num_layers for e in STOCK.values()}
+    best = None
+    for plan in cands:
+        if plan is not whole[1] and pricer.cm.step(plan, T, 1).peak_bytes > pricer.limit:
+            continue
+        t = sum(pricer.cm.step(plan, pricer.pad(s), 1).seconds for s in docs)
+        best = (t, plan) if best is None or t < best[0] else best
+    return pricer.cm.cp, best[0], best[1]
+
+
+def pack(docs: list, cap: int) -> list:
+    """The packing rule, as megatron's THD packs need: the documents longest first, each into
+    the first pack it fits under ``cap`` tokens (first-fit decreasing); a document longer than
+    the cap is a pack of its own. ``cap`` 0: one document per pack."""
+    packs: list = []
+    for s in sorted(docs, reverse=True):
+        home = next((p for p in packs if cap and sum(p) + s <= cap), None) if cap else None
+        if home is None:
+            packs.append([s])
+        else:
+            home.append(s)
+    return packs
+
+
+def pack_cap(pricer: Pricer, pack_tokens: int) -> int:
+    """A pack's token cap at the pricer's C: ``pack_tokens`` x C, at most the longest the system
+    trains there (megatron's cap is a memory cap too: ``max_seqlen_per_dp_cp_rank`` x C)."""
+    return min(pack_tokens * pricer.cm.cp, pricer.longest)
+
+
+def packed_jobs(pricer: Pricer, docs: list, pack_tokens: int) -> list:
+    """The jobs of ``docs`` at the pricer's C: packed (:func:`pack`, :func:`pack_cap`), a pack
+    that does not fit split back into its documents, and so is a planner's pack whose one plan
+    (memory-lean for its total) would take longer than its documents alone; a None where a
+    document fits nowhere."""
+    jobs, groups = [], []
+    for p in pack(docs, pack_cap(pricer, pack_tokens) if pack_tokens else 0):
+        got = pack_priced(pricer, p)
+        alone = [(pack_priced(pricer, [s]), [s]) for s in p] if len(p) > 1 and (
+            got is None or pricer.planner is not None) else []
+        if got and alone and (any(j is None for j, _ in alone) or sum(j[1] for j, _ in alone) >= got[1]):
+            alone = []      # the planner keeps a pack unless its documents alone take less time
+        parts = alone or [(got, p)]
+        jobs += [j for j, _ in parts]
+        groups += [g for _, g in parts]
+    return jobs, groups
+
+
+def static_jobs(pricer: Pricer, pack_tokens: int = 0):
+    """A static system's ``jobs_of``: the step's documents packed (:func:`packed_jobs`), every
+    pack at the pricer's C."""
     def jobs_of(docs):
-        jobs = [priced(pricer, s) for s in docs]
+        jobs = packed_jobs(pricer, docs, pack_tokens)[0]
         return None if any(j is None for j in jobs) else jobs
     return jobs_of
 
 
-def dynamic_jobs(pricers: dict, nodes: int, policy: str = "widen"):
+def dynamic_jobs(pricers: dict, nodes: int, policy: str = "widen", pack_tokens: int = 0):
     """Dynamic-CP-style ``jobs_of`` (``pricers``: C -> Pricer; :data:`DCP_POLICIES`): each
     document at the smallest C at which it fits (``fit``, ``widen``) or at the C of the
-    fewest node-seconds, C x seconds (``efficient``); then (``widen``, ``efficient``) the step's
-    longest job's C doubled while that lowers the step's makespan (:func:`schedule`)."""
+    fewest node-seconds, C x seconds (``efficient``); the documents of one C packed
+    (:func:`packed_jobs`); then (``widen``, ``efficient``) the step's longest job's C doubled while
+    that lowers the step's makespan (:func:`schedule`)."""
     cs = sorted(pricers)
 
     def first(s):
@@ -240,22 +309,55 @@ def dynamic_jobs(pricers: dict, nodes: int, policy: str = "widen"):
         return fits[0] if policy != "efficient" else min(fits, key=lambda j: (j[0] * j[1], j[0]))
 
     def jobs_of(docs):
-        jobs = [first(s) for s in docs]
-        if any(j is None for j in jobs):
+        own = [first(s) for s in docs]
+        if any(j is None for j in own):
             return None
-        while policy != "fit":
-            k = max(range(len(jobs)), key=lambda i: jobs[i][1])
-            wider = priced(pricers[2 * jobs[k][0]], docs[k]) if 2 * jobs[k][0] in pricers else None
-            trial = jobs[:k] + [wider] + jobs[k + 1:] if wider else None
-            if trial is None or schedule([j[:2] for j in trial], nodes) >= schedule([j[:2] for j in jobs], nodes):
-                break
-            jobs = trial
-        return jobs
+        jobs, groups = [], []
+        for c in cs:
+            got = packed_jobs(pricers[c], [s for s, j in zip(docs, own) if j[0] == c], pack_tokens)
+            jobs, groups = jobs + got[0], groups + got[1]
+        return widen(jobs, groups, pricers, nodes) if policy != "fit" else jobs
+    return jobs_of
+
+
+def widen(jobs: list, groups: list, pricers: dict, nodes: int) -> list:
+    """The step's longest job's C doubled while that lowers the makespan (:func:`schedule`)."""
+    while True:
+        k = max(range(len(jobs)), key=lambda i: jobs[i][1])
+        c = 2 * jobs[k][0]
+        wider = pack_priced(pricers[c], groups[k]) if c in pricers else None
+        trial = jobs[:k] + [wider] + jobs[k + 1:] if wider else None
+        if trial is None or schedule([j[:2] for j in trial], nodes) >= schedule([j[:2] for j in jobs], nodes):
+            return jobs
+        jobs = trial
+
+
+def paradyse_dcp_step(pricers: dict, nodes: int, pack_tokens: int):
+    """ParaDySe x Dynamic CP's step policy, as this simulation prices it until the plugin's
+    planner (``planner/dynamic_cp.py``) is merged and can be called here instead: each
+    document's C and the planner's plan chosen together against the step: of two assignments
+    (each document at its smallest C that fits, or at the C of its fewest node-seconds; the
+    documents of one C packed, then the critical job widened while the makespan falls) the one
+    of the shorter makespan; placement by predicted time on aligned blocks (no synchronised
+    rounds)."""
+    ways = [dynamic_jobs(pricers, nodes, policy, pack_tokens) for policy in ("widen", "efficient")]
+
+    def jobs_of(docs):
+        got = [j for j in (w(docs) for w in ways) if j is not None]
+        return min(got, key=lambda jobs: schedule([j[:2] for j in jobs], nodes)) if got else None
     return jobs_of
 
 
 # ------------------------------------------------------------------------------------------
 # one model at one size
+
+
+def dcp_jobs(name: str, pricers: dict, nodes: int, setup: Setup):
+    """A dynamic system's ``jobs_of``: ParaDySe x Dynamic CP's :func:`paradyse_dcp_step`, or
+    Dynamic-CP-style's policy (``setup.dcp_policy``)."""
+    if name == "paradyse_dcp":
+        return paradyse_dcp_step(pricers, nodes, setup.pack_tokens)
+    return dynamic_jobs(pricers, nodes, setup.dcp_policy, setup.pack_tokens)
 
 
 def best_c(rows: dict) -> int:
@@ -281,9 +383,9 @@ def simulate_size(key: str, gpus: int, setup: Setup, hw: Hardware, lens: list) -
     steps = [lens[i:i + batch] for i in range(0, len(lens) - batch + 1, batch)]
     pricers = {name: {c: Pricer(CPCostModel(base, c, links, overlap=setup.overlap, ring=setup.cp_ring), name,
                                 budget, c * 4 * setup.max_len) for c in cs} for name in STATIC}
-    static = {name: {c: dict(run_system(static_jobs(pricers[name][c]), steps, nodes, update),
+    static = {name: {c: dict(run_system(static_jobs(pricers[name][c], setup.pack_tokens), steps, nodes, update),
                             longest_trainable=pricers[name][c].longest) for c in cs} for name in STATIC}
-    dyn = {name: dict(run_system(dynamic_jobs(pricers[of], nodes, setup.dcp_policy), steps, nodes, update),
+    dyn = {name: dict(run_system(dcp_jobs(name, pricers[of], nodes, setup), steps, nodes, update),
                       longest_trainable=pricers[of][cs[-1]].longest) for name, of in DYNAMIC.items()}
     state = params_per_rank(base) * state_bytes(nodes, setup.distributed_optimizer)
     return dict(gpus=gpus, nodes=nodes, cp_sizes=cs, batch_documents=batch, steps=len(steps), update_seconds=update,
@@ -298,7 +400,12 @@ def compare(static: dict, dyn: dict) -> dict:
     mine = static["paradyse"][best["paradyse"]]["per_step"]
     saved = {n: time_saved(mine, static[n][best[n]]["per_step"]) for n in STOCK}
     saved.update({n: time_saved(mine, dyn[n]["per_step"]) for n in DYNAMIC})
-    return dict(best_c=best, megatron_best=dict(system=mega, cp=best[mega]), paradyse_time_saved=saved)
+    ours = dyn["paradyse_dcp"]["per_step"]
+    dcp = {n: dict(time_saved(ours, dyn[n]["per_step"]),
+                   trains_theirs=all(a is not None for a, b in zip(ours, dyn[n]["per_step"]) if b is not None))
+           for n in DYNAMIC if n != "paradyse_dcp"}
+    return dict(best_c=best, megatron_best=dict(system=mega, cp=best[mega]), paradyse_time_saved=saved,
+                paradyse_dcp_vs_dcp=dcp)
 
 
 def one_node_longest(key: str, setup: Setup, hw: Hardware) -> int:
@@ -327,7 +434,9 @@ def aims(sizes: list, one_node: int) -> dict:
             megatron=f"{mb['system']} at C = {mb['cp']}",
             tokens_per_s_ratio=mine["tokens_per_s"] / theirs["tokens_per_s"] if theirs["tokens_per_s"] else None,
             tokens_per_s_met=mine["tokens_per_s"] > theirs["tokens_per_s"],
-            tokens_trained=mine["tokens_trained"], megatron_tokens_trained=theirs["tokens_trained"])
+            tokens_trained=mine["tokens_trained"], megatron_tokens_trained=theirs["tokens_trained"],
+            dcp={n: dict(v, speedup=1 / (1 - v["saved"]) if v["saved"] is not None and v["saved"] < 1 else None)
+                 for n, v in r["paradyse_dcp_vs_dcp"].items()})
     return out
 
 
@@ -415,8 +524,10 @@ def assumptions(res: dict) -> list:
         f"bytes per parameter; activations of the local s/C tokens plus the CP ring's blocks",
         f"  data: {d['n']} documents, log-normal (median 16K, sigma 1.5, seed {st['seed']}) clipped to "
         f"[{st['min_len']}, {st['max_len']}]; sample median {d['median']:.0f}, p90 {d['p90']:.0f}, p99 "
-        f"{d['p99']:.0f}, {d['over_1m']} over 1M, longest {d['max']:,}; one document per micro-batch, padded to 2 C p",
-        f"  steps: {st['docs_per_node']} documents per node; jobs of C nodes, longest first onto the aligned block "
+        f"{d['p99']:.0f}, {d['over_1m']} over 1M, longest {d['max']:,}; each padded to 2 C p; "
+        + (f"THD packs of at most {st['pack_tokens']:,} x C tokens, first-fit decreasing, one plan per pack (the "
+           f"system's at the pack's length)" if st["pack_tokens"] else "one document per micro-batch"),
+        f"  steps: {st['docs_per_node']} documents per node; jobs (packs) of C nodes, longest first onto the aligned block "
         f"that frees earliest; step = makespan + update (bf16 gradient reduce-scatter and parameter all-gather "
         f"over DP x CP on the inter-node link, Adam at HBM bandwidth); a step with a document that fits nowhere "
         f"is not trained",
@@ -441,6 +552,10 @@ def aim_lines(key: str, m: dict) -> list:
                    + (f"{a['tokens_per_s_ratio']:.3f}x" if a["tokens_per_s_ratio"] else "-")
                    + f" ({'met' if a['tokens_per_s_met'] else 'MISSED'}); tokens trained {a['tokens_trained']:,} vs "
                    f"{a['megatron_tokens_trained']:,}")
+        for n, v in a["dcp"].items():
+            out.append(f"  {key}, {g} GPUs: ParaDySe x Dynamic CP against {NAMES[n]}: trains every step it trains: "
+                       f"{'yes' if v['trains_theirs'] else 'NO'}; on the {v['steps_both']} steps both train "
+                       + (f"{v['speedup']:.3f}x its tokens/s" if v["speedup"] else "-"))
     return out
 
 
@@ -455,7 +570,7 @@ def summary(res: dict) -> str:
             out += [table(r), ""]
             pd = r["static"]["paradyse"][r["best_c"]["paradyse"]]
             out.append(f"  ParaDySe x CP at C = {r['best_c']['paradyse']}: plan entries {pd['entries']}")
-            out.append("  ParaDySe x Dynamic-CP-style (NOT BUILT): plan entries "
+            out.append("  ParaDySe x Dynamic CP (paradyse_dcp_step): plan entries "
                        f"{r['dynamic']['paradyse_dcp']['entries']}")
             out.append("")
         out += [per_c_table_all(m), ""] + aim_lines(key, m)
@@ -489,6 +604,9 @@ def build_parser():
     ap.add_argument("--cp-ring", choices=RING_FORMS, default=d.cp_ring,
                     help="the ring family's ring over C x p ranks: an outer ring over the nodes whose every "
                          "step runs the in-node ring (two_level, the plugin's), or one flat ring (flat)")
+    ap.add_argument("--pack-tokens", type=int, default=d.pack_tokens,
+                    help="THD packs of at most this x C tokens per micro-batch, first-fit decreasing (0: one "
+                         "document per micro-batch)")
     ap.add_argument("--json", default=None, help="also write the result (per step, per system) here")
     return ap
 
@@ -502,7 +620,7 @@ def setup_from(a) -> Setup:
     return check(Setup(gpus=gpus, models=tuple(x.strip() for x in a.models.split(",")), docs=a.docs,
                        docs_per_node=a.docs_per_node, seed=a.seed, max_len=a.max_len, overlap=a.overlap,
                        distributed_optimizer=not a.no_distributed_optimizer, dcp_policy=a.dcp_policy,
-                       cp_ring=a.cp_ring))
+                       cp_ring=a.cp_ring, pack_tokens=a.pack_tokens))
 
 
 def check(st: Setup) -> Setup:
@@ -515,8 +633,10 @@ def check(st: Setup) -> Setup:
     if st.dcp_policy not in DCP_POLICIES or st.cp_ring not in RING_FORMS:
         raise UserError(f"--dcp-policy: of {', '.join(DCP_POLICIES)}, --cp-ring: of {', '.join(RING_FORMS)}; "
                         f"got {st.dcp_policy}, {st.cp_ring}")
-    if min(st.docs, st.docs_per_node) < 1 or st.max_len < st.min_len or not 0 <= st.overlap <= 1:
-        raise UserError(f"--docs and --docs-per-node must be >= 1, --max-len >= {st.min_len}, --overlap in [0, 1]")
+    if min(st.docs, st.docs_per_node) < 1 or st.max_len < st.min_len or not 0 <= st.overlap <= 1 \
+            or st.pack_tokens < 0:
+        raise UserError(f"--docs and --docs-per-node must be >= 1, --max-len >= {st.min_len}, --overlap in [0, 1], "
+                        f"--pack-tokens >= 0")
     if st.docs < st.docs_per_node * max(st.gpus) // n:
         raise UserError(f"--docs {st.docs} is less than one step at {max(st.gpus)} GPUs "
                         f"({st.docs_per_node * max(st.gpus) // n} documents)")
