@@ -127,7 +127,6 @@ def test_cp_flags_are_checked_before_any_collective():
 
     cases = [
         (_argv(2, CP), 4, "needs --paradyse"),
-        (_argv(2, CP + ["--paradyse", "--pipeline-model-parallel-size", "2"]), 8, "not supported yet"),
         (_argv(2, CP + ["--paradyse", "--cp-comm-type", "a2a"]), 4, "--cp-comm-type a2a"),
         (_argv(2, CP + ["--paradyse", "--hierarchical-context-parallel-sizes", "2", "2"]), 4, "one CP ring"),
         (_argv(2, ["--context-parallel-size", "3", "--paradyse"]), 4, "not divisible by"),
@@ -142,3 +141,5 @@ def test_cp_flags_are_checked_before_any_collective():
             parse_args(argv, world_size=world)
     args = parse_args(_argv(2, CP + ["--paradyse"]), world_size=8)
     assert args.data_parallel_size == 2 and args.paradyse_pad_multiple == 8
+    args = parse_args(_argv(2, CP + ["--paradyse", "--pipeline-model-parallel-size", "2"]), world_size=8)
+    assert args.data_parallel_size == 1  # CP with pipeline stages (tests/test_training_pipeline.py)

@@ -93,7 +93,8 @@ def check_layout(dims: ParallelDims, *, paradyse: bool, seq_length: int | None =
     """What the plugin can run of ``dims`` (both trainers, the bench): megatron's 1F1B schedule
     only (``interleaving``: the flag that selects the interleaved one); ``--paradyse`` keeps
     the sequence-parallel layout with TP; context parallelism only with ``--paradyse``, one K/V
-    ring ('p2p') over one level of CP ranks, no dynamic CP, no pipeline stages, no packs for
+    ring ('p2p') over one level of CP ranks, no dynamic CP (pipeline stages run at the run's CP
+    size), no packs for
     the planner (``pack`` without ``plan_given``), links the planner knows (``cp_links``),
     sequences (``seq_length``) in 2 x CP x TP equal pieces. :class:`LayoutError` naming the flag."""
     if interleaving is not None or dims.vpp is not None:
@@ -111,15 +112,13 @@ def check_layout(dims: ParallelDims, *, paradyse: bool, seq_length: int | None =
 def _check_context_parallel(dims, paradyse, seq_length, pack, plan_given, cp_links) -> None:
     """``--context-parallel-size C > 1``: every strategy attends across the CP ranks itself
     (megatron's local attention cannot; stock megatron runs CP only with Transformer Engine's
-    attention), with K/V on a ring, one CP level, no pipeline stages, 2 x C x TP pieces."""
+    attention), with K/V on a ring, one CP level, 2 x C x TP pieces; with pipeline stages too
+    (each stage's layers at CP = C, the p2p tensors of s / C tokens per CP rank)."""
     cp = dims.cp
     if not paradyse:
         raise LayoutError(f"--context-parallel-size {cp} needs --paradyse: stock megatron-core runs context "
                           "parallelism only with Transformer Engine's attention, and this trainer builds the local "
                           "layer spec (give --paradyse, or drop the flag)")
-    if dims.pp_on:
-        raise LayoutError(f"--context-parallel-size {cp} with --pipeline-model-parallel-size {dims.pp} is not "
-                          "supported yet with --paradyse (give one of them)")
     if any(c != "p2p" for c in dims.cp_comm_type):
         raise LayoutError(f"--cp-comm-type {' '.join(dims.cp_comm_type)}: with --paradyse every strategy passes "
                           "K/V on a ring over the CP group (megatron's p2p); give --cp-comm-type p2p or leave "
