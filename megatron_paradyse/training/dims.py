@@ -94,9 +94,8 @@ def check_layout(dims: ParallelDims, *, paradyse: bool, seq_length: int | None =
     only (``interleaving``: the flag that selects the interleaved one); ``--paradyse`` keeps
     the sequence-parallel layout with TP; context parallelism only with ``--paradyse``, one K/V
     ring ('p2p') over one level of CP ranks, no dynamic CP (pipeline stages run at the run's CP
-    size), no packs for
-    the planner (``pack`` without ``plan_given``), links the planner knows (``cp_links``),
-    sequences (``seq_length``) in 2 x CP x TP equal pieces. :class:`LayoutError` naming the flag."""
+    size), no packs for the planner (``pack`` without ``plan_given``), links the planner knows
+    (``cp_links``), sequences (``seq_length``) in 2 x CP x TP equal pieces. :class:`LayoutError` naming the flag."""
     if interleaving is not None or dims.vpp is not None:
         flag = interleaving or "--" + VIRTUAL_PIPELINE_FLAGS[0].replace("_", "-")
         raise LayoutError(f"{flag} selects the interleaved (virtual-pipeline) schedule, which is not supported: "
