@@ -13,6 +13,9 @@
 # 8192 tokens, every static in-node strategy x CP but colossal (its s x s score rows are far over
 # any budget here, and it is the slowest) and the planners, no search, no simulation:
 #   CP=2 OUT=results/benchmark/cp scripts/bench.sh            # docs/benchmark.md, "Context parallelism"
+# Both (world = PP x CP x P ranks): STEPS steps of MICRO documents up to 4096 tokens under 1F1B,
+# each stage's layers under CP, the CP systems:
+#   PP=2 CP=2 OUT=results/benchmark/pipeline_cp scripts/bench.sh   # docs/benchmark.md, "CP with pipeline stages"
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="$(bash "$ROOT/scripts/setup_env.sh" | tail -n 1)"
@@ -21,6 +24,14 @@ export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONWARNINGS="${PYTHONWARNINGS:-ign
 cd "$ROOT"
 mkdir -p "$OUT"
 start=$(date +%s)
+if [ "${CP:-1}" -gt 1 ] && [ "${PP:-1}" -gt 1 ]; then
+  "$PY" -m megatron_paradyse.bench --pp "$PP" --cp "$CP" --p "${P:-2}" --steps "${STEPS:-8}" \
+    --pp-microbatches "${MICRO:-4}" --seq-length 4096 --memory-budget-mib "${BUDGET_MIB:-17.5}" --out "$OUT" \
+    --systems "${SYSTEMS:-tp_sp,ulysses,ring,metp,tp_sp+rc,ulysses+rc,ring+rc,metp+rc,paradyse_heuristic,paradyse_optimal}" \
+    "$@" 2>&1 | tee "$OUT/bench.log"
+  echo "> scripts/bench.sh took $(( $(date +%s) - start )) s" | tee -a "$OUT/bench.log"
+  exit 0
+fi
 if [ "${CP:-1}" -gt 1 ]; then
   "$PY" -m megatron_paradyse.bench --cp "$CP" --p "${P:-2}" --steps "${STEPS:-16}" --seq-length 8192 \
     --memory-budget-mib "${BUDGET_MIB:-34}" --out "$OUT" \

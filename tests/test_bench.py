@@ -287,3 +287,27 @@ def test_pipeline_world_small(tmp_path):
     assert all(r["planner_fits"] and len(r["predicted_stage_peak_bytes"]) == 2 for r in rec["paradyse_optimal"])
     stages = report.stage_summary(rec, cfg.budget_bytes, 2)
     assert stages["tp_sp"]["peak_error"]["n"] == 4 and stages["stock"]["peak_error"] is None
+
+
+def test_pipeline_with_cp_config():
+    """``--pp 2 --cp 2``: the layout named in the log and bench.json, the configuration accepted
+    (the trainers' layout check), the CP systems that run with stages by default (no world:
+    the run itself is results/benchmark/pipeline_cp)."""
+    import argparse
+
+    from megatron_paradyse.bench.__main__ import default_systems, demo_argv, layout_name, pipeline_argv
+    from megatron_paradyse.bench.config import ALL_SYSTEMS, CP_SYSTEMS, PIPELINE_SYSTEMS, BenchConfig
+
+    a = argparse.Namespace(pp=2, cp=2, p=2)
+    assert layout_name(a) == "PP=2 x CP=2 x p=2" and layout_name(argparse.Namespace(pp=1, cp=1, p=4)) == "p=4"
+    argv = demo_argv(2, 4096, 1234, pipeline_argv(2, 4, 2))
+    assert argv[argv.index("--context-parallel-size") + 1] == "2" and "--pipeline-model-parallel-size" in argv
+    systems = default_systems(a)
+    assert "colossal+rc" not in systems and "paradyse_optimal" in systems and "stock" not in systems
+    assert all(s in CP_SYSTEMS and s in PIPELINE_SYSTEMS for s in systems)
+    for pp, cp, want in ((1, 1, ALL_SYSTEMS), (2, 1, PIPELINE_SYSTEMS), (1, 2, CP_SYSTEMS)):
+        assert default_systems(argparse.Namespace(pp=pp, cp=cp, p=2)) == want
+    cfg = BenchConfig(argv=argv, data_prefix="x", steps=1, budget_bytes=1.0, systems=systems, pp=2, cp=2)
+    assert cfg.dims.pp_on and cfg.dims.cp_on
+    with pytest.raises(ValueError, match="cannot run"):
+        BenchConfig(argv=argv, data_prefix="x", steps=1, budget_bytes=1.0, systems=["stock"], pp=2, cp=2)

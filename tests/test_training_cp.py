@@ -147,7 +147,6 @@ def test_cp_flags_are_checked_before_any_collective():
 
     cases = [
         (_argv(2, CP), 4, "needs --paradyse"),
-        (_argv(2, CP + ["--paradyse", "--pipeline-model-parallel-size", "2"]), 8, "not supported yet"),
         (_argv(2, CP + ["--paradyse", "--cp-comm-type", "a2a"]), 4, "--cp-comm-type a2a"),
         (_argv(2, CP + ["--paradyse", "--hierarchical-context-parallel-sizes", "2", "2"]), 4, "one CP ring"),
         (_argv(2, ["--context-parallel-size", "3", "--paradyse"]), 4, "not divisible by"),
@@ -163,3 +162,5 @@ def test_cp_flags_are_checked_before_any_collective():
     assert args.data_parallel_size == 2 and args.paradyse_pad_multiple == 8
     # packs under CP: the planner plans them (no plan needed)
     parse_args(_argv(2, CP + PACK + ["--paradyse", "--paradyse-pack", "balanced"]), world_size=4)
+    args = parse_args(_argv(2, CP + ["--paradyse", "--pipeline-model-parallel-size", "2"]), world_size=8)
+    assert args.data_parallel_size == 1  # CP with pipeline stages (tests/test_training_pipeline.py)

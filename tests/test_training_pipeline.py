@@ -3,7 +3,9 @@ DP = 2 equals stock megatron-core at the same layout on the same data, with plan
 step, micro-batch, layer and so per stage: variable lengths, packs, megatron's recompute with
 ``:rc`` entries; megatron's interleaved schedule (2 model chunks per stage), unpacked and
 packed; checkpoints move both ways between stock and ParaDySe; the step planner with online
-refinement per stage.
+refinement per stage. With context
+parallelism PP = 2 x TP = 2 x CP = 2 on the same ranks equals stock PP = 2 x TP = 2 x DP = 2
+without CP, and the step planner plans it within its budget.
 
 One world of 8 gloo ranks (megatron's order: TP fastest, then DP, then PP; stage 0 is ranks
 0-3, stage 1 ranks 4-7), about 30 s here. Stock runs megatron's own
@@ -32,6 +34,11 @@ BUDGET_GIB = str(1.3 / 1024)
 TOO_SMALL_GIB = str(1.1 / 1024)
 UNPACKED = ["--micro-batch-size", "1", "--global-batch-size", "4"]
 PACK = ["--paradyse-pack-tokens", "64", "--paradyse-pack", "balanced"]  # stock: the same documents unpacked
+CP = ["--context-parallel-size", "2"]
+CP_STEPS = 3  # the packed and planned CP runs
+# at CP = 2 every micro-batch fits, two long ones in flight on the first stage only with some
+# attention recomputed
+CP_BUDGET_GIB = str(1.15 / 1024)
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"]
 # the interleaved schedule: two model chunks per stage, one layer each (stage 0 runs layers 1
 # and 3, stage 1 layers 2 and 4); four documents per replica and step, so that a packed step
@@ -168,10 +175,36 @@ def _stage_divergence(rank, world):
         return str(e)
 
 
+def _context_parallel(world, root):
+    """ParaDySe at PP = 2 x TP = 2 x CP = 2 on the same 8 ranks (DP = 1, four micro-batches a
+    step): the cycling plans one sequence per row (compared with ``plain``'s stock PP = 2 x
+    TP = 2 x DP = 2, no CP) and packed for 3 steps (with ``packed``'s stock, the same documents
+    unpacked); then the step planner at CP with a run report (3 steps, a budget every length
+    fits: the data are stock's)."""
+    import json
+    import time
+
+    out, t0 = {}, time.perf_counter()
+    with _NoExchange():
+        hist, out["paradyse_params"], _ = _train(2, world, PP + CP, paradyse=True, plan_fn_factory=_cycling_plan_fn)
+        out["paradyse"] = _summary(hist)
+        hist, _, _ = _train(2, world, PP + CP + UNPACKED + PACK + ["--paradyse-plan", "tp_sp"], paradyse=True,
+                            plan_fn_factory=_cycling_plan_fn, steps=CP_STEPS)
+        out["packed"] = _summary(hist)
+        hist, _, _ = _train(2, world, PP + CP + ["--paradyse-memory-budget", CP_BUDGET_GIB, "--paradyse-run-report",
+                                                 f"{root}/cp_report"], paradyse=True, steps=CP_STEPS)
+        out["planned"] = _summary(hist)
+    with open(f"{root}/cp_report/run_report.json") as fh:
+        out["report"] = json.load(fh)
+    out["seconds"] = time.perf_counter() - t0  # what the CP runs add to the world
+    return out
+
+
 def _world(rank, world, root):
     out = {"plain": _pair(world, [], save=root, evaluate=True)}
     out["resume"] = _resume(world, root)
     out["packed"] = _pair(world, UNPACKED, packed=True)
+    out["cp"] = _context_parallel(world, root)
     out["recompute"] = _pair(world, RECOMPUTE, factory=_with_rc)
     t0 = time.perf_counter()
     out.update(_interleaved(world))
@@ -181,6 +214,49 @@ def _world(rank, world, root):
     if rank in FIRST_OF_STAGE:
         return out
     return {k: {n: v for n, v in d.items() if not n.endswith("params")} for k, d in out.items()}
+
+
+def test_cp_with_pipeline_stages_trains_equal_to_stock_without_cp(world):
+    """PP = 2 x TP = 2 x CP = 2 (each stage's layers attend across the two CP ranks, each CP
+    rank's p2p tensors of s / 2 tokens) equals stock PP = 2 x TP = 2 x DP = 2 without CP on the
+    same global batches: plans cycling per step, micro-batch and layer, one sequence per row
+    (losses, grad norms, final weights) and packed (against the same documents unpacked)."""
+    got, stock = world[0]["cp"], world[0]["plain"]["stock"]
+    pd = got["paradyse"]
+    assert len(pd) == STEPS and len(got["packed"]) == CP_STEPS
+    plans = [p for step in pd + got["packed"] for p in step["plans"]]
+    assert len({p[:2] for p in plans}) > 1 and len({p[2:] for p in plans}) > 1, plans
+    assert all(s % 8 == 0 for step in pd for s in step["s"]) and len(pd[0]["s"]) == 4  # 2 x CP x TP; DP = 1
+    loss = max(_rel(x["loss"], y["loss"]) for x, y in zip(pd, stock))
+    gn = max(_rel(x["gn"], y["gn"]) for x, y in zip(pd, stock))
+    weights = max(_param_rel(world[r]["cp"]["paradyse_params"], world[r]["plain"]["stock_params"])
+                  for r in FIRST_OF_STAGE)
+    unpacked = world[0]["packed"]["stock"]
+    packed = max(max(_rel(x["loss"], y["loss"]), _rel(x["gn"], y["gn"])) for x, y in zip(got["packed"], unpacked))
+    print(f"\nPP=2 x TP=2 x CP=2 vs stock PP=2 x TP=2 x DP=2: loss {loss:.1e}, grad norm {gn:.1e}, weights "
+          f"{weights:.1e}; packed vs unpacked (loss, grad norm) {packed:.1e}; the CP runs took {got['seconds']:.1f} s")
+    assert loss < 1e-5 and gn < 1e-5 and weights < 1e-5 and packed < 1e-5
+    for r in world[1:]:  # every rank, both CP ranks of both stages, reports the same losses
+        assert [x["loss"] for x in r["cp"]["paradyse"]] == [x["loss"] for x in pd]
+
+
+def test_the_step_planner_plans_cp_with_pipeline_stages_within_the_budget(world):
+    """Without a plan, at PP = 2 x CP = 2: each stage priced by the CP cost model (its layers at
+    s / 2 plus the ring), a step's four micro-batches planned together over 1F1B; no stage's
+    measured peak over the budget, each predicted within 5% (the first step left out, as at
+    CP = 1), losses stock's."""
+    got = world[0]["cp"]
+    steps, budget = got["report"]["steps"], got["report"]["budget_bytes"]
+    plans = [p for step in got["planned"] for p in step["plans"]]
+    assert any(":rc" in e for p in plans for e in p) and len(set(plans)) > 1, plans
+    for s in steps:
+        assert len(s["stage_peak_bytes"]) == 2 and max(s["stage_peak_bytes"]) <= budget, s
+        assert max(s["stage_predicted_peak_bytes"]) <= budget
+    errs = [abs(p - m) / m for s in steps[1:] for p, m in zip(s["stage_predicted_peak_bytes"], s["stage_peak_bytes"])]
+    loss = max(_rel(x["loss"], y["loss"]) for x, y in zip(got["planned"], world[0]["plain"]["stock"]))
+    print(f"\nPP=2 x CP=2 planner: stage peaks worst {max(max(s['stage_peak_bytes']) for s in steps) / budget:.0%} "
+          f"of the budget, predicted within {100 * max(errs):.1f}% (first step left out); loss vs stock {loss:.1e}")
+    assert max(errs) < 0.05 and loss < 1e-5
 
 
 def test_the_step_planner_keeps_every_stage_within_the_budget(world):

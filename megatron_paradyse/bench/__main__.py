@@ -96,6 +96,18 @@ def pipeline_argv(pp: int, microbatches: int, cp: int = 1) -> list:
     return out
 
 
+def default_systems(a) -> tuple:
+    """The systems run without ``--systems``: with CP those that can run CP, with stages those
+    that run with stages, with both those that run with both; else all."""
+    allowed = (CP_SYSTEMS if a.cp > 1 else ALL_SYSTEMS, PIPELINE_SYSTEMS if a.pp > 1 else ALL_SYSTEMS)
+    return tuple(s for s in ALL_SYSTEMS if s in allowed[0] and s in allowed[1])
+
+
+def layout_name(a) -> str:
+    """``PP=2 x CP=2 x p=2``: the world's layout, the sizes above 1 (and p)."""
+    return " x ".join([f"PP={a.pp}"] * (a.pp > 1) + [f"CP={a.cp}"] * (a.cp > 1) + [f"p={a.p}"])
+
+
 def resolve_budget(a, args_argv, p):
     """``(budget bytes, why)``: ``--memory-budget-mib``, else the cost model's ``tp_sp`` peak
     at ``--budget-at-length`` (with stages: the highest stage peak of ``--pp-microbatches``
@@ -132,8 +144,7 @@ def main(argv=None) -> int:
     argv_ = demo_argv(a.p, a.seq_length, a.seed, pipeline_argv(a.pp, a.pp_microbatches, a.cp))
     parse_args(argv_, world_size=world)  # the ranks' layout, built and checked as the trainer's (one line if bad)
     budget, why = resolve_budget(a, argv_, world)
-    default = CP_SYSTEMS if a.cp > 1 else ALL_SYSTEMS if a.pp == 1 else PIPELINE_SYSTEMS
-    listed = a.systems or ",".join(default)
+    listed = a.systems or ",".join(default_systems(a))
     systems = [s.strip() for s in listed.split(",") if s.strip()]
     try:
         cfg = BenchConfig(argv=argv_, data_prefix=prefix, long_docs=a.long_docs, steps=a.steps, min_len=a.min_len,
@@ -144,8 +155,7 @@ def main(argv=None) -> int:
                           pack_tokens=a.pack_tokens, pp=a.pp, pp_microbatches=a.pp_microbatches, cp=a.cp)
     except ValueError as e:
         raise UserError(str(e)) from None
-    layout = (f"{world} gloo ranks (CP={a.cp} x p={a.p})" if a.cp > 1 else f"{a.p} gloo ranks" if a.pp == 1
-              else f"{world} gloo ranks (PP={a.pp} x p={a.p})")
+    layout = f"{a.p} gloo ranks" if world == a.p else f"{world} gloo ranks ({layout_name(a)})"
     unit = "steps" if a.pp == 1 else f"steps of {a.pp_microbatches} micro-batches"
     print(f"> benchmark: {len(systems)} systems x {a.steps} {unit} on {layout}, demo shape, "
           f"data {shown(prefix)}, budget {budget / MiB:.1f} MiB per rank ({why})", flush=True)
@@ -181,7 +191,7 @@ def _result(a, argv, prefix, budget, why, systems, out, wall) -> dict:
         if orc:
             records["oracle"] = orc
     summary = report.summarize(records, budget)
-    layout = f"CP={a.cp} x p={a.p}" if a.cp > 1 else f"p={a.p}" if a.pp == 1 else f"PP={a.pp} x p={a.p}"
+    layout = layout_name(a)
     unit = "steps" if a.pp == 1 else f"steps of {a.pp_microbatches} micro-batches"
     result = dict(
         title=f"demo shape (L4 h128 a8 ffn512), {layout} CPU gloo ranks, {a.steps} {unit}, stdlib corpus"

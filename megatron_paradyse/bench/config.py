@@ -89,7 +89,7 @@ class BenchConfig:
         """What context parallelism cannot run here (ValueError naming the flag)."""
         from ..training.dims import check_layout
 
-        check_layout(self.dims, paradyse=True)  # the trainers' layout check (CP with pipeline stages: refused)
+        check_layout(self.dims, paradyse=True)  # the trainers' layout check
         bad = [s for s in self.systems if s not in CP_SYSTEMS]
         if bad:
             raise ValueError(f"with --cp > 1 these systems cannot run: {bad} (stock megatron's local attention "

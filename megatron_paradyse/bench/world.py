@@ -22,6 +22,8 @@ bytes and the communication pool held at the step's start included), beside the 
 With context parallelism (``cfg.cp`` > 1): megatron's parallel state with ``cp`` x p ranks;
 micro-batches padded to 2 x cp x p, each CP rank runs its two chunks (``forward_step``), the
 loss is summed over the CP ranks; the cost model is the in-node one under ``CPCostModel``.
+Both (``pp`` x ``cp`` x p ranks): the pipeline world, each stage's layers under CP, the p2p
+tensors of s / cp tokens per CP rank, the stage planners priced by ``CPCostModel``.
 """
 from __future__ import annotations
 
@@ -103,6 +105,10 @@ class System:
         for r in reports:  # the last stage's; summed over the stages below
             total += r["lm loss"].detach().double().cpu()
         total = p2p_shapes.sum_over_stages(total, collective_device())
+        if self.dims.cp_on:  # each CP rank's losses are its own chunks'
+            t = total.to(collective_device())
+            dist.all_reduce(t, group=parallel_state.get_context_parallel_group())
+            total = t.cpu()
         return float(total[0] / max(float(total[1]), 1.0))
 
 
@@ -295,8 +301,8 @@ def _search(spec, sysm, cfg, args, dataset, mult, rank):
 
 
 def pipeline_world(rank, world, cfg):
-    """:func:`bench_world` with ``cfg.pp`` pipeline stages (world = pp x p, megatron's rank
-    order: TP fastest): step k is documents ``k*M .. k*M+M-1`` (M = ``cfg.pp_microbatches``),
+    """:func:`bench_world` with ``cfg.pp`` pipeline stages (world = pp x cp x p, megatron's
+    rank order: TP fastest, then CP): step k is documents ``k*M .. k*M+M-1`` (M = ``cfg.pp_microbatches``),
     one micro-batch each, run under 1F1B in the system's run order; every system trains the
     same steps, interleaved with rotating order. Returns (rank 0) the records, each with the
     step's per-stage measured peaks (max over the stage's ranks) and predicted peaks."""
@@ -306,7 +312,7 @@ def pipeline_world(rank, world, cfg):
     cpu_compat.apply()
     args = parse_args(cfg.argv, world_size=world)
     dims = dims_of(args)
-    init_parallel(dims.tp, seed=args.seed, pipeline_model_parallel_size=dims.pp)
+    init_parallel(dims.tp, seed=args.seed, pipeline_model_parallel_size=dims.pp, context_parallel_size=dims.cp)
     install()
     stage = parallel_state.get_pipeline_model_parallel_rank()
     dataset = pdata.DocumentDataset(cfg.data_prefix, args.seq_length, seed=args.seed,

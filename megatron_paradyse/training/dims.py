@@ -98,8 +98,7 @@ def check_layout(dims: ParallelDims, *, paradyse: bool, seq_length: int | None =
     """What the plugin can run of ``dims`` (both trainers, the bench): megatron's 1F1B schedule
     (``interleaving``: the flag that selects the interleaved one, refused unless ``interleaved``); ``--paradyse`` keeps
     the sequence-parallel layout with TP; context parallelism only with ``--paradyse``, one K/V
-    ring ('p2p') over one level of CP ranks, no pipeline stages with a fixed C unless the
-    trainer runs them, links the planner knows (``cp_links``), sequences (``seq_length``) in
+    ring ('p2p') over one level of CP ranks, pipeline stages at the run's CP size, links the planner knows (``cp_links``), sequences (``seq_length``) in
     2 x CP x TP equal pieces (``pack`` and ``plan_given`` are not checked for a fixed C: the
     planner prices packs under CP); Dynamic CP where the trainer runs it (``dynamic_cp_runs``,
     :func:`_check_dynamic_cp`). ``interleaved``: the trainer runs the interleaved schedule too
@@ -158,15 +157,13 @@ def _check_dynamic_cp(dims, paradyse, runs, per_token_loss, max_seqlen, pack) ->
 def _check_context_parallel(dims, paradyse, seq_length, cp_links) -> None:
     """``--context-parallel-size C > 1``: every strategy attends across the CP ranks itself
     (megatron's local attention cannot; stock megatron runs CP only with Transformer Engine's
-    attention), with K/V on a ring, one CP level, no pipeline stages, 2 x C x TP pieces."""
+    attention), with K/V on a ring, one CP level, 2 x C x TP pieces; with pipeline stages too
+    (each stage's layers at CP = C, the p2p tensors of s / C tokens per CP rank)."""
     cp = dims.cp
     if not paradyse:
         raise LayoutError(f"--context-parallel-size {cp} needs --paradyse: stock megatron-core runs context "
                           "parallelism only with Transformer Engine's attention, and this trainer builds the local "
                           "layer spec (give --paradyse, or drop the flag)")
-    if dims.pp_on:
-        raise LayoutError(f"--context-parallel-size {cp} with --pipeline-model-parallel-size {dims.pp} is not "
-                          "supported yet with --paradyse (give one of them)")
     if any(c != "p2p" for c in dims.cp_comm_type):
         raise LayoutError(f"--cp-comm-type {' '.join(dims.cp_comm_type)}: with --paradyse every strategy passes "
                           "K/V on a ring over the CP group (megatron's p2p); give --cp-comm-type p2p or leave "

@@ -33,8 +33,8 @@ flags and their checks), ``providers.py`` (the forward step, datasets and model 
 broadcast, with pipeline stages the first stage's over each pipeline group), ``schedule.py``
 (pipeline stages: reading ahead, the p2p shapes).
 
-With ``--context-parallel-size C`` and ``--paradyse`` (one sequence per row or packs; no pipeline
-stages, ``--cp-comm-type p2p``) the plugin is installed in ``validate_args``, before the model is
+With ``--context-parallel-size C`` and ``--paradyse`` (one sequence per row or packs; with or
+without pipeline stages, ``--cp-comm-type p2p``) the plugin is installed in ``validate_args``, before the model is
 built (megatron's local attention refuses CP when built; the strategies attend across CP ranks),
 micro-batches are padded to a multiple of 2 x C x TP and each CP rank runs its two chunks
 (megatron's ``get_batch_on_this_cp_rank`` order); docs/megatron_lm.md, "Context parallelism".
