@@ -33,6 +33,11 @@ from . import device, logs
 from .cpu_compat import RANK_ENV
 
 
+# the start method of ``run_ranks``' processes when its caller names none (the tests set
+# ``forkserver``: ``testing.spawn``'s fork server, torch and megatron-core imported once)
+START_ENV = "PARADYSE_RANKS_START"
+
+
 class WorldError(RuntimeError):
     """One or more ranks failed or the world timed out; the message holds each rank's report."""
 
@@ -111,7 +116,7 @@ def _worker(fn, rank, world_size, init_file, backend, fake_device, args, kwargs,
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, backend: str = "gloo",
               fake_device: str | None = None, grace: float = 5.0, env: dict | None = None,
-              setup=None, start_method: str = "spawn", **kwargs) -> list:
+              setup=None, start_method: str | None = None, **kwargs) -> list:
     """``fn(rank, world_size, *args)`` in ``world_size`` fresh processes; the per-rank results
     (picklable). ``backend``: ``"gloo"`` (CPU ranks of one world) or ``"fake"`` (one process,
     no group; ``fake_device``: ``"nccl"`` plays a GPU rank, ``"gloo"`` a CPU one, default this
@@ -119,16 +124,16 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, backend: str =
     picklable function) runs first in each rank; ``kwargs`` go to ``fn``. Raises
     :class:`WorldError` naming every failing rank (with its traceback) and the ranks that did
     not finish within ``timeout`` seconds; once one rank fails, the others get ``grace``
-    seconds to report before they are killed. ``start_method``: multiprocessing's; ``"forkserver"``
-    (the tests') forks each rank from one server process that imported torch once, where
-    ``"spawn"`` imports it in every rank."""
+    seconds to report before they are killed. ``start_method``: multiprocessing's (default
+    ``$PARADYSE_RANKS_START``, else ``"spawn"``); ``"forkserver"`` (the tests') forks each rank
+    from one server process that imported torch once, where ``"spawn"`` imports it in every rank."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if backend not in ("gloo", "fake"):
         raise ValueError(f"backend must be 'gloo' or 'fake', got {backend!r}")
     if backend == "fake" and world_size != 1:
         raise ValueError("the fake backend runs one process")
-    ctx = tmp.get_context(start_method)
+    ctx = tmp.get_context(start_method or os.environ.get(START_ENV) or "spawn")
     results = ctx.Queue()
     env = {**RANK_ENV, **(env or {})}
     with tempfile.TemporaryDirectory(prefix="paradyse_world_") as tmpdir:

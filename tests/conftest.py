@@ -8,9 +8,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("PYTHONWARNINGS", "ignore")
 warnings.filterwarnings("ignore")
 
-from megatron_paradyse.testing.spawn import fake_cuda_available  # noqa: E402
+from megatron_paradyse.testing.spawn import fake_cuda_available, fork_server_for_ranks  # noqa: E402
 
 fake_cuda_available()  # PARADYSE_FAKE_CUDA_AVAILABLE=1: the suite as on a GPU host, gloo ranks
+fork_server_for_ranks()  # the profiler's and the report's ranks too: torch and megatron imported once
 
 from megatron_paradyse import device  # noqa: E402
 

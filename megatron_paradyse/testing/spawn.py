@@ -23,7 +23,7 @@ import torch.multiprocessing as tmp
 
 from ..cpu_compat import RANK_ENV
 from ..device import select
-from ..launch import WorldError, process_env, run_ranks  # noqa: F401  (WorldError re-exported)
+from ..launch import START_ENV, WorldError, process_env, run_ranks  # noqa: F401  (WorldError re-exported)
 from .. import trace as trace_mod
 
 
@@ -136,6 +136,14 @@ def _forkserver() -> str:
     return method
 
 
+def fork_server_for_ranks() -> None:
+    """Every world this process starts from now on, also ``launch.run_ranks``' where its caller
+    names no start method (the profiler's, the cost-model report's), forked from the fork server
+    of :func:`_forkserver` (``$PARADYSE_RANKS_START``; tests/conftest.py calls this)."""
+    if _forkserver() == "forkserver":
+        os.environ.setdefault(START_ENV, "forkserver")
+
+
 # ============================================================================ forked worlds
 
 
@@ -213,7 +221,8 @@ def run_forked_worlds(cases, world_size: int, timeout: float = 120.0, preload=()
 
     ``cases`` is a list of ``(fn, args)``; each is run as ``fn(rank, world_size, *args)`` in a
     new process per rank, forked from one long-lived process per rank (a zygote) that imported
-    ``preload`` once, with a new process group (its own file store). A case may fail, exit or
+    ``preload`` once (the zygotes are forked by the tests' fork server, :data:`PRELOAD` already
+    imported there), with a new process group (its own file store). A case may fail, exit or
     be killed on any rank (fault-injection tests): nothing is raised for that. Returns, per
     case, a list over ranks of dicts: ``exitcode`` (negative: killed by that signal),
     ``timed_out`` (killed at ``timeout`` seconds), ``started_at`` / ``exited_at``
@@ -221,7 +230,7 @@ def run_forked_worlds(cases, world_size: int, timeout: float = 120.0, preload=()
     the process ended without returning) and ``log`` (its stdout and stderr). Raises
     :class:`WorldError` only when a zygote itself fails or the whole run overruns.
     """
-    ctx = tmp.get_context("spawn")
+    ctx = tmp.get_context(_forkserver())
     results = ctx.Queue()
     child_env = dict(RANK_ENV)
     child_env.update(env or {})
