@@ -566,7 +566,7 @@ def cp_flags(*extra: str) -> list:
     return model_flags(2) + list(CP2) + ["--mock-data", "--paradyse-document-data", *extra]
 
 
-@pytest.mark.parametrize("pp", [2, pytest.param(1, marks=full)])
+@pytest.mark.parametrize("pp", [pytest.param(2, marks=full), 1])  # the 8-rank launch: with the longer checks
 def test_context_parallel_equals_stock_without_cp(pp):
     """--paradyse at CP = 2 (the plan mixes every strategy per layer and changes per micro-batch;
     each attends across the two CP ranks) against stock Megatron-LM at the same layout without
