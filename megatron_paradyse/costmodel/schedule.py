@@ -61,8 +61,25 @@ def simulate_1f1b(fwd, bwd) -> Schedule:
     receiver."""
     P, M = len(fwd), len(fwd[0]) if fwd else 0
     orders = [one_f_one_b(r, P, M) for r in range(P)]
-    done = {}  # (kind, r, j) -> end
-    clock, pos = [0.0] * P, [0] * P
+
+    def dep(op, r):
+        if op.kind == "F":
+            return ("F", r - 1, op.mb) if r > 0 else None
+        return ("B", r + 1, op.mb) if r < P - 1 else ("F", r, op.mb)
+
+    clock, ops = run_ops(orders, dep, lambda op, r: (op.kind, r, op.mb),
+                         lambda op, r: (fwd if op.kind == "F" else bwd)[r][op.mb], "1F1B")
+    busy = tuple(float(sum(fwd[r]) + sum(bwd[r])) for r in range(P))
+    return Schedule(max(clock, default=0.0), busy, tuple(clock), tuple(tuple(o) for o in ops))
+
+
+def run_ops(orders, dep, key, seconds, what: str) -> tuple:
+    """Time each stage's ops (``orders[r]``, in order): an op starts when its stage is free and
+    the op ``dep(op, r)`` it waits for (a ``key``; None: nothing) has ended, and takes
+    ``seconds(op, r)``. Returns ``(each stage's end, its timed ops)``; a RuntimeError names
+    ``what`` if the orders deadlock."""
+    P = len(orders)
+    done, clock, pos = {}, [0.0] * P, [0] * P
     ops = [[] for _ in range(P)]
     moved = True
     while moved:
@@ -70,21 +87,18 @@ def simulate_1f1b(fwd, bwd) -> Schedule:
         for r in range(P):
             while pos[r] < len(orders[r]):
                 op = orders[r][pos[r]]
-                kind, j = op.kind, op.mb
-                dep = (("F", r - 1, j) if r > 0 else None) if kind == "F" else \
-                    (("B", r + 1, j) if r < P - 1 else ("F", r, j))
-                if dep is not None and dep not in done:
+                d = dep(op, r)
+                if d is not None and d not in done:
                     break
-                start = max(clock[r], done[dep] if dep is not None else 0.0)
-                end = start + (fwd[r][j] if kind == "F" else bwd[r][j])
-                done[(kind, r, j)] = clock[r] = end
+                start = max(clock[r], done[d] if d is not None else 0.0)
+                end = start + seconds(op, r)
+                done[key(op, r)] = clock[r] = end
                 ops[r].append(op._replace(start=start, end=end))
                 pos[r] += 1
                 moved = True
     if any(pos[r] < len(orders[r]) for r in range(P)):
-        raise RuntimeError("1F1B schedule deadlocked")  # cannot happen: 1F1B is deadlock-free
-    busy = tuple(float(sum(fwd[r]) + sum(bwd[r])) for r in range(P))
-    return Schedule(max(clock, default=0.0), busy, tuple(clock), tuple(tuple(o) for o in ops))
+        raise RuntimeError(f"{what} schedule deadlocked")
+    return clock, ops
 
 
 # ---------------------------------------------------------------- the interleaved schedule
@@ -177,31 +191,15 @@ def simulate_interleaved(fwd, bwd, group: int | None = None) -> Schedule:
     M = len(fwd[0][0]) if V else 0
     orders = [interleaved_order(r, P, M, V, group) for r in range(P)]
 
-    def dep(kind, r, c, j):
-        if kind == "F":
+    def dep(op, r):
+        c, j = op.chunk, op.mb
+        if op.kind == "F":
             return ("F", r - 1, c, j) if r > 0 else (("F", P - 1, c - 1, j) if c > 0 else None)
         if r < P - 1:
             return ("B", r + 1, c, j)
         return ("B", 0, c + 1, j) if c < V - 1 else ("F", r, c, j)
 
-    done, clock, pos = {}, [0.0] * P, [0] * P
-    ops = [[] for _ in range(P)]
-    moved = True
-    while moved:
-        moved = False
-        for r in range(P):
-            while pos[r] < len(orders[r]):
-                op = orders[r][pos[r]]
-                d = dep(op.kind, r, op.chunk, op.mb)
-                if d is not None and d not in done:
-                    break
-                start = max(clock[r], done[d] if d is not None else 0.0)
-                end = start + (fwd if op.kind == "F" else bwd)[r][op.chunk][op.mb]
-                done[(op.kind, r, op.chunk, op.mb)] = clock[r] = end
-                ops[r].append(op._replace(start=start, end=end))
-                pos[r] += 1
-                moved = True
-    if any(pos[r] < len(orders[r]) for r in range(P)):
-        raise RuntimeError("interleaved schedule deadlocked")
+    clock, ops = run_ops(orders, dep, lambda op, r: (op.kind, r, op.chunk, op.mb),
+                         lambda op, r: (fwd if op.kind == "F" else bwd)[r][op.chunk][op.mb], "interleaved")
     busy = tuple(float(sum(sum(x) for x in fwd[r]) + sum(sum(x) for x in bwd[r])) for r in range(P))
     return Schedule(max(clock, default=0.0), busy, tuple(clock), tuple(tuple(o) for o in ops))
