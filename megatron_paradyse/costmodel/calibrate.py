@@ -149,47 +149,14 @@ def apply(cm: FittedCostModel, record: dict, host: dict | None = None) -> Fitted
     return FittedCostModel(meta, cm.boosters, cm.path, cm.prefetch)
 
 
-def context_plan(cm: FittedCostModel, s: int, budget_bytes: float | None = None) -> tuple:
-    """The plan of the in-context pass (:func:`with_context`): the uniform plan of the
-    fastest strategy at ``s`` whose whole step the model predicts within ``budget_bytes``
-    (plain, else recomputed; None: any), as calibrated so far."""
-    n = cm.shape.num_layers
-    entries = list(cm.strategies) + ([st + RC for st in cm.strategies] if cm.recomputes() else [])
-    plans = [(e,) * n for e in entries]
-    fits = [pl for pl in plans if budget_bytes is None or cm.step(pl, s, 1).peak_bytes <= budget_bytes]
-    return min(fits or plans, key=lambda pl: pass_seconds(cm, pl, s))
-
-
-def pass_seconds(cm: FittedCostModel, plan: tuple, s) -> float:
-    """A micro-batch's forward and backward as ``cm`` predicts it: its layers and the non-layer
-    part (no update)."""
-    return sum(cm.layer(e, s, 1).seconds for e in plan) + cm.nonlayer(s, 1).seconds
-
-
-def with_context(cm: FittedCostModel, measured: float, plan: tuple, s: int) -> FittedCostModel:
-    """``cm`` (calibrated) times the ratio of the whole model's forward and backward measured
-    in the trainer (``measured`` seconds, the run's own model and wrappers, plan ``plan`` at
-    ``s`` tokens) to what ``cm`` predicts for it: the layers run inside a model as a step runs
-    them (between the other layers, the output layer and the loss), not alone as the cells do.
-    Recorded as ``calibration["context"]``; every time the model predicts carries it."""
-    predicted = pass_seconds(cm, plan, s)
-    meta = copy.deepcopy(cm.meta)
-    meta["calibration"]["context"] = {"s": int(s), "plan": list(plan), "measured": float(measured),
-                                      "predicted": float(predicted), "ratio": float(measured / predicted)}
-    return FittedCostModel(meta, cm.boosters, cm.path, cm.prefetch)
-
-
 def summary(cm: FittedCostModel) -> str:
     """One line per strategy: its factor at each calibration length, and the other parts'."""
     cal = cm.meta.get("calibration")
     if not cal:
         return "not calibrated"
     parts = [f"{st} " + "/".join(f"{x[3]:.2f}x" for x in pts) for st, pts in cal["strategies"].items()]
-    ctx = cal.get("context")
-    inside = "" if not ctx else (f"; the whole model's pass in context (s = {ctx['s']}, {ctx['plan'][0]}): "
-                                 f"measured / predicted {ctx['ratio']:.2f}x, on every time")
     return (f"time here / on the profile's host at s = {'/'.join(map(str, cal['lengths']))}: "
-            + ", ".join(parts) + f"; non-layer part and update {cal['other']:.2f}x" + inside)
+            + ", ".join(parts) + f"; non-layer part and update {cal['other']:.2f}x")
 
 
 def calibrate_in_world(cm: FittedCostModel, seq_length: int, model_args: dict,

@@ -344,18 +344,15 @@ class FittedCostModel(CostModel):
     def host_factor(self, strategy: str | None, s) -> float:
         """The time factor of a calibration to this host (``costmodel.calibrate``): the
         strategy's measured/predicted ratio interpolated in log s between the calibration
-        lengths, constant outside them; ``strategy=None``: the non-layer part and the update's;
-        times the whole model's pass in context where the trainer measured one
-        (``calibration["context"]``, :func:`~.calibrate.with_context`). 1 for a model that was
-        not calibrated."""
+        lengths, constant outside them; ``strategy=None``: the non-layer part and the update's.
+        1 for a model that was not calibrated."""
         cal = self.meta.get("calibration")
         if not cal:
             return 1.0
-        inside = float((cal.get("context") or {}).get("ratio", 1.0))  # the whole model's pass, in context
         if strategy is None or strategy not in cal["strategies"]:
-            return float(cal["other"]) * inside
+            return float(cal["other"])
         pts = cal["strategies"][strategy]
-        return inside * float(np.interp(np.log(float(s)), [np.log(x[0]) for x in pts], [x[3] for x in pts]))
+        return float(np.interp(np.log(float(s)), [np.log(x[0]) for x in pts], [x[3] for x in pts]))
 
     def static_bytes(self) -> float:
         return analytic.static_bytes(self.shape)

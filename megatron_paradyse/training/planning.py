@@ -51,60 +51,6 @@ def calibrated_cost_model(args):
     return out
 
 
-def calibrated_in_context(args, model, cm):
-    """``--paradyse-calibrate``, once the run's model exists (PP = 1, no CP): the whole model's
-    forward and backward timed as the trainer runs it (the run's own model and wrappers, a
-    synthetic micro-batch of the calibration's shorter length under the fastest uniform plan
-    that fits) and compared with what the calibrated ``cm`` predicts for it
-    (``calibrate.with_context``): the cells time one layer alone, a step runs it between the
-    others, the output layer and the loss. Weights, optimizer and RNG states are left as they
-    were (no update; the gradient buffers zeroed after), so the run trains as without it.
-    Returns the model with the ratio on every time; logs it (rank 0)."""
-    import statistics
-    import time
-
-    import torch
-    import torch.distributed as dist
-    from megatron.core.utils import log_single_rank
-
-    from ..costmodel import calibrate
-    from ..device import synchronize
-    from ..parallel.buffers import release_pool
-    from ..parallel.dispatch import set_plan
-
-    s = calibrate.lengths_for(cm, args.seq_length)[0]
-    budget = None if args.paradyse_memory_budget is None else args.paradyse_memory_budget * GiB
-    plan = calibrate.context_plan(cm, s, budget)
-    dev = next(model.parameters()).device
-    vocab = int(args.vocab_size or 2)
-    tokens = torch.randint(0, vocab, (1, s + 1), generator=torch.Generator().manual_seed(s)).to(dev)
-    positions = torch.arange(s, device=dev).unsqueeze(0)
-    rng, start = torch.get_rng_state(), time.perf_counter()
-    times = []
-    set_plan(model, plan)
-    for i in range(4):  # one warm-up pass, three timed
-        release_pool()
-        dist.barrier()
-        synchronize()
-        t0 = time.perf_counter()
-        out = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:])
-        out.float().mean().backward()
-        synchronize()
-        times.append(time.perf_counter() - t0)
-    model.zero_grad_buffer()
-    release_pool()
-    torch.set_rng_state(rng)
-    got = torch.tensor([statistics.median(times[1:]), time.perf_counter() - start], dtype=torch.float64, device=dev)
-    dist.all_reduce(got, op=dist.ReduceOp.MAX)
-    out_cm = calibrate.with_context(cm, float(got[0]), plan, s)
-    out_cm.meta["calibration"]["seconds"] = round(out_cm.meta["calibration"].get("seconds", 0.0) + float(got[1]), 1)
-    ctx = out_cm.meta["calibration"]["context"]
-    log_single_rank(log, logging.INFO, f"> calibrated in context: the whole model's pass at s = {s} ({plan[0]} on "
-                                       f"every layer) {ctx['measured']:.3f} s measured / {ctx['predicted']:.3f} s "
-                                       f"predicted = {ctx['ratio']:.2f}x, applied to every time ({float(got[1]):.1f} s)")
-    return out_cm
-
-
 def with_context_parallel(args, cm):
     """``cm`` for ``--context-parallel-size C`` > 1: ``costmodel.cp.CPCostModel`` (the in-node
     model at s/C plus the CP ring on ``--paradyse-cp-links``), planning the in-node strategy of

@@ -59,8 +59,8 @@ from .forward_step import forward_step
 from .evaluation import Evaluation
 from .iterator import PlannedIterator
 from ..planner import make_plan_fn
-from .planning import (MicroBatchView, calibrated_cost_model, calibrated_in_context, dynamic_cp_planners,
-                       dynamic_cp_schedule_fn, longest_trainable, planner_from_args)
+from .planning import (MicroBatchView, calibrated_cost_model, dynamic_cp_planners, dynamic_cp_schedule_fn,
+                       longest_trainable, planner_from_args)
 from .run_report import RunReport, max_over_ranks, max_per_stage, pool_bytes
 from .scalars import ScalarWriter
 
@@ -152,9 +152,6 @@ class Trainer:
         if self.args.load:
             self.iteration = checkpointing.load_checkpoint(self.args, self.model, self.optimizer,
                                                            self.scheduler, iteration=self.args.ckpt_step)
-        dims = self.dims
-        if self.cost_model is not None and not (dims.pp_on or dims.cp_on or dims.dynamic_cp):
-            self.cost_model = calibrated_in_context(self.args, self.model, self.cost_model)  # planning.py
         self._build_planner()
         self._build_data()
         # TensorBoard / wandb (scalars.py): the last rank's writer, None elsewhere and without the flags
