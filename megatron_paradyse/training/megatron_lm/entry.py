@@ -82,6 +82,19 @@ def main(argv=None) -> None:
     logs.setup()  # the plugin's lines (rank 0's [paradyse] iteration lines) beside Megatron-LM's
     with exit_on_user_error(f"{os.path.basename(argv[0])} (megatron_paradyse)"):
         run_script(argv[0], argv[1:])
+    close_process_group()
+
+
+def close_process_group() -> None:
+    """After the script returned on this rank: meet the others, then destroy the process group
+    (Megatron-LM's ``pretrain()`` leaves it up), so that no communicator thread outlives the
+    interpreter: a gloo group still alive at exit aborted a rank of a finished pipeline run
+    now and then ("terminate called without an active exception", exit status 1)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def megatron_lm_main() -> None:
