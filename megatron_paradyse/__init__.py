@@ -36,6 +36,10 @@ for _msg in (r"Transformer Engine and Apex are not installed\. Falling back to "
              r"full scope is deprecated\. Use empty cuda_graph_scope to capture the whole layer\."):
     warnings.filterwarnings("ignore", message=_msg, category=UserWarning, module=r"megatron(\.|$)")
 
+from .runtime import import_megatron_core  # noqa: E402
+
+import_megatron_core()  # before any module of the package imports megatron (runtime.py: why)
+
 from .parallel.dispatch import (check_model, get_plan, install, installed, set_plan, supports_model,  # noqa: E402
                                 uninstall, unwrap)
 from .parallel.plans import describe  # noqa: E402

@@ -23,6 +23,8 @@ Patches. Every attribute the plugin replaces in megatron-core or torch is a :cla
   (``costmodel/measure.py``);
 * ``checkpoint_results_queue``: megatron's ``filesystem_async._results_queue`` during a save
   (``training/checkpointing/save.py``);
+* ``import_megatron``: ``torch.compile`` while megatron-core is imported (deferred to each
+  compiled function's first call: :func:`import_megatron_core`);
 * ``cpu_compat:<shim>`` / ``cpu_compat_training:<shim>``: the CPU shims, never restored (a
   CPU rank keeps them): recorded by name (:func:`mark`), their attributes not one by one.
 
@@ -231,3 +233,48 @@ def cache(name: str) -> dict:
         with _REGISTRY.lock:
             got = _REGISTRY.caches.setdefault(name, {})
     return got
+
+
+# ------------------------------------------------------------------------ importing megatron
+
+def _deferred_compile(compile_fn):
+    """``torch.compile`` that compiles a plain function on its first call instead of at
+    decoration: the compiled function is the same, but importing a module that decorates
+    functions with it no longer imports torch's compiler stack (dynamo and inductor, seconds
+    per process). Anything else (modules, other callables) goes to ``compile_fn`` at once."""
+    import functools
+    import inspect
+
+    def deferred(fn=None, **kwargs):
+        if fn is None:  # @torch.compile(mode=...)
+            return lambda f: deferred(f, **kwargs)
+        if not inspect.isfunction(fn):
+            return compile_fn(fn, **kwargs)
+        compiled = []
+
+        @functools.wraps(fn)
+        def call(*args, **kw):
+            if not compiled:
+                compiled.append(compile_fn(fn, **kwargs))
+            return compiled[0](*args, **kw)
+        return call
+    return deferred
+
+
+def import_megatron_core() -> None:
+    """Import megatron-core with ``torch.compile`` deferred (patch ``import_megatron``, put back
+    once it is imported): megatron binds its ``jit_fuser`` to ``torch.compile`` at import and
+    decorates a dozen fusions with it, which imports torch's compiler stack in every process
+    though a run with fusions off never calls one. Each fusion now compiles on its first call,
+    as before. Nothing if megatron-core is imported already."""
+    import sys
+
+    if "megatron.core" in sys.modules:
+        return
+    import torch
+
+    install("import_megatron", Patch(torch, "compile", _deferred_compile(torch.compile)))
+    try:
+        import megatron.core  # noqa: F401
+    finally:
+        restore("import_megatron")

@@ -139,3 +139,49 @@ def test_the_cost_model_takes_prefetch_as_an_argument():
     assert on.pool_bytes(["ulysses"] * 2, 32, 1) > off.pool_bytes(["ulysses"] * 2, 32, 1)
     with prefetch.disabled():  # the kernels' switch is not the cost model's
         assert on.pool_bytes(["ulysses"] * 2, 32, 1) > off.pool_bytes(["ulysses"] * 2, 32, 1)
+
+
+def test_torch_compile_is_deferred_to_the_first_call():
+    """``runtime._deferred_compile``: decorating compiles nothing; the first call compiles once,
+    with the decorator's arguments, and every call runs the compiled function; a module (not a
+    plain function) is compiled at once."""
+    import torch
+
+    made = []
+
+    def fake_compile(fn, **kwargs):
+        made.append((fn.__name__ if hasattr(fn, "__name__") else type(fn).__name__, kwargs))
+        return lambda *a, **k: ("compiled", fn(*a, **k))
+
+    deferred = runtime._deferred_compile(fake_compile)
+
+    @deferred
+    def f(x):
+        return x + 1
+
+    @deferred(dynamic=True)
+    def g(x):
+        return x * 2
+
+    assert made == [] and f.__name__ == "f"
+    assert f(1) == ("compiled", 2) and f(2) == ("compiled", 3) and g(3) == ("compiled", 6)
+    assert made == [("f", {}), ("g", {"dynamic": True})]
+    deferred(torch.nn.Linear(2, 2))
+    assert made[-1] == ("Linear", {})
+
+
+def test_importing_the_plugin_leaves_torchs_compiler_unimported():
+    """A fresh process: ``import megatron_paradyse`` imports megatron-core with its fusions'
+    ``jit_fuser`` deferred, so torch's compiler stack (seconds per rank) stays unimported;
+    ``torch.compile`` itself is put back."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; real = torch.compile; import megatron_paradyse\n"
+            "import megatron.core.models.gpt\n"
+            "from megatron.core.fusions.fused_bias_gelu import bias_gelu\n"
+            "assert torch.compile is real, 'torch.compile not put back'\n"
+            "print('inductor' if 'torch._inductor' in sys.modules else 'no inductor')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "no inductor", out.stdout

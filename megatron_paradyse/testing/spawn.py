@@ -122,8 +122,8 @@ def _empty(folder: str) -> None:
 
 
 # what every test world imports: the fork server imports it once, each rank is a fork of it
-PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt",
-           "megatron_paradyse", "megatron_paradyse.testing.models"]
+PRELOAD = ["torch", "torch.distributed", "megatron_paradyse", "megatron.core", "megatron.core.models.gpt",
+           "megatron_paradyse.testing.models"]
 
 
 def _forkserver() -> str:
