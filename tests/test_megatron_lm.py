@@ -720,6 +720,18 @@ def test_dynamic_cp_planner_equals_stock():
     assert set().union(*sizes) == {"1", "2"}, sizes
 
 
+@full
+def test_dynamic_cp_refusal_is_one_line_through_megatron_lm():
+    """--hybrid-context-parallel --paradyse without --calculate-per-token-loss: the plugin's one line
+    (checked before Megatron-LM's own assertion on the flag), every rank exits 2, before
+    torch.distributed starts."""
+    flags = [f for f in model_flags(2) if f != "--calculate-per-token-loss"]
+    out = launch(flags + ["--mock-data", "--paradyse-document-data", "--paradyse", "--paradyse-plan", PLAN,
+                          "--hybrid-context-parallel"], nproc=4)
+    one_line(out, "--dynamic-context-parallel needs --calculate-per-token-loss")
+    assert "initializing torch distributed" not in out.out
+
+
 def test_dynamic_cp_refusals():
     """What Dynamic CP cannot run through Megatron-LM's pretrain(): one line naming the flag, locally,
     from Megatron-LM's parsed arguments, on every rank (before any collective); --hybrid-context-parallel
