@@ -627,7 +627,10 @@ def test_context_parallel_refusals():
         (dict(cp_comm_type=["a2a"]), "--cp-comm-type a2a: with --paradyse"),
         (dict(cp_comm_type=["p2p", "a2a+p2p"]), "--cp-comm-type p2p a2a+p2p"),
         (dict(hierarchical_context_parallel_sizes=[2, 1]), "--hierarchical-context-parallel-sizes is not supported"),
-        (dict(hybrid_context_parallel=True), "--hybrid-context-parallel is not supported"),
+        (dict(hybrid_context_parallel=True), "--dynamic-context-parallel needs --calculate-per-token-loss"),
+        (dict(hybrid_context_parallel=True, calculate_per_token_loss=True, position_embedding_type="rope", num_layers=4),
+         "--hybrid-context-parallel with --context-parallel-size 2: through Megatron-LM's pretrain() the Dynamic "
+         "CP pool is its data parallelism"),
         (dict(seq_length=132), "--seq-length 132 must be a multiple of 2 x --context-parallel-size x "
                                "--tensor-model-parallel-size = 8"),
         (dict(paradyse_pad_multiple=4), "--paradyse-pad-multiple 4 must be a positive multiple of 2 x"),
@@ -639,7 +642,8 @@ def test_context_parallel_refusals():
             check_paradyse_args(args)
         assert needle in str(e.value) and "\n" not in str(e.value), (change, str(e.value))
         args.paradyse = False
-        check_paradyse_args(args)
+        if not change.get("hybrid_context_parallel"):  # stock Dynamic CP on local layers: test_dynamic_cp_refusals
+            check_paradyse_args(args)
 
 
 @full
@@ -666,3 +670,101 @@ def test_context_parallel_bad_comm_type_is_one_line():
     out = launch(cp_flags("--paradyse", "--paradyse-plan", PLAN, "--cp-comm-type", "a2a"), nproc=4)
     one_line(out, "--cp-comm-type a2a: with --paradyse every strategy passes K/V on a ring")
     assert "initializing torch distributed" not in out.out
+
+
+# ------------------------------------------------------------------ Dynamic CP (issue 47)
+DCP_ITERS = SAVE_AT  # the stock run's schedule (--lr-decay-iters ITERS), its evaluation at SAVE_AT
+DYNAMIC_CP = ("--hybrid-context-parallel", "--max-seqlen-per-dp-cp-rank", "64")
+
+
+def dynamic_cp_run(*extra: str) -> Run:
+    """4 ranks, a pool of 2 nodes x TP = 2, the shared stock run's model, data and learning rates
+    (its first DCP_ITERS iterations and its evaluation at SAVE_AT)."""
+    flags = _with(model_flags(2), train_iters=DCP_ITERS, lr_decay_iters=ITERS)
+    return launch(flags + ["--mock-data", "--paradyse-document-data", "--paradyse", *DYNAMIC_CP, *extra], nproc=4)
+
+
+def _check_dynamic_cp(got: Run, stock: Run, what: str) -> list:
+    """Equal losses (training; the evaluation at SAVE_AT), and the CP size of each of rank 0's
+    micro-batches per step from the plugin's log line."""
+    got.check()
+    assert "Dynamic CP over a pool of 2 nodes" in got.out, got.out[-3000:]
+    _assert_close(got.losses, stock.losses, range(1, DCP_ITERS + 1), what)
+    _assert_close(got.valid, stock.valid, [(SAVE_AT, "periodic")], f"{what}: validation loss")
+    steps = re.findall(r"\[paradyse\] iteration\s+\d+ \| seq len: ([0-9,]+) \|.*\| cp: ([0-9,]+)", got.out)
+    print(f"\n{what}: losses {[got.losses[i] for i in range(1, DCP_ITERS + 1)]} vs stock "
+          f"{[stock.losses[i] for i in range(1, DCP_ITERS + 1)]}; (seq len, cp) per step of rank 0: {steps}")
+    assert len(steps) == DCP_ITERS
+    return [set(cp.split(",")) for _, cp in steps]
+
+
+def test_dynamic_cp_equals_stock():
+    """--hybrid-context-parallel with --paradyse on 4 ranks (a pool of 2 nodes x TP = 2): each step's
+    global batch (Megatron-LM's sampler, gathered over DP) runs in rounds, documents over 64 tokens
+    (--max-seqlen-per-dp-cp-rank) on both nodes (c = 2, a ring across them), the others one a node
+    (c = 1, side by side; the placeholder schedule of --paradyse-plan), each under PLAN; equal
+    training and validation losses to stock Megatron-LM at TP = 2 on the same global batches (the
+    shared stock run: with --calculate-per-token-loss its DP = 1 trains as DP = 2 would). The
+    plugin's log line names each micro-batch's CP size."""
+    sizes = _check_dynamic_cp(dynamic_cp_run("--paradyse-plan", PLAN), run("stock").check(), "Dynamic CP, PLAN")
+    assert any(s == {"1", "2"} for s in sizes), sizes
+
+
+@full
+def test_dynamic_cp_planner_equals_stock():
+    """The Dynamic CP planner (no --paradyse-plan) in Megatron-LM's pretrain(): each micro-batch's c
+    and plan chosen together (documents over 64 tokens need both nodes); equal to stock."""
+    got = dynamic_cp_run("--paradyse-memory-budget", "0.5")
+    sizes = _check_dynamic_cp(got, run("stock").check(), "Dynamic CP planner")
+    assert "> planner: Dynamic CP over a pool of 2 nodes" in got.out, got.out[-3000:]
+    assert set().union(*sizes) == {"1", "2"}, sizes
+
+
+@full
+def test_dynamic_cp_refusal_is_one_line_through_megatron_lm():
+    """--hybrid-context-parallel --paradyse without --calculate-per-token-loss: the plugin's one line
+    (checked before Megatron-LM's own assertion on the flag), every rank exits 2, before
+    torch.distributed starts."""
+    flags = [f for f in model_flags(2) if f != "--calculate-per-token-loss"]
+    out = launch(flags + ["--mock-data", "--paradyse-document-data", "--paradyse", "--paradyse-plan", PLAN,
+                          "--hybrid-context-parallel"], nproc=4)
+    one_line(out, "--dynamic-context-parallel needs --calculate-per-token-loss")
+    assert "initializing torch distributed" not in out.out
+
+
+def test_dynamic_cp_refusals():
+    """What Dynamic CP cannot run through Megatron-LM's pretrain(): one line naming the flag, locally,
+    from Megatron-LM's parsed arguments, on every rank (before any collective); --hybrid-context-parallel
+    without --paradyse on local layers too (stock megatron runs it only with Transformer Engine)."""
+    import argparse
+
+    from megatron_paradyse.training.megatron_lm import check_paradyse_args
+    from megatron_paradyse.training.megatron_lm.args import check_dynamic_cp_early
+
+    base = dict(paradyse=True, overlap_param_gather=False, paradyse_document_data=True, mock_data=True, data_path=None,
+                tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=1, world_size=4,
+                pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None, cp_comm_type=["p2p"],
+                hierarchical_context_parallel_sizes=None, hybrid_context_parallel=True, seq_length=128,
+                transformer_impl="local", hidden_dropout=0.0, attention_dropout=0.0, paradyse_pad_multiple=None,
+                paradyse_plan="tp_sp", calculate_per_token_loss=True, micro_batch_size=1,
+                position_embedding_type="rope", paradyse_pack="none", num_layers=4)
+    cases = [
+        (dict(calculate_per_token_loss=False), "--dynamic-context-parallel needs --calculate-per-token-loss"),
+        (dict(pipeline_model_parallel_size=2), "--dynamic-context-parallel with --pipeline-model-parallel-size 2"),
+        (dict(world_size=6), "the pool of DP x CP = 3 nodes (world / TP) must be a power of two"),
+        (dict(max_seqlen_per_dp_cp_rank=63), "--max-seqlen-per-dp-cp-rank 63 must be a positive multiple of"),
+        (dict(min_dynamic_context_parallel_size=4), "--min-dynamic-context-parallel-size 4 must be a power of two"),
+        (dict(paradyse_document_data=False, mock_data=False), "--hybrid-context-parallel with --paradyse needs "
+                                                               "--paradyse-document-data"),
+        (dict(paradyse=False), "--hybrid-context-parallel needs --paradyse with --transformer-impl local"),
+        (dict(paradyse=False, hybrid_context_parallel=False, dynamic_context_parallel=True),
+         "--dynamic-context-parallel needs --paradyse"),
+    ]
+    for change, needle in cases:
+        args = argparse.Namespace(**{**base, **change})
+        with pytest.raises(ValueError) as e:
+            check_dynamic_cp_early(args)  # before Megatron-LM's own assertions
+            check_paradyse_args(args)
+        assert needle in str(e.value) and "\n" not in str(e.value), (change, str(e.value))
+    # stock Megatron-LM's own Dynamic CP with Transformer Engine's layers is not the plugin's business
+    check_paradyse_args(argparse.Namespace(**{**base, "paradyse": False, "transformer_impl": "transformer_engine"}))

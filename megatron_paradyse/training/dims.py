@@ -124,8 +124,8 @@ def _check_dynamic_cp(dims, paradyse, runs, per_token_loss, max_seqlen, pack) ->
     in the plugin's trainer, with the per-token loss, without pipeline stages."""
     flag = "--dynamic-context-parallel"
     if not runs:
-        raise LayoutError(f"{flag} / --hybrid-context-parallel is not supported with --paradyse in Megatron-LM's "
-                          "pretrain_gpt.py yet (pretrain_gpt_paradyse.py runs it): drop the flag")
+        raise LayoutError(f"{flag} / --hybrid-context-parallel is not supported here (pretrain_gpt_paradyse.py and "
+                          "Megatron-LM's pretrain_gpt.py through megatron_paradyse.training.megatron_lm run it): drop the flag")
     if not paradyse:
         raise LayoutError(f"{flag} needs --paradyse: stock megatron-core runs Dynamic CP only with Transformer "
                           "Engine's attention, and this trainer builds the local layer spec")

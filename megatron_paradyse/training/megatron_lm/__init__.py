@@ -39,6 +39,12 @@ built (megatron's local attention refuses CP when built; the strategies attend a
 micro-batches are padded to a multiple of 2 x C x TP and each CP rank runs its two chunks
 (megatron's ``get_batch_on_this_cp_rank`` order); docs/megatron_lm.md, "Context parallelism".
 
+With ``--hybrid-context-parallel`` (or ``--dynamic-context-parallel``) and ``--paradyse`` the plugin
+runs Dynamic CP (``dynamic_cp.py``): Megatron-LM's own is switched off after its validation, the
+step's global batch is gathered over the data-parallel pool from Megatron-LM's sampler and
+scheduled in rounds by the Dynamic CP planner (or the placeholder schedule under
+``--paradyse-plan``), and the schedule runs the step's rounds; docs/megatron_lm.md, "Dynamic CP".
+
 Without ``--paradyse`` (and without ``--paradyse-document-data``) the script runs exactly as
 Megatron-LM ships it. With ``--distributed-backend gloo`` (Megatron-LM's default is nccl;
 gloo without CUDA) :mod:`megatron_paradyse.cpu_compat_training` is applied first (CPU ranks;

@@ -38,7 +38,26 @@ def add_megatron_lm_args(parser):
                         "documents up to --seq-length tokens (never splitting one), attention inside "
                         "each document (megatron's THD); Megatron-LM's sampler deals the packs "
                         "(pretrain_gpt_paradyse.py also has 'balanced' packing)")
+    _add_dynamic_cp_names(parser)
     return parser
+
+
+def _add_dynamic_cp_names(parser) -> None:
+    """Megatron's Dynamic CP flag names that this Megatron-LM's parser lacks (core_v0.16.1 and
+    core_v0.19.0 have ``--hybrid-context-parallel`` and ``--max-seqlen-per-dp-cp-rank``, from
+    megatron-core's ``ModelParallelConfig``, not the other two)."""
+    have = getattr(parser, "_option_string_actions", {})
+    g = parser.add_argument_group("Dynamic CP (Megatron's names this Megatron-LM lacks)")
+    if "--dynamic-context-parallel" not in have:
+        g.add_argument("--dynamic-context-parallel", action="store_true",
+                       help="with --paradyse: Dynamic CP, as --hybrid-context-parallel (each micro-batch on a "
+                            "power-of-two block of the DP pool's nodes, its own plan; docs/context_parallel.md)")
+    if "--min-dynamic-context-parallel-size" not in have:
+        g.add_argument("--min-dynamic-context-parallel-size", type=int, default=1,
+                       help="with --dynamic-context-parallel: the smallest CP size a micro-batch runs at")
+    if "--max-seqlen-per-dp-cp-rank" not in have:
+        g.add_argument("--max-seqlen-per-dp-cp-rank", type=int, default=None,
+                       help="with --dynamic-context-parallel: a cap on the tokens a node holds of a micro-batch")
 
 
 def compose_args_providers(first, second=add_megatron_lm_args):
@@ -66,9 +85,62 @@ def check_paradyse_args(args) -> None:
     elif getattr(args, "paradyse_pack", "none") != "none":
         raise ValueError("--paradyse-pack needs --paradyse-document-data (the packs are built from its documents)")
     if not getattr(args, "paradyse", False):
+        _refuse_stock_dynamic_cp(args)
         return
     _check_switchable(args)
+    if dims_of(args).dynamic_cp:
+        _check_dynamic_cp(args)
     _check_plan_or_planner(args)
+
+
+DYNAMIC_CP_FLAGS = ("dynamic_context_parallel", "hybrid_context_parallel")
+
+
+def dynamic_cp_flag(args) -> str | None:
+    """The Dynamic CP flag given (``--dynamic-context-parallel`` or ``--hybrid-context-parallel``), else None."""
+    given = [k for k in DYNAMIC_CP_FLAGS if getattr(args, k, False)]
+    return "--" + given[0].replace("_", "-") if given else None
+
+
+def check_dynamic_cp_early(args) -> None:
+    """Before Megatron-LM's own ``validate_args`` (whose assertions on ``--hybrid-context-parallel``
+    would print a traceback): the Dynamic CP layout as ``dims.py`` checks it, one line."""
+    if dynamic_cp_flag(args) is None or not getattr(args, "paradyse", False):
+        return
+    try:
+        dims = dims_from_args(args)
+    except ValueError:
+        return  # Megatron-LM's own check of the sizes says it
+    check_layout(dims, paradyse=bool(getattr(args, "paradyse", False)), dynamic_cp_runs=True,
+                 per_token_loss=bool(getattr(args, "calculate_per_token_loss", False)),
+                 max_seqlen=getattr(args, "max_seqlen_per_dp_cp_rank", None),
+                 pack=getattr(args, "paradyse_pack", "none"))
+
+
+def _refuse_stock_dynamic_cp(args) -> None:
+    """Without --paradyse: the plugin's --dynamic-context-parallel, or Megatron-LM's
+    --hybrid-context-parallel on local layers (stock megatron runs it only with Transformer
+    Engine's attention; with Transformer Engine the script runs as Megatron-LM ships it)."""
+    flag = dynamic_cp_flag(args)
+    if flag == "--dynamic-context-parallel" or (flag and getattr(args, "transformer_impl", "local") == "local"):
+        raise ValueError(f"{flag} needs --paradyse with --transformer-impl local (stock megatron runs Dynamic CP "
+                         "only with Transformer Engine's attention)")
+
+
+def _check_dynamic_cp(args) -> None:
+    """Dynamic CP through Megatron-LM's pretrain() (``megatron_lm/dynamic_cp.py``): the pool is
+    Megatron-LM's data parallelism, the documents the plugin's; then Megatron-LM's own Dynamic CP
+    (its sampler, data-loader wrapper, schedule and groups) is switched off: the plugin runs it."""
+    flag = dynamic_cp_flag(args)
+    if args.context_parallel_size > 1:
+        raise ValueError(f"{flag} with --context-parallel-size {args.context_parallel_size}: through Megatron-LM's "
+                         "pretrain() the Dynamic CP pool is its data parallelism (world / TP nodes); give "
+                         "--context-parallel-size 1")
+    if not getattr(args, "paradyse_document_data", False):
+        raise ValueError(f"{flag} with --paradyse needs --paradyse-document-data (the plugin packs each step's "
+                         "documents; Megatron-LM's GPT samples are no documents)")
+    args.hybrid_context_parallel = False
+    args.dynamic_context_parallel = True
 
 
 def _check_document_data(args) -> None:
@@ -105,7 +177,9 @@ def _check_switchable(args) -> None:
     check_layout(dims, paradyse=True, seq_length=getattr(args, "seq_length", None),
                  interleaving=interleaving_flag(args), pack=getattr(args, "paradyse_pack", "none"),
                  plan_given=getattr(args, "paradyse_plan", None) is not None,
-                 cp_links=getattr(args, "paradyse_cp_links", None))
+                 cp_links=getattr(args, "paradyse_cp_links", None), dynamic_cp_runs=True,
+                 per_token_loss=bool(getattr(args, "calculate_per_token_loss", False)),
+                 max_seqlen=getattr(args, "max_seqlen_per_dp_cp_rank", None))
     if dims.cp_on and not getattr(args, "calculate_per_token_loss", False) and int(os.environ.get("RANK", "0")) == 0:
         log.warning(f"> warning: {CP_LOSS_NOTE}")
     if args.transformer_impl != "local":

@@ -10,7 +10,7 @@ from ... import runtime
 from ...parallel.dispatch import install
 from ..arguments import ArgumentError
 from ..dims import runtime_options
-from .args import check_paradyse_args, compose_args_providers
+from .args import check_dynamic_cp_early, check_paradyse_args, compose_args_providers
 from .providers import paradyse_datasets_provider, paradyse_forward_step
 from .schedule import wrap_get_forward_backward_func
 
@@ -33,6 +33,10 @@ def _wrap_validate_args(orig):
     model: with context parallelism megatron's local ``DotProductAttention`` is built through the
     plugin's patch (stock asserts CP = 1 when built; the strategies attend across CP ranks)."""
     def validate_args(args, *rest, **kwargs):
+        try:
+            check_dynamic_cp_early(args)  # before Megatron-LM's assertions on --hybrid-context-parallel
+        except ValueError as e:
+            raise ArgumentError(str(e)) from None
         out = orig(args, *rest, **kwargs)
         try:
             check_paradyse_args(args)

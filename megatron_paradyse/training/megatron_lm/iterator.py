@@ -12,9 +12,11 @@ from ...parallel.plans import describe_plans, parse_plan, rule_plan_fn
 from ..dims import dims_of
 from ..iterator import PlannedIterator
 from ...planner import MicroBatchView
-from ..planning import planner_from_args
+from ...planner import make_plan_fn
+from ..planning import dynamic_cp_planners, planner_from_args
 from .args import pad_multiple
 from .batches import tp_batches
+from .dynamic_cp import dynamic_cp_source
 
 _MEGATRON_ITERATORS: dict = {}
 _MEGATRON_PLANNER: dict = {}
@@ -53,11 +55,15 @@ def planned_iterator(data_iterator, model):
         # schedule call's micro-batches together, read ahead (prefetch_step)
         nmb = lambda: _EVAL_MICROBATCHES[0]  # noqa: E731
     plan_fn, step_plan_fn = _plan_fns(args)
-    it = _LoggedPlannedIterator(tp_batches(holder, args, multiple), plan_fn, nmb,
+    source, counts = tp_batches(holder, args, multiple), None
+    if model.training and args.paradyse and dims_of(args).dynamic_cp:  # the step's rounds (dynamic_cp.py)
+        source, plan_fn = dynamic_cp_source(holder, args, megatron_dynamic_cp_planners(args))
+        counts = source.counts
+    it = _LoggedPlannedIterator(source, plan_fn, nmb,
                                 group_index=parallel_state.get_data_parallel_rank(),
                                 num_groups=parallel_state.get_data_parallel_world_size(),
                                 start_step=int(getattr(args, "iteration", 0) or 0),
-                                step_plan_fn=step_plan_fn)
+                                step_plan_fn=step_plan_fn, counts=counts)
     it.log_steps = model.training and torch.distributed.get_rank() == 0
     it.ahead_only = _pipelined(args)
     _MEGATRON_ITERATORS[key] = (holder, it)
@@ -96,13 +102,26 @@ def _pipelined(args) -> bool:
 
 def _megatron_planner(args):
     """The planner's ``plan_fn`` (pipeline stages: its ``step_plan_fn``), built once: training
-    and evaluation share it and its cache."""
+    and evaluation share it and its cache. Under Dynamic CP the planner at c = 1 of the Dynamic
+    CP planners (``planning.dynamic_cp_planners``, kept too): evaluation's, one node a micro-batch."""
+    if "planner" not in _MEGATRON_PLANNER and dims_of(args).dynamic_cp:
+        planners = _MEGATRON_PLANNER["dynamic_cp"] = dynamic_cp_planners(args)
+        _MEGATRON_PLANNER["planner"] = (planners[1], make_plan_fn(planners[1], args.paradyse_on_no_fit,
+                                                                  multiple=dims_of(args).seq_divisor))
     if "planner" not in _MEGATRON_PLANNER:
         planner, fn = planner_from_args(args, can_refine=False)
         if _pipelined(args):  # the data side asks it per micro-batch (the longest trainable length)
             planner = MicroBatchView(planner)
         _MEGATRON_PLANNER["planner"] = (planner, fn)
     return _MEGATRON_PLANNER["planner"][1]
+
+
+def megatron_dynamic_cp_planners(args):
+    """The Dynamic CP planner's ``{c: planner}`` (built once), or None with ``--paradyse-plan``."""
+    if args.paradyse_plan is not None:
+        return None
+    _megatron_planner(args)
+    return _MEGATRON_PLANNER["dynamic_cp"]
 
 
 def megatron_planner(args):
@@ -135,7 +154,7 @@ class _LoggedPlannedIterator(PlannedIterator):
         if fresh and self.log_steps:
             lens = ",".join(str(mb.seq_length) for mb in items)
             log.info(f" [paradyse] iteration {self.step:8d} | seq len: {lens} | plan: "
-                     f"{describe_plans([mb.plan for mb in items])}{self._prediction(items)}")
+                     f"{describe_plans([mb.plan for mb in items])}{_cp_sizes(items)}{self._prediction(items)}")
         return items
 
     def _prediction(self, items) -> str:
@@ -151,3 +170,11 @@ class _LoggedPlannedIterator(PlannedIterator):
         update = self.plan_fn.planner.update_seconds()  # once per step
         return (f" | pred: {sum(c.seconds for c in got) + update:.3f} s, peak "
                 f"{max(c.peak_bytes for c in got) / MiB:.1f} MiB")
+
+
+def _cp_sizes(items) -> str:
+    """Under Dynamic CP: the CP size each micro-batch ran at (``| cp: 2,1,1``), else nothing."""
+    blocks = [getattr(mb, "cp_block", None) for mb in items]
+    if all(b is None for b in blocks):
+        return ""
+    return " | cp: " + ",".join(str(b[1] if b else 1) for b in blocks)

@@ -88,9 +88,14 @@ def _longest_trainable(args):
     if not args.paradyse or args.paradyse_plan is not None:
         return None
     from ..planning import longest_trainable
-    from .iterator import megatron_planner
+    from .iterator import megatron_dynamic_cp_planners, megatron_planner
 
-    return longest_trainable(megatron_planner(args), args)
+    if not dims_of(args).dynamic_cp:
+        return longest_trainable(megatron_planner(args), args)
+    planners = megatron_dynamic_cp_planners(args)  # Dynamic CP: the whole pool's, under the cap per node
+    top = longest_trainable(planners[max(planners)], args)
+    cap = args.max_seqlen_per_dp_cp_rank
+    return top if not cap else min(top, dims_of(args).dp * cap)
 
 
 class _MaskedView(pdata.FixedLengthView):

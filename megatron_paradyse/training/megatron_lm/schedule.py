@@ -45,10 +45,42 @@ def planned_pipeline(forward_step_func) -> bool:
     return dims_of(args).pp_on and reads is not None and reads(args)
 
 
+def planned_dynamic_cp(forward_step_func) -> bool:
+    """Dynamic CP (``--paradyse``): a training step runs its schedule's rounds (``dynamic_cp.py``)."""
+    from megatron.training import get_args
+
+    args = get_args()
+    reads = getattr(forward_step_func, "reads_planned", None)
+    return dims_of(args).dynamic_cp and reads is not None and reads(args) and bool(getattr(args, "paradyse", False))
+
+
+def _dynamic_cp_step(args, kwargs) -> dict:
+    """The schedule call's keywords under Dynamic CP: the groups made (once), and at a training
+    step its micro-batches read and planned ahead, ``num_microbatches`` the step's rounds."""
+    from megatron.training import get_args
+
+    from .dynamic_cp import ensure_groups
+    from .iterator import planned_iterator
+
+    if args:
+        raise RuntimeError("ParaDySe with Dynamic CP: Megatron-LM's schedule call must pass its arguments by "
+                           "keyword (forward_step_func=, data_iterator=, ...)")
+    ensure_groups(get_args())
+    if kwargs.get("forward_only"):
+        return kwargs  # evaluation: each micro-batch on its own node (c = 1)
+    model, data = kwargs["model"], kwargs["data_iterator"]
+    model = model[0] if isinstance(model, list) else model
+    data = data[0] if isinstance(data, list) else data
+    items = planned_iterator(data, model).prefetch()
+    return {**kwargs, "num_microbatches": len(items)}
+
+
 def _wrap_schedule(schedule):
     """The schedule, unchanged unless :func:`planned_pipeline`: then read ahead, queue the
     shapes, run it, clear the queue."""
     def forward_backward(*args, **kwargs):
+        if planned_dynamic_cp(kwargs.get("forward_step_func")):
+            return schedule(*args, **_dynamic_cp_step(args, kwargs))
         if not planned_pipeline(kwargs.get("forward_step_func")):
             return schedule(*args, **kwargs)
         if args:
