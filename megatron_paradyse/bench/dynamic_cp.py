@@ -33,6 +33,7 @@ import dataclasses
 import logging
 import statistics
 import time
+import types
 
 import torch
 import torch.distributed as dist
@@ -60,7 +61,7 @@ from .world import System, _documents, _max_over_ranks
 log = logging.getLogger(__name__)
 
 STATIC_ENTRIES = ("tp_sp", "ulysses", "ring", "metp", "tp_sp:rc", "ulysses:rc", "ring:rc", "metp:rc")
-MEGATRON = {"megatron_dcp": ("tp_sp",), "megatron_dcp+rc": ("tp_sp:rc",)}
+MEGATRON = types.MappingProxyType({"megatron_dcp": ("tp_sp",), "megatron_dcp+rc": ("tp_sp:rc",)})
 LINKS = ("cpu_gloo", "cpu_gloo")
 
 
