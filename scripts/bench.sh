@@ -17,7 +17,7 @@
 # each stage's layers under CP, the CP systems:
 #   PP=2 CP=2 OUT=results/benchmark/pipeline_cp scripts/bench.sh   # docs/benchmark.md, "CP with pipeline stages"
 # Dynamic CP (world = POOL x P ranks, default a pool of 4 nodes x P=2): STEPS steps of GBS documents
-# up to 4096 tokens, every system of bench/dynamic_cp.py (ParaDySe x Dynamic CP, ParaDySe at each
+# up to 2048 tokens, every system of bench/dynamic_cp.py (ParaDySe x Dynamic CP, ParaDySe at each
 # fixed C, megatron's Dynamic CP policy, every static strategy x fixed C) and the oracle:
 #   DCP=1 OUT=results/benchmark/dynamic_cp scripts/bench.sh   # docs/benchmark.md, "Dynamic CP"
 set -euo pipefail
@@ -30,7 +30,7 @@ mkdir -p "$OUT"
 start=$(date +%s)
 if [ "${DCP:-0}" = 1 ]; then
   "$PY" -m megatron_paradyse.bench --dynamic-cp-pool "${POOL:-4}" --p "${P:-2}" --steps "${STEPS:-3}" \
-    --global-batch "${GBS:-8}" --seq-length 4096 --memory-budget-mib "${BUDGET_MIB:-17}" \
+    --global-batch "${GBS:-8}" --seq-length 2048 --memory-budget-mib "${BUDGET_MIB:-12.5}" \
     --repeats "${REPEATS:-1}" --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
   echo "> scripts/bench.sh took $(( $(date +%s) - start )) s" | tee -a "$OUT/bench.log"
   exit 0
