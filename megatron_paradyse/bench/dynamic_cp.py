@@ -278,9 +278,9 @@ def table(summary: dict, records: dict, budget: float) -> str:
              f"{'max peak pred/meas MiB':>24}  CP sizes   (budget {budget / MiB:.1f} MiB)"]
     for name, s in summary.items():
         ran = [r for r in records[name] if r["seconds"] is not None]
-        pred = sum(r["predicted_seconds"] or 0 for r in ran)
+        pred = sum(r.get("predicted_seconds") or 0 for r in ran)
         meas = sum(r["seconds"] for r in ran)
-        pk = max((r["predicted_peak_bytes"] or 0 for r in ran), default=0) / MiB
+        pk = max((r.get("predicted_peak_bytes") or 0 for r in ran), default=0) / MiB
         sizes: dict = {}
         for r in ran:
             for c, n in (r.get("sizes") or {}).items():
