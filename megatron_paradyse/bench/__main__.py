@@ -4,6 +4,8 @@
     python -m megatron_paradyse.bench --max-seq-len-search ...
     python -m megatron_paradyse.bench --simulate            # analytic H100 x 8, 7B-like model
     python -m megatron_paradyse.bench --pp 2 --p 2 --steps 6 --memory-budget-mib 30   # pipeline stages
+    python -m megatron_paradyse.bench --dynamic-cp-pool 4 --p 2 --steps 3 --global-batch 8 \
+        --seq-length 2048 --memory-budget-mib 12.5                                    # Dynamic CP
 
 See docs/benchmark.md for what is measured and how to read it.
 """
