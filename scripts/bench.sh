@@ -16,6 +16,10 @@
 # Both (world = PP x CP x P ranks): STEPS steps of MICRO documents up to 4096 tokens under 1F1B,
 # each stage's layers under CP, the CP systems:
 #   PP=2 CP=2 OUT=results/benchmark/pipeline_cp scripts/bench.sh   # docs/benchmark.md, "CP with pipeline stages"
+# Dynamic CP (world = POOL x P ranks, default a pool of 4 nodes x P=2): STEPS steps of GBS documents
+# up to 2048 tokens, every system of bench/dynamic_cp.py (ParaDySe x Dynamic CP, ParaDySe at each
+# fixed C, megatron's Dynamic CP policy, every static strategy x fixed C) and the oracle:
+#   DCP=1 OUT=results/benchmark/dynamic_cp scripts/bench.sh   # docs/benchmark.md, "Dynamic CP"
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="$(bash "$ROOT/scripts/setup_env.sh" | tail -n 1)"
@@ -24,6 +28,13 @@ export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONWARNINGS="${PYTHONWARNINGS:-ign
 cd "$ROOT"
 mkdir -p "$OUT"
 start=$(date +%s)
+if [ "${DCP:-0}" = 1 ]; then
+  "$PY" -m megatron_paradyse.bench --dynamic-cp-pool "${POOL:-4}" --p "${P:-2}" --steps "${STEPS:-3}" \
+    --global-batch "${GBS:-8}" --seq-length 2048 --memory-budget-mib "${BUDGET_MIB:-12.5}" \
+    --repeats "${REPEATS:-1}" --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
+  echo "> scripts/bench.sh took $(( $(date +%s) - start )) s" | tee -a "$OUT/bench.log"
+  exit 0
+fi
 if [ "${CP:-1}" -gt 1 ] && [ "${PP:-1}" -gt 1 ]; then
   "$PY" -m megatron_paradyse.bench --pp "$PP" --cp "$CP" --p "${P:-2}" --steps "${STEPS:-8}" \
     --pp-microbatches "${MICRO:-4}" --seq-length 4096 --memory-budget-mib "${BUDGET_MIB:-17.5}" --out "$OUT" \

@@ -311,3 +311,51 @@ def test_pipeline_with_cp_config():
     assert cfg.dims.pp_on and cfg.dims.cp_on
     with pytest.raises(ValueError, match="cannot run"):
         BenchConfig(argv=argv, data_prefix="x", steps=1, budget_bytes=1.0, systems=["stock"], pp=2, cp=2)
+
+
+def test_dynamic_cp_world_small(tmp_path):
+    """``--dynamic-cp-pool 2`` x p = 2 (4 gloo ranks), a 2-layer model, one step of 4 documents
+    (one of 900 tokens, which fits a plan at c = 2 only under the budget): ParaDySe x Dynamic CP
+    runs it at c = 1 and 2 within its predicted budget, ParaDySe at C = 1 refuses it, a static
+    strategy at C = 2 and megatron's policy run it; every system the same documents, each with
+    its predicted and measured time and peak; the aims, the table; a bad system name refused."""
+    from megatron_paradyse import data
+    from megatron_paradyse.bench import dynamic_cp as dcp
+    from megatron_paradyse.bench.__main__ import demo_argv
+    from megatron_paradyse.bench.config import BenchConfig
+    from megatron_paradyse.testing.spawn import run_world
+
+    rng = np.random.default_rng(3)
+    prefix = str(tmp_path / "docs")
+    data.write_indexed_dataset(prefix, [rng.integers(0, 256, n) for n in (41, 901, 121, 61)], 258)
+    argv = demo_argv(2, 1024, 1234, ["--dynamic-context-parallel", "--global-batch-size", "4"])
+    for k, v in (("--num-layers", "2"), ("--hidden-size", "64"), ("--num-attention-heads", "4"),
+                 ("--ffn-hidden-size", "128")):
+        argv[argv.index(k) + 1] = v
+    systems = ["paradyse_dcp", "paradyse_cp1", "megatron_dcp+rc", "tp_sp_cp2"]
+    assert set(systems) <= set(dcp.system_names(2)) and len(dcp.system_names(4)) == 1 + 3 + 2 + 8 * 3
+    with pytest.raises(ValueError, match="unknown"):
+        dcp.check_systems(["tp_sp_cp8"], 2)
+    budget = 3 * MiB
+    cfg = BenchConfig(argv=argv, data_prefix=prefix, steps=1, budget_bytes=budget, systems=systems,
+                      verbose=False, dcp_pool=2, global_batch=4)
+    out = run_world(dcp.dcp_world, 4, cfg, timeout=240)[0]
+    rec = {n: out["records"][n][0] for n in systems}
+    assert {r["length"] for r in rec.values()} == {40 + 900 + 120 + 60}
+    assert rec["paradyse_cp1"]["seconds"] is None and "CP size 1" in rec["paradyse_cp1"]["refused"]
+    ran = [n for n in systems if n != "paradyse_cp1"]
+    for n in ran:
+        r = rec[n]
+        assert r["seconds"] > 0 and r["peak_bytes"] > out["static_bytes"][n] > 0 and r["predicted_seconds"] > 0
+        assert sorted(d for rnd in r["rounds"] for _, _, docs in rnd for d in docs) == [0, 1, 2, 3]
+    assert rec["paradyse_dcp"]["sizes"].get("2") and rec["paradyse_dcp"]["predicted_peak_bytes"] <= budget
+    assert rec["tp_sp_cp2"]["plan"] == "tp_sp*2" and set(rec["tp_sp_cp2"]["sizes"]) == {"2"}
+    assert rec["megatron_dcp+rc"]["plan"] == "tp_sp:rc*2"
+    records = out["records"]
+    records["oracle"] = report.oracle(records, budget, systems)
+    summary = report.summarize(records, budget)
+    h = dcp.aims(summary)
+    assert h["steps_refused"] == 0 and h["best_fixed_c"] is None and h["steps_over_budget"] is not None
+    lines = dcp.table(summary, records, budget).splitlines()
+    assert any(x.startswith("paradyse_cp1 ") and x.split()[1:5] == ["-", "0.0", "0", "1"] for x in lines), lines
+    assert len(dcp.aim_lines(h)) == 6

@@ -10,6 +10,8 @@ within a step, is ``tests/test_dynamic_cp_exact.py``'s, in the default suite.
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from megatron_paradyse.testing.spawn import run_world
@@ -61,8 +63,11 @@ def _planned_world(rank, world):
     out = {}
     hist, out["stock_params"], _ = _train(2, world, PLANNED_BATCH, paradyse=False, steps=2)
     out["stock"] = _summary(hist)
-    hist, out["dcp_params"], trainer = _train(2, world, PLANNED_BATCH + PLANNED, paradyse=True, steps=2)
+    out["lines"] = []
+    hist, out["dcp_params"], trainer = _train(2, world, PLANNED_BATCH + PLANNED, paradyse=True, steps=2,
+                                              lines=out["lines"])
     out["dcp"] = _summary(hist)
+    out["seconds"] = [h.seconds for h in hist]
     loader = trainer.data_iterator.source
     out["schedules"] = [loader.schedule(s)[0] for s in range(2)]
     out["budget"] = trainer.planner.budget
@@ -85,6 +90,16 @@ def test_the_dynamic_cp_planner_trains_equal_to_stock():
     # the planner's plans ran: each step's plans are its schedule's, not one rule
     ran = {tuple(p) for h in got for p in h["plans"]}
     assert ran <= {tuple(a.plan) for a in blocks}
+    # each step's log line: its schedule's predicted time and peak beside the measured ones
+    steps = [ln for ln in out["lines"] if "Dynamic CP:" in ln]
+    assert len(steps) == 2, out["lines"]
+    for k, (ln, rounds) in enumerate(zip(steps, out["schedules"])):
+        pred = sum(max(a.seconds for a in r) for r in rounds)
+        m = re.search(r"time pred/meas: ([0-9.]+)/([0-9.]+) s \| peak pred/meas: ([0-9.]+)/([0-9.]+) MiB", ln)
+        assert m, ln
+        assert float(m.group(1)) >= round(pred, 3) - 1e-3 and abs(float(m.group(2)) - out["seconds"][k]) < 2e-3
+        assert float(m.group(3)) == round(max(a.peak_bytes for r in rounds for a in r) / 2**20, 1)
+        assert 0 < float(m.group(4)) <= 2 * out["budget"] / 2**20
 
 
 def test_placeholder_schedule_partitions_the_pool():

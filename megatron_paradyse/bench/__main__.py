@@ -4,6 +4,8 @@
     python -m megatron_paradyse.bench --max-seq-len-search ...
     python -m megatron_paradyse.bench --simulate            # analytic H100 x 8, 7B-like model
     python -m megatron_paradyse.bench --pp 2 --p 2 --steps 6 --memory-budget-mib 30   # pipeline stages
+    python -m megatron_paradyse.bench --dynamic-cp-pool 4 --p 2 --steps 3 --global-batch 8 \
+        --seq-length 2048 --memory-budget-mib 12.5                                    # Dynamic CP
 
 See docs/benchmark.md for what is measured and how to read it.
 """
@@ -83,6 +85,13 @@ def build_parser():
                     help="separate (default): time the step untracked, measure the peak on a second "
                          "tracked forward+backward; same: one tracked step (half the cost, the "
                          "tracker's overhead in the times)")
+    ap.add_argument("--dynamic-cp-pool", type=int, default=0,
+                    help="Dynamic CP (docs/benchmark.md): a pool of N nodes of --p ranks (world = N x p), each "
+                         "step --global-batch documents scheduled over the pool by each system "
+                         "(bench/dynamic_cp.py); needs --memory-budget-mib")
+    ap.add_argument("--global-batch", type=int, default=8, help="with --dynamic-cp-pool: documents per step")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="with --dynamic-cp-pool: timed steps per step and system (their median)")
     ap.add_argument("--quiet", action="store_true")
     return ap
 
@@ -138,6 +147,10 @@ def main(argv=None) -> int:
     if a.simulate:
         return sim_main(a)
     prefix = a.data_path or pdata.stdlib_corpus()
+    if a.dynamic_cp_pool:
+        from .dynamic_cp import main as dcp_main
+
+        return dcp_main(a, argv, prefix, demo_argv)
     if a.pp < 1 or a.cp < 1:
         raise UserError(f"--pp and --cp must be >= 1, got {a.pp} and {a.cp}")
     world = a.pp * a.cp * a.p

@@ -63,10 +63,17 @@ class BenchConfig:
     pp: int = 1
     pp_microbatches: int = 4
     cp: int = 1
+    dcp_pool: int = 0  # Dynamic CP (bench/dynamic_cp.py): the pool's nodes; 0: off
+    global_batch: int = 1  # with dcp_pool: documents per step
+    repeats: int = 1  # with dcp_pool: timed steps per step and system (the median)
 
     def __post_init__(self):
         object.__setattr__(self, "argv", tuple(self.argv))
         object.__setattr__(self, "systems", tuple(self.systems))
+        if self.dcp_pool:  # its systems' names: bench/dynamic_cp.py checks them
+            if self.global_batch < 1 or self.repeats < 1:
+                raise ValueError(f"--global-batch and --repeats must be >= 1, got {self.global_batch} and {self.repeats}")
+            return
         bad = [s for s in self.systems if s not in ALL_SYSTEMS]
         if bad:
             raise ValueError(f"unknown systems {bad}; choose from {ALL_SYSTEMS}")
@@ -83,6 +90,8 @@ class BenchConfig:
     @property
     def documents(self) -> int:
         """Documents the run trains: one per step, or ``pp_microbatches`` per step with stages."""
+        if self.dcp_pool:
+            return self.steps * self.global_batch
         return self.steps * (self.pp_microbatches if self.dims.pp_on else 1)
 
     def _check_context_parallel(self) -> None:

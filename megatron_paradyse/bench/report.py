@@ -19,7 +19,8 @@ def oracle(records: dict, budget: float, candidates) -> list:
         return []
     out = []
     for k in range(len(records[names[0]])):
-        fit = [(records[n][k]["seconds"], n) for n in names if records[n][k]["peak_bytes"] <= budget]
+        fit = [(records[n][k]["seconds"], n) for n in names if records[n][k]["peak_bytes"] is not None
+               and records[n][k]["seconds"] is not None and records[n][k]["peak_bytes"] <= budget]
         r0 = records[names[0]][k]
         if fit:
             sec, who = min(fit)

@@ -108,8 +108,9 @@ class DynamicCPLoader:
             rounds = self.schedule_fn([len(d) - 1 for d in docs])
             for round_ in rounds:
                 check_round(round_, self.nodes)
-            self._cache = {step: (rounds, docs)}
-            got = self._cache[step]
+            # this step and the one before: the step read ahead must not drop the step just run
+            self._cache = {k: v for k, v in self._cache.items() if k == step - 1}
+            got = self._cache[step] = (rounds, docs)
         return got
 
     def counts(self, step: int) -> tuple:

@@ -340,7 +340,7 @@ class Trainer:
         ``report`` (a :class:`~.run_report.RunReport`): the step recorded, peaks the max over
         ranks, and the report's text in the log line.
         """
-        if self._planner_fn is None and self._step_plan_fn is None and report is None:
+        if self._planner_fn is None and self._step_plan_fn is None and self._dcp_planners is None and report is None:
             return self.train_step(), ""
         every = self.args.paradyse_memory_every
         tracked = self.iteration % every == 0  # the same on every rank
@@ -360,6 +360,8 @@ class Trainer:
         elif self._step_plan_fn is not None:
             predicted, text = self._pipeline_prediction(stages)
             text += self._refine_stages(stats, measured, time_ok=every == 1 or not tracked)
+        elif self._dcp_planners is not None:
+            predicted, text = self._dcp_prediction(stats, measured)
         if report is not None:
             peak = None if measured is None else max_over_ranks(measured) - static
             sp = self.data_iterator.last_step_plan
@@ -395,6 +397,23 @@ class Trainer:
         text = (f"pred: {pred_s:.3f} s, peak {pred_m / MiB:.1f} MiB | measured peak (rank "
                 f"{dist.get_rank() if dist.is_initialized() else 0}): {meas} "
                 f"(budget {planner.budget / MiB:.1f} MiB)")
+        return (pred_s, pred_m), text
+
+    def _dcp_prediction(self, stats, measured):
+        """The Dynamic CP planner's ``(predicted seconds, predicted peak)`` of the step just run
+        (its schedule's rounds: the slowest block of each plus the update; the highest block
+        peak) and the log text: CP sizes, time and peak predicted against measured (the peak
+        the max over ranks; a collective, every rank calls it)."""
+        rounds = self.data_iterator.source.schedule(self.iteration - 1)[0]
+        pred_s = sum(max(a.seconds for a in r) for r in rounds) + self.planner.update_seconds()
+        pred_m = max(a.peak_bytes for r in rounds for a in r)
+        peak = None if measured is None else max_over_ranks(measured)
+        self.last_measure = dict(pred_seconds=pred_s, pred_peak=pred_m, peak=peak, seconds=stats.seconds,
+                                 budget=self.planner.budget, margin=self.planner.margin)
+        sizes = sorted({a.size for r in rounds for a in r if a.documents})
+        text = (f"Dynamic CP: {len(rounds)} rounds, c {sizes} | time pred/meas: {pred_s:.3f}/{stats.seconds:.3f} s"
+                f" | peak pred/meas: {pred_m / MiB:.1f}/{'-' if peak is None else f'{peak / MiB:.1f}'} MiB"
+                f" (budget {self.planner.budget / MiB:.1f} MiB)")
         return (pred_s, pred_m), text
 
     def _pipeline_prediction(self, stages):
