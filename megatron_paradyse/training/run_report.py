@@ -53,16 +53,13 @@ class RunReport:
         self.steps.append(dict(
             shapes=[_shape(mb) for mb in micro],
             iteration=stats.iteration, seconds=stats.seconds, tokens=stats.tokens,
-            ahead_seconds=getattr(stats, "ahead_seconds", 0.0),
             lengths=[int(x) for mb in micro for x in mb.lengths], padded=list(stats.seq_lengths),
             plans=[None if p is None else list(p) for p in stats.plans], loss=stats.loss,
             peak_bytes=peak, predicted_seconds=pred_s, predicted_peak_bytes=pred_m, tracked=tracked,
             stage_peak_bytes=stage_peaks, stage_predicted_peak_bytes=stage_predicted))
         out = []
         if pred_s is not None:
-            ahead = getattr(stats, "ahead_seconds", 0.0)
-            out.append(f"time pred/meas: {pred_s:.2f}/{stats.seconds:.2f} s" + (" (tracker)" if tracked else "")
-                       + (f", {ahead:.2f} s of it reading ahead" if ahead >= 0.005 else ""))
+            out.append(f"time pred/meas: {pred_s:.2f}/{stats.seconds:.2f} s" + (" (tracker)" if tracked else ""))
         if peak is not None:
             out.append(f"peak {'pred/meas' if pred_m is not None else 'meas'}: "
                        + (f"{pred_m / MiB:.1f}/" if pred_m is not None else "") + f"{peak / MiB:.1f} MiB"

@@ -113,7 +113,6 @@ class StepStats:
     seq_lengths: tuple   # padded lengths of this rank's micro-batches
     plans: tuple         # this rank's plans, one per micro-batch
     skipped: bool = False
-    ahead_seconds: float = 0.0  # host work for the next step inside this one (read, plan, check)
 
     @property
     def tokens_per_second(self) -> float:
@@ -433,7 +432,6 @@ class Trainer:
         args = self.args
         synchronize()
         t0 = time.perf_counter()
-        self.data_iterator.ahead_seconds = 0.0
         micro = self.data_iterator.prefetch()
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
@@ -463,8 +461,7 @@ class Trainer:
             lr=float(self.optimizer.param_groups[0]["lr"]), seconds=seconds,
             tokens=int(total[1]), padded_tokens=int(total[2]),
             seq_lengths=tuple(mb.seq_length for mb in micro),
-            plans=tuple(mb.plan for mb in micro), skipped=not ok,
-            ahead_seconds=float(getattr(self.data_iterator, "ahead_seconds", 0.0)))
+            plans=tuple(mb.plan for mb in micro), skipped=not ok)
         self.history.append(stats)
         return stats
 
