@@ -121,9 +121,10 @@ def test_the_cells_are_the_ones_the_planner_can_choose_under_the_budget():
 
 def test_a_cell_stops_once_its_time_settles(monkeypatch):
     """The calibration's timed passes (``sweep._calibration_rows``, a one-rank stand-in sweep): a
-    warm-up per strategy, then passes until one moves the max over ranks of the medians by
-    under 3%, at least ``repeats`` and at most ``calibration_repeats``; a noisy cell runs to the
-    cap; the strategy's next (shorter) cell reuses the warm-up."""
+    warm-up per strategy at its longest cell, then rounds visiting every open cell once, longest
+    first (never one cell's passes back to back while another is open); a cell closes once a
+    pass moves the max over ranks of the medians by under 3%, at least ``repeats`` and at most
+    ``calibration_repeats`` passes; a noisy cell runs to the cap."""
     from types import SimpleNamespace
 
     from megatron_paradyse.costmodel import sweep
@@ -132,22 +133,34 @@ def test_a_cell_stops_once_its_time_settles(monkeypatch):
     assert not sweep.settled([1.0, 1.2, 1.0], 0.03, 3)
     assert sweep.pass_statistic([[1.0, 2.0, 9.0], [3.0, 3.0, 3.0]]) == 3.0
     assert sweep.pass_statistic([[1.0, 2.0], [3.0]], "min") == 1.0
-    script = {"noisy": iter([5.0] + [1.0, 2.0] * 20),  # warm-up, then the passes
-              "steady": iter([1.0, 1.4, 1.01, 1.0] + [9.0] * 20)}
-    calls = {k: 0 for k in script}
+    script = {4096: iter([1.0, 2.0] * 20),  # tp_sp's noisy long cell
+              1024: iter([1.0, 1.4, 1.01, 1.0] + [9.0] * 20),  # tp_sp's short cell: settles at its 4th pass
+              2048: iter([3.0] * 20)}  # ring's cell: steady, closes at its 3rd
+    order, warm = [], []
 
     def time(part, s, b, warmup, repeats):
-        st = "steady" if s == 1024 else "noisy"
-        calls[st] += warmup + repeats
-        return [next(script[st]) for _ in range(warmup + repeats)][warmup:]
+        if warmup:
+            warm.append((current[0], s))
+            return []
+        order.append((current[0], s))
+        return [next(script[s])]
 
-    monkeypatch.setattr(sweep.M, "set_strategy", lambda model, st: None)
-    cfg = SimpleNamespace(cells=(("tp_sp", 4096), ("tp_sp", 1024)), repeats=3, stable=0.03, time_stat="median")
+    current = [None]
+    monkeypatch.setattr(sweep.M, "set_strategy", lambda model, st: current.__setitem__(0, st))
+    cfg = SimpleNamespace(cells=(("tp_sp", 4096), ("tp_sp", 1024), ("ring", 2048)), repeats=3, stable=0.03,
+                          time_stat="median")
     sw = SimpleNamespace(cfg=cfg, model=None, runner=SimpleNamespace(time=time), rows=[], rank=0, me=0, n_ranks=1,
                          dev="cpu", collective=False, attempt=lambda fn, what: (fn(), []), progress=lambda msg: None)
     sweep._calibration_rows(sw)
-    assert [r["layer_times"] for r in sw.rows] == [[1.0, 2.0] * 3, [1.0, 1.4, 1.01, 1.0]]
-    assert calls == {"noisy": 1 + sweep.calibration_repeats(3, 4096), "steady": 4}  # the warm-up's pass too
+    assert warm == [("tp_sp", 4096), ("ring", 2048)]
+    rows = {(r["strategy"], r["s"]): r["layer_times"] for r in sw.rows}
+    cap = sweep.calibration_repeats(3, 4096)
+    assert rows == {("tp_sp", 4096): [1.0, 2.0] * (cap // 2), ("tp_sp", 1024): [1.0, 1.4, 1.01, 1.0],
+                    ("ring", 2048): [3.0] * 3}
+    # rounds, longest first: ring closes in the third, tp_sp's short cell in the fourth, then the
+    # noisy cell alone to its cap
+    long, short, ring = ("tp_sp", 4096), ("tp_sp", 1024), ("ring", 2048)
+    assert order == [long, ring, short] * 3 + [long, short] + [long] * (cap - 4)
 
 
 def test_the_run_report_carries_the_calibrations_time(tmp_path):

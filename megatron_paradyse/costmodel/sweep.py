@@ -182,28 +182,49 @@ def pass_statistic(per_rank: list, stat: str = "median") -> float:
 
 
 def _calibration_rows(sw: Sweep) -> None:
-    """A calibration's cells (``cfg.cells``: (strategy, s) at b = 1, the layer alone, each
-    strategy's longest first): one warm-up pass per strategy, at its first cell, then per cell
-    timed passes back to back until :func:`settled` (``cfg.stable``; at least ``cfg.repeats``,
-    at most :func:`calibration_repeats`). Each timed pass follows a pass of its own size or a
-    larger one, which is all the profile's untimed pass is for (``_timed_rounds``): the
-    strategy's shorter cells reuse its warm-up. Every pass's time is shared by all ranks (one
-    all-reduce), so every rank stops its cell at the same pass. No pool, memory or kernel phase.
-    A cell out of memory on any rank drops it and its strategy's other cells (a ``limit`` row)."""
-    cfg, stopped, current = sw.cfg, set(), None
+    """A calibration's cells (``cfg.cells``: (strategy, s) at b = 1, the layer alone): one
+    warm-up pass per strategy, at its longest cell, then timed passes in rounds, as the
+    profiler times its cells (``_timed_rounds``): each round visits every cell still open once,
+    longest first, so that each timed pass follows another cell's, not its own, and runs in the
+    state a layer meets inside a model (other layers' passes between, caches not its own);
+    with each cell timed back to back, the demo's steps took 1.17-1.20x the calibrated
+    predictions (docs/costmodel.md, "Calibrating to this host"). A cell
+    closes once :func:`settled` (``cfg.stable``; at least ``cfg.repeats`` passes, at most
+    :func:`calibration_repeats`). After the warm-ups every pass follows one at least its size
+    or a longer warm-up of the allocator's pool, which is all the profile's untimed pass is for.
+    Every pass's time is shared by all ranks (one all-reduce), so every rank closes a cell at the
+    same pass. No pool, memory or kernel phase. A cell out of memory on any rank drops it and
+    its strategy's other cells (a ``limit`` row)."""
+    cfg, longest = sw.cfg, {}
     for st, s in cfg.cells:
-        if st in stopped:
-            continue
-        warm = st != current
-        if warm:
+        longest[st] = max(longest.get(st, 0), s)
+    warmed = {st for st, s in longest.items() if _calibration_warm_up(sw, st, s)}
+    cells = [c for c in cfg.cells if c[0] in warmed]
+    per_rank = {c: [[] for _ in range(sw.n_ranks)] for c in cells}
+    history = {c: [] for c in cells}
+    open_cells = sorted(dict.fromkeys(cells), key=lambda c: -c[1])
+    while open_cells:
+        for st, s in list(open_cells):
+            if (st, s) not in open_cells:  # dropped this round with its strategy
+                continue
             M.set_strategy(sw.model, st)
-            current = st
-        times = _calibration_cell(sw, st, s, warm)
-        if times is None:
-            stopped.add(st)
-            continue
-        sw.rows.append({"type": "calibration", "strategy": st, "s": s, "b": 1, "rank": sw.rank, "layer_times": times})
-        sw.progress(f"{st:8s} s={s:5d}: {statistics.median(times) * 1e3:8.1f} ms after {len(times)} timed passes")
+            got, bad = sw.attempt(lambda: sw.runner.time("layer", s, 1, 0, 1), f"{st} s={s} (timed)")
+            if bad:
+                sw.stop(st, s, 1, oom_reason(bad), oom_ranks=bad)
+                open_cells = [c for c in open_cells if c[0] != st]
+                per_rank = {c: v for c, v in per_rank.items() if c[0] != st}
+                continue
+            for r, t in enumerate(_shared(sw, got[0])):
+                per_rank[(st, s)][r].append(t)
+            history[(st, s)].append(pass_statistic(per_rank[(st, s)], cfg.time_stat))
+            if settled(history[(st, s)], cfg.stable, cfg.repeats) or \
+                    len(history[(st, s)]) >= calibration_repeats(cfg.repeats, s):
+                open_cells.remove((st, s))
+    for st, s in cells:
+        if (st, s) in per_rank:
+            times = per_rank[(st, s)][sw.me]
+            sw.rows.append({"type": "calibration", "strategy": st, "s": s, "b": 1, "rank": sw.rank, "layer_times": times})
+            sw.progress(f"{st:8s} s={s:5d}: {statistics.median(times) * 1e3:8.1f} ms after {len(times)} timed passes")
 
 
 def calibration_repeats(repeats: int, tokens: int) -> int:
@@ -212,26 +233,14 @@ def calibration_repeats(repeats: int, tokens: int) -> int:
     return max(2 * repeats, repeats_for(repeats, tokens))
 
 
-def _calibration_cell(sw: Sweep, st: str, s: int, warm: bool):
-    """One calibration cell's timed passes (this rank's), after a warm-up pass where ``warm``;
-    None where any rank ran out of memory."""
-    cfg, bad = sw.cfg, []
-    if warm:
-        _, bad = sw.attempt(lambda: sw.runner.time("layer", s, 1, 1, 0), f"{st} s={s} (warm-up)")
-    per_rank, history = [[] for _ in range(sw.n_ranks)], []
-    while not bad and len(history) < calibration_repeats(cfg.repeats, s):
-        got, bad = sw.attempt(lambda: sw.runner.time("layer", s, 1, 0, 1), f"{st} s={s} (timed)")
-        if bad:
-            break
-        for r, t in enumerate(_shared(sw, got[0])):
-            per_rank[r].append(t)
-        history.append(pass_statistic(per_rank, cfg.time_stat))
-        if settled(history, cfg.stable, cfg.repeats):
-            break
+def _calibration_warm_up(sw: Sweep, st: str, s: int) -> bool:
+    """``st``'s warm-up pass at ``s`` (its longest cell); False where any rank ran out of memory
+    (the strategy's cells are dropped, a ``limit`` row)."""
+    M.set_strategy(sw.model, st)
+    _, bad = sw.attempt(lambda: sw.runner.time("layer", s, 1, 1, 0), f"{st} s={s} (warm-up)")
     if bad:
         sw.stop(st, s, 1, oom_reason(bad), oom_ranks=bad)
-        return None
-    return per_rank[sw.me]
+    return not bad
 
 
 def _shared(sw: Sweep, seconds: float) -> list:
