@@ -63,6 +63,7 @@ class BenchConfig:
     pp: int = 1
     pp_microbatches: int = 4
     cp: int = 1
+    vpp: int = 1                    # model chunks per stage (the interleaved schedule; argv carries it)
 
     def __post_init__(self):
         object.__setattr__(self, "argv", tuple(self.argv))
@@ -77,8 +78,8 @@ class BenchConfig:
 
     @property
     def dims(self) -> ParallelDims:
-        """The world's layout without its TP size (``argv``'s): ``cp`` x ``pp`` (x p)."""
-        return ParallelDims(cp=self.cp, pp=self.pp)
+        """The world's layout without its TP size (``argv``'s): ``cp`` x ``pp`` (x p), ``vpp`` chunks."""
+        return ParallelDims(cp=self.cp, pp=self.pp, vpp=self.vpp if self.vpp > 1 else None)
 
     @property
     def documents(self) -> int:
