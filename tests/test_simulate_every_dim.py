@@ -17,7 +17,7 @@ from megatron_paradyse.bench.simulate_pipeline import Judge, Model70B
 MODEL = Model70B(name="small", num_layers=8, hidden=1024, heads=16, query_groups=4, ffn=2816)
 HW = Hardware(memory_bytes=6e9, reserved_bytes=1e9)
 SETUP = EveryDimSetup(gpus=64, tp=8, stages=2, cp_sizes=(1, 2), chunks=(1, 2), docs=32, batch=8,
-                      max_len=256 * 1024)
+                      max_len=256 * 1024, longest_cap=1 << 22)
 
 
 @pytest.fixture(scope="module")

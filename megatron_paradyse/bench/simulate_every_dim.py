@@ -18,8 +18,9 @@ One rule judges every system (:class:`InterleavedJudge`): a replica's step is tr
 op of megatron's interleaved schedule (``costmodel.schedule.simulate_interleaved``; 1F1B at V =
 1, ``simulate_pipeline.Judge``) on every stage stays within the budget, the op's bytes being the
 stage's static bytes, the pool of the micro-batches in flight, the running micro-batch's own
-peak on the stage and, for every other (chunk, micro-batch) in flight, its chunk's input and 1/V
-of the rest it keeps (the formula of ``planner/stages.py``). A global step is the DP replicas'
+peak on the stage less its other chunks' share of what it keeps and, for every other (chunk,
+micro-batch) in flight, its chunk's input and 1/V of the rest it keeps (the formula of
+``planner/stages.py``). A global step is the DP replicas'
 steps (consecutive documents, one per micro-batch) plus the update; a step any replica cannot fit
 is not trained. Every number is a model output, not a measurement.
 """
@@ -66,6 +67,7 @@ class EveryDimSetup:
     max_len: int = 2 << 20
     inter: str = "ib_ndr"
     overlap: float = 0.0
+    longest_cap: int = 1 << 26    # the longest trainable is searched up to this (64M tokens)
 
 
 class EveryDimRoofline(PipelineRoofline):
@@ -90,7 +92,8 @@ class InterleavedJudge(Judge):
     schedule with ``num_chunks`` V: a micro-batch's full plan is chunk after chunk (virtual
     stage v = c P + r holds layers ``[v n, (v + 1) n)``, n = L / (P V)); stage r runs its V
     chunks' layers, a chunk taking 1/V of the stage's seconds; each other (chunk, micro-batch)
-    in flight keeps its chunk's input and 1/V of the stage's other held bytes."""
+    in flight keeps its chunk's input and 1/V of the stage's other held bytes, the running chunk
+    its micro-batch's peak on the stage less the other V - 1 chunks' share of those bytes."""
 
     def __init__(self, cm, num_stages: int, limit: float, num_chunks: int):
         super().__init__(cm, num_stages, limit)
@@ -120,7 +123,8 @@ class InterleavedJudge(Judge):
                 held = sum(resident[k] + (row[k][1] - resident[k]) / V for c, k in op.chunks
                            if (c, k) != (op.chunk, op.mb))
                 pool = union_bytes([row[k][0] for k in op.in_flight])
-                peak = max(peak, static + pool + row[op.mb][2] + held)
+                own = row[op.mb][2] - (V - 1) * (row[op.mb][1] - resident[op.mb]) / V
+                peak = max(peak, static + pool + own + held)
             peaks.append(peak)
         seconds = max(sched.ends[r] + self.stages[r].update_seconds() for r in range(P))
         return Judged(all(x <= self.limit for x in peaks), tuple(peaks), seconds, sched.makespan, sched.busy)
@@ -222,7 +226,7 @@ def simulate_every_dim(setup: EveryDimSetup | None = None, hw: Hardware | None =
             lay = Layout(setup, hw, c, v, model)
             steps = replica_steps(lens, setup.batch, lay.dp)
             for name in SYSTEMS:
-                grid[name].append(run_layout(lay, name, steps, setup.batch // lay.dp, filler, 2 * setup.max_len))
+                grid[name].append(run_layout(lay, name, steps, setup.batch // lay.dp, filler, setup.longest_cap))
     best = {name: best_layout(rows) for name, rows in grid.items()}
     return dict(label="SIMULATION (analytic roofline x CP x interleaved pipeline, no GPU ran)",
                 hardware=dataclasses.asdict(hw), setup=dataclasses.asdict(setup), model=dataclasses.asdict(model),
