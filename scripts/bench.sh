@@ -9,6 +9,8 @@
 # With pipeline stages (PP > 1; world = PP x P ranks, default P=2): STEPS steps of MICRO
 # documents in flight under 1F1B (default 8 x 4), no length search, no simulation:
 #   PP=2 OUT=results/benchmark/pipeline scripts/bench.sh      # docs/benchmark.md, "Pipeline stages"
+# The same under megatron's interleaved schedule, VPP model chunks per stage:
+#   PP=2 VPP=2 OUT=results/benchmark/pipeline_interleaved scripts/bench.sh   # "Interleaved pipeline schedule"
 # With context parallelism (CP > 1; world = CP x P ranks, default P=2): STEPS documents up to
 # 8192 tokens, every static in-node strategy x CP but colossal (its s x s score rows are far over
 # any budget here, and it is the slowest) and the planners, no search, no simulation:
@@ -52,7 +54,7 @@ if [ "${CP:-1}" -gt 1 ]; then
   exit 0
 fi
 if [ "${PP:-1}" -gt 1 ]; then
-  "$PY" -m megatron_paradyse.bench --pp "$PP" --p "${P:-2}" --steps "${STEPS:-8}" \
+  "$PY" -m megatron_paradyse.bench --pp "$PP" --vpp "${VPP:-1}" --p "${P:-2}" --steps "${STEPS:-8}" \
     --pp-microbatches "${MICRO:-4}" --seq-length 4096 --memory-budget-mib "${BUDGET_MIB:-28.5}" \
     --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
   echo "> scripts/bench.sh took $(( $(date +%s) - start )) s" | tee -a "$OUT/bench.log"

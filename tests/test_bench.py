@@ -359,3 +359,60 @@ def test_dynamic_cp_world_small(tmp_path):
     lines = dcp.table(summary, records, budget).splitlines()
     assert any(x.startswith("paradyse_cp1 ") and x.split()[1:5] == ["-", "0.0", "0", "1"] for x in lines), lines
     assert len(dcp.aim_lines(h)) == 6
+
+
+def test_interleaved_pipeline_config(tmp_path):
+    """``--pp 2 --vpp 2``: megatron's interleaved schedule's flag in the ranks' argv, the layout
+    named, the step planners given V chunks; refused in one line without stages or with a
+    step that is not a multiple of PP micro-batches (the trainer's check)."""
+    import argparse
+
+    from megatron_paradyse.bench.__main__ import demo_argv, layout_name, main, pipeline_argv
+    from megatron_paradyse.bench.config import BenchConfig
+    from megatron_paradyse.bench.systems import build_systems
+    from megatron_paradyse.training.arguments import parse_args
+
+    assert layout_name(argparse.Namespace(pp=2, vpp=2, cp=1, p=2)) == "PP=2 x V=2 x p=2"
+    argv = demo_argv(2, 1024, 1234, pipeline_argv(2, 4, 1, 2))
+    assert argv[argv.index("--virtual-pipeline-model-parallel-size") + 1] == "2"
+    assert "--virtual-pipeline-model-parallel-size" not in pipeline_argv(2, 4)
+    cfg = BenchConfig(argv=argv, data_prefix="x", steps=1, budget_bytes=64 * MiB,
+                      systems=["tp_sp", "paradyse_optimal"], pp=2, pp_microbatches=4, vpp=2)
+    assert cfg.dims.vpp == 2 and cfg.dims.pp_on
+    specs, _ = build_systems(cfg, parse_args(list(argv), world_size=4))
+    assert [s.pipeline.num_chunks for s in specs] == [2, 2]
+    plan = specs[1].step_plan([(512, 1)] * 4)
+    assert plan["fits"] and len(plan["plans"][0]) == 4
+    for bad in (["--vpp", "2"], ["--pp", "2", "--vpp", "2", "--pp-microbatches", "3"]):
+        with pytest.raises(SystemExit) as e:
+            main(bad + ["--p", "2", "--steps", "1", "--memory-budget-mib", "30", "--out", str(tmp_path)])
+        assert e.value.code == 2
+
+
+@pytest.mark.slow(reason="4 ranks; the interleaved bench run (results/benchmark/pipeline_interleaved) "
+                         "and test_interleaved_pipeline_config cover it")
+def test_interleaved_pipeline_world_small(tmp_path):
+    """PP = 2 x V = 2 x p = 2 (4 gloo ranks), 4 layers (one per model chunk): stock, a static
+    plan and the optimal step planner (the interleaved in-flight model) train the same 2
+    steps of 2 micro-batches to stock's losses; per-stage peaks measured and predicted."""
+    from megatron_paradyse import data
+    from megatron_paradyse.bench.__main__ import demo_argv, pipeline_argv
+    from megatron_paradyse.bench.config import BenchConfig
+    from megatron_paradyse.bench.world import bench_world
+    from megatron_paradyse.testing.spawn import run_world
+
+    rng = np.random.default_rng(2)
+    prefix = str(tmp_path / "docs")
+    data.write_indexed_dataset(prefix, [rng.integers(0, 256, n) for n in (40, 200, 90, 250, 30)], 258)
+    argv = demo_argv(2, 256, 1234, pipeline_argv(2, 2, 1, 2))
+    for k, v in (("--hidden-size", "64"), ("--num-attention-heads", "4"), ("--ffn-hidden-size", "128")):
+        argv[argv.index(k) + 1] = v
+    systems = ["stock", "tp_sp", "paradyse_optimal"]
+    cfg = BenchConfig(argv=argv, data_prefix=prefix, steps=2, budget_bytes=64 * MiB, systems=systems,
+                      verbose=False, pp=2, pp_microbatches=2, vpp=2)
+    out = run_world(bench_world, 4, cfg, timeout=240)[0]
+    rec = out["records"]
+    for n in systems[1:]:
+        assert all(abs(x["loss"] - y["loss"]) <= 1e-5 * abs(y["loss"]) for x, y in zip(rec[n], rec["stock"])), n
+        assert all(len(r["predicted_stage_peak_bytes"]) == 2 and len(r["stage_peak_bytes"]) == 2 for r in rec[n])
+    assert all(r["planner_fits"] for r in rec["paradyse_optimal"])

@@ -54,6 +54,7 @@ ALLOWED = {
     "bench/simulate_cp.py:MODELS": _TABLE, "bench/simulate_cp.py:STOCK": _TABLE,
     "bench/simulate_cp.py:DCP_TEXT": _TABLE, "bench/simulate_cp.py:DYNAMIC": _TABLE,
     "bench/simulate_cp.py:NAMES": _TABLE, "bench/simulate_pipeline.py:NAMES": _TABLE,
+    "bench/simulate_every_dim.py:NAMES": _TABLE,
     "bench/systems.py:STOCK_RECOMPUTE": _TABLE,
     "testing/spawn.py:PRELOAD": "the modules a spawned test rank imports first (tests only)",
 }

@@ -149,8 +149,9 @@ def test_choose_under_a_limit():
 def check_peaks(pp, shapes, sp, V=1):
     """Each stage's peak recomputed from the stage cost models alone (``CostModel.step``, the
     pools, the layers' saved bytes) over megatron's op order (with V > 1 its interleaved
-    order: each chunk in flight holds its input and 1/V of the rest): equal to the
-    planner's. Returns them."""
+    order: each chunk in flight holds its input and 1/V of the rest, the running chunk its
+    micro-batch's peak less the other chunks' share of that rest): equal to the planner's.
+    Returns them."""
     P, M = pp.num_stages, len(shapes)
     out = []
     for r in range(P):
@@ -176,6 +177,10 @@ def check_peaks(pp, shapes, sp, V=1):
             s, b = shapes[j]
             return m.resident_bytes(s, b) + (held(j) - m.resident_bytes(s, b)) / V
 
+        def own(j):
+            s, b = shapes[j]
+            return act(j) if V == 1 else act(j) - (V - 1) * (held(j) - m.resident_bytes(s, b)) / V
+
         live, peak = set(), 0.0
         order = ([(kind, k, 0) for kind, k in megatron_order(r, P, M)] if V == 1 else
                  megatron_interleaved_order(r, P, M, V, P if M % P == 0 else M))
@@ -184,7 +189,7 @@ def check_peaks(pp, shapes, sp, V=1):
             live.add((c, j))
             mbs = {i for _, i in live}
             rest = held if V == 1 else chunk_held
-            peak = max(peak, static + union_bytes([d for i in mbs for d in pool(i)]) + act(j)
+            peak = max(peak, static + union_bytes([d for i in mbs for d in pool(i)]) + own(j)
                        + sum(rest(i) for ci, i in live if (ci, i) != (c, j)))
             if kind == "B":
                 live.discard((c, j))

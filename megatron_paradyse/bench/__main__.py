@@ -49,6 +49,9 @@ def build_parser():
                     help="pipeline stages (world = pp x p ranks; megatron's 1F1B schedule)")
     ap.add_argument("--pp-microbatches", type=int, default=4,
                     help="with --pp > 1: documents per step, one micro-batch each, in flight together")
+    ap.add_argument("--vpp", type=int, default=1,
+                    help="with --pp > 1: model chunks per stage (megatron's interleaved schedule, "
+                         "--virtual-pipeline-model-parallel-size; --pp-microbatches a multiple of --pp)")
     ap.add_argument("--cp", type=int, default=1,
                     help="context-parallel ranks (world = cp x p; each CP rank holds two chunks of a "
                          "sequence, every system runs its strategy inside p ranks and a K/V ring across CP)")
@@ -96,12 +99,14 @@ def build_parser():
     return ap
 
 
-def pipeline_argv(pp: int, microbatches: int, cp: int = 1) -> list:
-    """The flags of ``pp`` pipeline stages (none for 1), a step of ``microbatches`` micro-batches;
-    of ``cp`` context-parallel ranks."""
+def pipeline_argv(pp: int, microbatches: int, cp: int = 1, vpp: int = 1) -> list:
+    """The flags of ``pp`` pipeline stages (none for 1), a step of ``microbatches`` micro-batches,
+    ``vpp`` model chunks per stage (the interleaved schedule, above 1); of ``cp`` context-parallel ranks."""
     out = ["--context-parallel-size", str(cp)] if cp > 1 else []
     if pp > 1:
         out += ["--pipeline-model-parallel-size", str(pp), "--global-batch-size", str(microbatches)]
+    if vpp > 1:
+        out += ["--virtual-pipeline-model-parallel-size", str(vpp)]
     return out
 
 
@@ -113,8 +118,10 @@ def default_systems(a) -> tuple:
 
 
 def layout_name(a) -> str:
-    """``PP=2 x CP=2 x p=2``: the world's layout, the sizes above 1 (and p)."""
-    return " x ".join([f"PP={a.pp}"] * (a.pp > 1) + [f"CP={a.cp}"] * (a.cp > 1) + [f"p={a.p}"])
+    """``PP=2 x V=2 x CP=2 x p=2``: the world's layout, the sizes above 1 (and p)."""
+    vpp = getattr(a, "vpp", 1)
+    return " x ".join([f"PP={a.pp}"] * (a.pp > 1) + [f"V={vpp}"] * (vpp > 1) + [f"CP={a.cp}"] * (a.cp > 1)
+                      + [f"p={a.p}"])
 
 
 def resolve_budget(a, args_argv, p):
@@ -132,7 +139,7 @@ def resolve_budget(a, args_argv, p):
         from .systems import EVAL_BUDGET, PipelinePlanner
 
         ev = PipelinePlanner("optimal", cm, EVAL_BUDGET, a.pp, margin_bytes=0.0, reorder=False,
-                             strategies=("tp_sp",), recompute="off")
+                             strategies=("tp_sp",), recompute="off", num_chunks=a.vpp)
         peak = max(ev.plan_step([(at, 1)] * a.pp_microbatches).stage_peaks)
         return float(peak), f"the cost model's tp_sp stage peak, {a.pp_microbatches} micro-batches of s={at}"
     peak = cm.step(("tp_sp",) * args.num_layers, at, 1).peak_bytes
@@ -151,10 +158,12 @@ def main(argv=None) -> int:
         from .dynamic_cp import main as dcp_main
 
         return dcp_main(a, argv, prefix, demo_argv)
-    if a.pp < 1 or a.cp < 1:
-        raise UserError(f"--pp and --cp must be >= 1, got {a.pp} and {a.cp}")
+    if a.pp < 1 or a.cp < 1 or a.vpp < 1:
+        raise UserError(f"--pp, --cp and --vpp must be >= 1, got {a.pp}, {a.cp} and {a.vpp}")
+    if a.vpp > 1 and a.pp < 2:
+        raise UserError(f"--vpp {a.vpp} needs --pp > 1 (the interleaved schedule's model chunks are pipeline stages)")
     world = a.pp * a.cp * a.p
-    argv_ = demo_argv(a.p, a.seq_length, a.seed, pipeline_argv(a.pp, a.pp_microbatches, a.cp))
+    argv_ = demo_argv(a.p, a.seq_length, a.seed, pipeline_argv(a.pp, a.pp_microbatches, a.cp, a.vpp))
     parse_args(argv_, world_size=world)  # the ranks' layout, built and checked as the trainer's (one line if bad)
     budget, why = resolve_budget(a, argv_, world)
     listed = a.systems or ",".join(default_systems(a))
@@ -165,7 +174,8 @@ def main(argv=None) -> int:
                           margin_bytes=None if a.margin_mib is None else a.margin_mib * MiB,
                           search=a.max_seq_len_search, search_cap=a.search_cap, search_probes=a.search_probes,
                           search_resolution=a.search_resolution, verbose=not a.quiet, memory_pass=a.memory_pass,
-                          pack_tokens=a.pack_tokens, pp=a.pp, pp_microbatches=a.pp_microbatches, cp=a.cp)
+                          pack_tokens=a.pack_tokens, pp=a.pp, pp_microbatches=a.pp_microbatches, cp=a.cp,
+                          vpp=a.vpp)
     except ValueError as e:
         raise UserError(str(e)) from None
     layout = f"{a.p} gloo ranks" if world == a.p else f"{world} gloo ranks ({layout_name(a)})"
@@ -223,7 +233,7 @@ def _result(a, argv, prefix, budget, why, systems, out, wall) -> dict:
         result["headline"] = report.headline(summary, out.get("search"))
         return result
     stages = report.stage_summary(records, budget, a.pp)
-    result.update(pp=a.pp, pp_microbatches=a.pp_microbatches, world=a.pp * a.p, stage_summary=stages,
+    result.update(pp=a.pp, vpp=a.vpp, pp_microbatches=a.pp_microbatches, world=a.pp * a.p, stage_summary=stages,
                   stage_static_bytes=out["stage_static_bytes"], headline=report.pipeline_headline(summary, stages))
     result["notes"] += ["pipeline stages: a step's peak is each stage's peak, max over its ranks, with the "
                         "communication pool held at the step's start; a step is over the budget when any stage is",

@@ -66,6 +66,7 @@ class BenchConfig:
     dcp_pool: int = 0  # Dynamic CP (bench/dynamic_cp.py): the pool's nodes; 0: off
     global_batch: int = 1  # with dcp_pool: documents per step
     repeats: int = 1  # with dcp_pool: timed steps per step and system (the median)
+    vpp: int = 1                    # model chunks per stage (the interleaved schedule; argv carries it)
 
     def __post_init__(self):
         object.__setattr__(self, "argv", tuple(self.argv))
@@ -84,8 +85,8 @@ class BenchConfig:
 
     @property
     def dims(self) -> ParallelDims:
-        """The world's layout without its TP size (``argv``'s): ``cp`` x ``pp`` (x p)."""
-        return ParallelDims(cp=self.cp, pp=self.pp)
+        """The world's layout without its TP size (``argv``'s): ``cp`` x ``pp`` (x p), ``vpp`` chunks."""
+        return ParallelDims(cp=self.cp, pp=self.pp, vpp=self.vpp if self.vpp > 1 else None)
 
     @property
     def documents(self) -> int:

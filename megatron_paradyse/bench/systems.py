@@ -203,11 +203,11 @@ def _pipeline_of(spec, cfg, cost_model, budget, notes):
         return None
     if spec.kind == "planner":
         kw = {} if cfg.margin_bytes is None else {"margin_bytes": cfg.margin_bytes}
-        return PipelinePlanner(spec.name[len("paradyse_"):], cost_model, budget, cfg.pp, **kw)
+        return PipelinePlanner(spec.name[len("paradyse_"):], cost_model, budget, cfg.pp, num_chunks=cfg.vpp, **kw)
     strategy, rc = spec.strategy.split(":")[0], spec.strategy.endswith(":rc")
     try:
         return PipelinePlanner("optimal", cost_model, EVAL_BUDGET, cfg.pp, margin_bytes=0.0, reorder=False,
-                               strategies=(strategy,), recompute="only" if rc else "off")
+                               strategies=(strategy,), recompute="only" if rc else "off", num_chunks=cfg.vpp)
     except Exception as e:  # noqa: BLE001 - a static system runs without a prediction, said so
         notes.append(f"{spec.name}: no per-stage prediction ({type(e).__name__}: {e})")
         return None

@@ -47,7 +47,7 @@ from ..training.arguments import parse_args, transformer_config_from_args
 from ..training.dims import dims_of
 from ..training.forward_step import forward_step
 from ..training.run_report import max_per_stage, pool_bytes
-from ..training.trainer import build_model, build_optimizer
+from ..training.trainer import build_optimizer, interleaved_inputs, model_chunks
 from ..units import MiB
 from .systems import build_systems
 
@@ -58,18 +58,18 @@ class System:
     """One model + optimizer trained under one planning rule."""
 
     def __init__(self, name, args, plan_fn, config: dict | None = None):
-        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                               finalize_model_grads)
+        from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
 
         self.name, self.args, self.plan_fn = name, args, plan_fn
         self.dims = dims_of(args)  # the layout parse_args built and checked
         self.config = transformer_config_from_args(args, **(config or {}))
-        model = build_model(args, self.config)
-        self.model = DistributedDataParallel(config=self.config, ddp_config=DistributedDataParallelConfig(),
-                                             module=model)
-        self.optimizer, _ = build_optimizer(args, self.model)
+        # the interleaved schedule (dims.vpp): its V model chunks, as the trainer builds them
+        self.chunks = model_chunks(args, self.config, DistributedDataParallelConfig(), self.dims.vpp)
+        self.model = self.chunks[0]
+        self.whole_model = self.model if self.dims.vpp is None else torch.nn.ModuleList(self.chunks)
+        self.optimizer, _ = build_optimizer(args, self.chunks)
         self.config.finalize_model_grads_func = finalize_model_grads
-        self.config.no_sync_func = self.model.no_sync
+        self.config.no_sync_func = self.model.no_sync if self.dims.vpp is None else [c.no_sync for c in self.chunks]
         self.config.grad_scale_func = self.optimizer.scale_loss
         self.static = 0
 
@@ -82,14 +82,20 @@ class System:
 
         mbs = mb if isinstance(mb, list) else [mb]
         staged = self.dims.pp_on
-        if staged:
-            _expect_shapes(mbs, self.config.hidden_size, self.dims)
-        self.model.zero_grad_buffer()
+        if self.dims.vpp is not None:
+            shapes = _expect_shapes(mbs, self.config.hidden_size, self.dims, queue=False)
+            inputs = interleaved_inputs(self.config, self.chunks, iter(mbs), mbs, shapes,
+                                        parallel_state.get_pipeline_model_parallel_rank(), self.dims, forward_only)
+        else:
+            if staged:
+                _expect_shapes(mbs, self.config.hidden_size, self.dims)
+            inputs = dict(model=[self.model], data_iterator=iter(mbs))
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         reports = get_forward_backward_func()(
             forward_step_func=partial(forward_step, paradyse=True, cp=self.dims.cp),
-            data_iterator=iter(mbs),
-            model=[self.model], num_microbatches=len(mbs), seq_length=max(m.seq_length for m in mbs),
+            **inputs, num_microbatches=len(mbs), seq_length=max(m.seq_length for m in mbs),
             micro_batch_size=mbs[0].tokens.shape[0], forward_only=forward_only)
         if staged:
             p2p_shapes.clear()
@@ -112,13 +118,17 @@ class System:
         return float(total[0] / max(float(total[1]), 1.0))
 
 
-def _expect_shapes(mbs, hidden: int, dims) -> None:
-    """ParaDySe's p2p shapes for a step whose micro-batches all have plans; stock (plan None)
-    runs megatron's own shape exchange."""
+def _expect_shapes(mbs, hidden: int, dims, queue: bool = True):
+    """ParaDySe's p2p shapes for a step whose micro-batches all have plans (queued in their
+    order unless ``queue`` is False: the interleaved schedule queues them in its own); stock
+    (plan None) runs megatron's own shape exchange: None."""
     if any(m.plan is None for m in mbs):
         p2p_shapes.clear()
-        return
-    p2p_shapes.expect([p2p_shapes.micro_batch_shape(m, hidden, dims) for m in mbs])
+        return None
+    shapes = [p2p_shapes.micro_batch_shape(m, hidden, dims) for m in mbs]
+    if queue:
+        p2p_shapes.expect(shapes)
+    return shapes
 
 
 def _measure(system, mb, memory_pass: str = "separate", count_pool: bool = False):
@@ -312,7 +322,8 @@ def pipeline_world(rank, world, cfg):
     cpu_compat.apply()
     args = parse_args(cfg.argv, world_size=world)
     dims = dims_of(args)
-    init_parallel(dims.tp, seed=args.seed, pipeline_model_parallel_size=dims.pp, context_parallel_size=dims.cp)
+    init_parallel(dims.tp, seed=args.seed, pipeline_model_parallel_size=dims.pp, context_parallel_size=dims.cp,
+                  virtual_pipeline_model_parallel_size=dims.vpp)
     install()
     stage = parallel_state.get_pipeline_model_parallel_rank()
     dataset = pdata.DocumentDataset(cfg.data_prefix, args.seq_length, seed=args.seed,
@@ -326,7 +337,7 @@ def pipeline_world(rank, world, cfg):
     static = {}
     for spec, sysm in systems:  # warm-up: optimizer state, communication pools
         sysm.step(_planned(spec, warm)[0])
-        sysm.static = static_bytes(sysm.model, sysm.optimizer)
+        sysm.static = static_bytes(sysm.whole_model, sysm.optimizer)
         static[spec.name] = max_per_stage(sysm.static, stage, cfg.pp)
     records = {spec.name: [] for spec, _ in systems}
     t_start = time.perf_counter()

@@ -42,7 +42,10 @@ its L/P layers laid out chunk after chunk) the ops are chunks of micro-batches i
 interleaved order (``costmodel/schedule.py``: ``interleaved_order``, ``simulate_interleaved``,
 a chunk taking 1/V of its micro-batch's stage seconds); each other (chunk, micro-batch) in
 flight holds its chunk's input tensor and 1/V of the micro-batch's other saved bytes on the
-stage (``_Part.chunk_held``), the running one its own peak as above.
+stage (``_Part.chunk_held``), the running one its own chunk's peak (``_Part.chunk_act``: its
+micro-batch's peak on the stage less the other V - 1 chunks' share of its saved bytes, which
+are counted among the chunks in flight; before, they were counted twice: the interleaved
+benchmark's stage peaks were over-predicted by up to 39%, docs/benchmark.md).
 
 Online refinement: one :class:`~megatron_paradyse.planner.refine.Refinement` per stage planner,
 fed by its own stage's ranks (:meth:`PipelinePlanner.contribution`, :meth:`PipelinePlanner.refine`:
@@ -116,6 +119,12 @@ class _Part(NamedTuple):
         own input tensor and 1/V of the rest (the layers' and non-layer saved bytes, split
         evenly: an approximation where the plan differs per chunk)."""
         return self.resident + (self.held - self.resident) / num_chunks
+
+    def chunk_act(self, num_chunks: int) -> float:
+        """One chunk's own peak above static and pool (interleaved): the micro-batch's peak on
+        the stage less the other chunks' share of its saved bytes (each of those, while in
+        flight, is counted by :meth:`chunk_held`)."""
+        return self.act - (num_chunks - 1) * (self.held - self.resident) / num_chunks
 
 
 def _length(shape) -> str:
@@ -576,7 +585,7 @@ class _Trial:
             pools.append(p.pool)
             others = (0 if k == op.mb else 1) if chunks is None else chunks[k] - (k == op.mb)
             if k == op.mb:
-                act = p.act
+                act = p.act if chunks is None else p.chunk_act(self.pp.num_chunks)
             held += others * (p.held if chunks is None else p.chunk_held(self.pp.num_chunks))
         return self.pp._static[r] + _pool_bytes(pools) + act + held
 

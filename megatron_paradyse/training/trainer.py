@@ -75,6 +75,33 @@ def build_model(args, config):
     return build_gpt_for(model_flags(args), config, seed=args.seed)
 
 
+def model_chunks(args, config, ddp_config, vpp: int | None) -> list:
+    """The stock GPT in megatron-core's DDP: one module, or under the interleaved schedule
+    (``vpp`` V) its V model chunks, one DDP each (as Megatron-LM's ``get_model``: bucketing on
+    the first only). The trainer's and the benchmark's one builder."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    modules = ([build_model(args, config)] if vpp is None else
+               [build_gpt_for(model_flags(args), config, seed=args.seed if i == 0 else None, vp_stage=i)
+                for i in range(vpp)])
+    return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=m, disable_bucketing=i > 0)
+            for i, m in enumerate(modules)]
+
+
+def interleaved_inputs(config, chunks, iterator, micro, shapes, pp_rank: int, dims, forward_only: bool) -> dict:
+    """megatron's interleaved schedule's ``model`` and ``data_iterator`` for a step of ``micro``:
+    every model chunk reads the same micro-batches (the first from ``iterator``, the others
+    from copies), in groups of ``costmodel.schedule.interleaved_group`` (set on ``config``);
+    ``shapes`` (ParaDySe's p2p shapes per micro-batch, None: megatron's own exchange) queued
+    in the order this stage receives them."""
+    group = interleaved_group(len(micro), dims.pp)
+    config.microbatch_group_size_per_vp_stage = group
+    if shapes is not None:
+        fwd, bwd = interleaved_receives(pp_rank, dims.pp, len(micro), dims.vpp, group, forward_only)
+        p2p_shapes.expect([shapes[j] for j in fwd], [shapes[j] for j in bwd])
+    return dict(model=list(chunks), data_iterator=[iterator] + [iter(list(micro)) for _ in chunks[1:]])
+
+
 def build_optimizer(args, model):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -208,7 +235,7 @@ class Trainer:
         Under the interleaved schedule (``dims.vpp``) its model chunks, one DDP each (as
         Megatron-LM's ``get_model``: bucketing on the first only), in ``self.chunks``;
         ``self.model`` is the first."""
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
 
         args = self.args
@@ -223,11 +250,7 @@ class Trainer:
             bucket_size=args.ddp_bucket_size,
         )
         vpp = self.dims.vpp
-        modules = ([build_model(args, self.config)] if vpp is None else
-                   [build_gpt_for(model_flags(args), self.config, seed=args.seed if i == 0 else None, vp_stage=i)
-                    for i in range(vpp)])
-        self.chunks = [DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=m,
-                                               disable_bucketing=i > 0) for i, m in enumerate(modules)]
+        self.chunks = model_chunks(args, self.config, ddp_config, vpp)
         self.model = self.chunks[0]
         self.whole_model = self.model if vpp is None else torch.nn.ModuleList(self.chunks)  # every chunk's parameters
         self.optimizer, self.scheduler = build_optimizer(args, self.chunks)
@@ -497,12 +520,8 @@ class Trainer:
             if args.paradyse and dims.pp_on:
                 p2p_shapes.expect(shapes)
             return dict(model=[self.model], data_iterator=iterator)
-        group = interleaved_group(len(micro), dims.pp)
-        self.config.microbatch_group_size_per_vp_stage = group
-        if args.paradyse:
-            fwd, bwd = interleaved_receives(self.pp_rank, dims.pp, len(micro), dims.vpp, group, forward_only)
-            p2p_shapes.expect([shapes[j] for j in fwd], [shapes[j] for j in bwd])
-        return dict(model=list(self.chunks), data_iterator=[iterator] + [iter(list(micro)) for _ in self.chunks[1:]])
+        return interleaved_inputs(self.config, self.chunks, iterator, micro, shapes if args.paradyse else None,
+                                  self.pp_rank, dims, forward_only)
 
     def _reduce_losses(self, reports, micro):
         """``(loss sum, real tokens, padded tokens)`` of a step over the world: the last
