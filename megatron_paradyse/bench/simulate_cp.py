@@ -14,16 +14,20 @@ table of systems training the same seeded long-tailed documents (log-normal, to 
   size is the smallest power of two at which it fits (megatron's memory-derived size), then
   the step's longest job's C doubled while that lowers the step's makespan (megatron balances
   its groups by workload; ``--dcp-policy fit``: no widening; ``efficient``: the C of the
-  fewest node-seconds, then widened), in-node ``tp_sp`` (or ``tp_sp+rc``); and, for
-  reference only, ParaDySe x Dynamic-CP-style, the same policy with the planner's plans,
-  which the plugin does NOT BUILD.
+  fewest node-seconds, then widened), in-node ``tp_sp`` (or ``tp_sp+rc``); placed by predicted
+  time, no synchronised rounds (idealised);
+* ``ParaDySe x Dynamic CP``: the plugin's Dynamic CP planner as built
+  (``planner.dynamic_cp.plan_dynamic_cp``) on the step's documents, its planners the optimal
+  planner at each C on the same cost models (:class:`DocumentPacks`: this simulation's pack
+  rule); its step is its schedule's synchronised rounds.
 
-One document per micro-batch; a micro-batch costs ``CPCostModel.step`` (``costmodel/cp.py``) on
+Every system trains THD packs (:func:`pack`); a micro-batch costs ``CPCostModel.step`` (``costmodel/cp.py``) on
 its plan at its C, over the in-node roofline of the earlier simulations (``simulate.H100Roofline``
 for the 7B, ``simulate_pipeline.PipelineRoofline`` for the 70B), and fits when it peaks at most
 the budget. A step is ``docs_per_node x N/8`` documents spread over the node pool: each
-document a job of C nodes (an aligned block: a DP replica, or a DCP group), longest first onto
-the block that frees earliest; step time = the last job's end + the update. A step with a
+pack a job of C nodes (an aligned block: a DP replica, or a DCP group), longest first onto
+the block that frees earliest (ParaDySe x Dynamic CP: its rounds); step time = the last job's
+end + the update. A step with a
 document that fits no configuration of the system is not trained: its tokens count for no
 one and its seconds are not added. The best C of a static system: the most tokens trained,
 then tokens/s. Every number is a model output, not a measurement.
