@@ -16,8 +16,8 @@ from megatron_paradyse.costmodel.base import CostModel, LayerCost
 from megatron_paradyse.parallel.packing import PackShape
 from megatron_paradyse.planner import build_planner
 from megatron_paradyse.planner.core import NoFitError
-from megatron_paradyse.planner.dynamic_cp import (MicroBatchPricer, arrange, fillers, megatron_dcp, plan_dynamic_cp,
-                                                  power_sizes, shelf_seconds)
+from megatron_paradyse.planner.dynamic_cp import (MicroBatchPricer, _neighbour_keys, _shelf, arrange, fillers,
+                                                  megatron_dcp, plan_dynamic_cp, power_sizes, shelf_seconds)
 
 BUDGET = 24e6
 
@@ -228,6 +228,23 @@ def test_the_rounds_bound_against_brute_force():
         assert best - 1e-12 <= shelf <= max(t for _, t in items) + 2 * area + 1e-12 and shelf <= 3 * best + 1e-12
         worst = max(worst, shelf / best)
     print(f"\nrounds: worst first-fit decreasing / best arrangement {worst:.3f}")
+
+
+def test_the_local_searchs_shortcut_is_shelf_seconds_exactly():
+    """The local search prices a neighbour by ``_shelf`` on the current items' sorted keys less
+    the removed plus the added: the same float as ``shelf_seconds`` on the neighbour's items
+    (ties in seconds included)."""
+    rng = random.Random(7)
+    for _ in range(300):
+        pool = rng.choice((4, 8, 64))
+        items = [(rng.choice(power_sizes(pool)), rng.choice((0.5, 1.0, rng.uniform(0.1, 2.0))), ())
+                 for _ in range(rng.randint(2, 30))]
+        keys = sorted((-t, -c, i) for i, (c, t, _) in enumerate(items))
+        removed = tuple(sorted(rng.sample(range(len(items)), rng.randint(1, 2))))
+        added = [(rng.choice(power_sizes(pool)), rng.choice((1.0, rng.uniform(0.1, 2.0))), ())
+                 for _ in range(rng.randint(1, 2))]
+        after = [it for i, it in enumerate(items) if i not in removed] + added
+        assert _shelf(_neighbour_keys(keys, removed, added), pool) == shelf_seconds(after, pool)
 
 
 def test_arrange_is_aligned_and_a_document_that_fits_nowhere_is_refused():

@@ -1,6 +1,6 @@
 """Context parallelism across nodes: the cost model (``costmodel/cp.py``) and its simulation
 (``bench/simulate_cp.py``) on a small configuration (7B, 16 and 32 GPUs, 64 documents; about
-two seconds)."""
+ten seconds, half of it the Dynamic CP planner)."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,12 +8,15 @@ import dataclasses
 import pytest
 
 from megatron_paradyse.bench.simulate import H100Roofline, Hardware, Model7B
-from megatron_paradyse.bench.simulate_cp import (NAMES, STATIC, Pricer, Setup, base_model, dynamic_jobs, main, pack,
-                                                 pack_priced, paradyse_dcp_step, schedule, simulate_cp, static_jobs,
-                                                 summary)
+from megatron_paradyse.bench.simulate import lengths_distribution
+from megatron_paradyse.bench.simulate_cp import (NAMES, STATIC, DocumentPacks, Pricer, Setup, base_model, dcp_planners,
+                                                 dynamic_jobs, links_for, main, pack, pack_priced, planner_dcp_step,
+                                                 schedule, simulate_cp, static_jobs, summary)
 from megatron_paradyse.costmodel import analytic, build_cost_model, demo_shape
 from megatron_paradyse.costmodel.cp import CPCostModel, Links
 from megatron_paradyse.parallel.packing import PackShape
+from megatron_paradyse.planner.core import NoFitError
+from megatron_paradyse.planner.dynamic_cp import plan_dynamic_cp
 
 LINKS = Links(315e9, 0.0, 45e9, 1e-5)
 ENTRIES = ("tp_sp", "ulysses", "ring", "colossal", "metp", "tp_sp:rc", "ulysses:rc", "metp:rc")
@@ -155,7 +158,7 @@ def test_a_small_simulation_yields_the_tables_fields(result):
     out = summary(result)
     for name in NAMES.values():
         assert f"| {name} |" in out
-    assert "paradyse_dcp_step" in out and "SIMULATION" in out and "aim 4x" in out and "Dynamic CP against" in out
+    assert "plan_dynamic_cp" in out and "SIMULATION" in out and "aim 4x" in out and "Dynamic CP against" in out
 
 
 def test_the_longest_trainable_aim_is_consistent(result):
@@ -215,7 +218,7 @@ def test_command_line(capsys, tmp_path):
 
 def test_packing_and_paradyse_dynamic_cp(roofline):
     """First-fit decreasing packs under the cap; a pack is priced as its documents under one plan
-    that fits its total; ParaDySe x Dynamic CP trains every step Dynamic-CP-style trains."""
+    that fits its total, and so does the cost model the Dynamic CP planner plans on."""
     assert pack([5, 9, 3, 4], 12) == [[9, 3], [5, 4]] and pack([5, 9], 0) == [[9], [5]] and pack([20], 8) == [[20]]
     base, budget = base_model("7b", Hardware(), 4, True)
     pr = Pricer(CPCostModel(base, 2, LINKS), "paradyse", budget, 1 << 22)
@@ -224,9 +227,37 @@ def test_packing_and_paradyse_dynamic_cp(roofline):
     assert c == 2 and t == pytest.approx(sum(pr.cm.step(plan, pr.pad(s), 1).seconds for s in docs))
     assert t <= sum(pr(pr.pad(s))[0] for s in docs) * 1.05        # about its documents' own best plans
     assert pack_priced(pr, [pr.longest, pr.longest]) is None        # the pack's total does not fit
-    pricers = {c: Pricer(CPCostModel(base, c, LINKS), "paradyse", budget, c * (1 << 22)) for c in (1, 2, 4)}
-    jobs = paradyse_dcp_step(pricers, 4, 65536)([8192, 4096, pricers[1].longest + 1024, 2048])
-    assert jobs is not None and sum(1 for j in jobs if j[0] >= 2) >= 1
+    # the planner's cost model prices a pack by the same rule: its documents' seconds, the total's bytes
+    dp = DocumentPacks(base, 2, LINKS)
+    one, whole = dp.step(plan, PackShape(tuple(docs)), 1), pr.cm.step(plan, sum(map(pr.pad, docs)), 1)
+    assert one.seconds == pytest.approx(t) and one.peak_bytes == pytest.approx(whole.peak_bytes)
+    assert dp.step(plan, 8192, 1) == pr.cm.step(plan, 8192, 1)
+
+
+def test_paradyse_dynamic_cp_is_the_planners_schedule(result):
+    """The system's step is ``plan_dynamic_cp``'s schedule (its rounds' seconds, the simulation's
+    update), on the planners over the simulation's cost models; a step with a document that
+    fits no C is not trained."""
+    hw = Hardware()
+    lens = lengths_distribution(SMALL.docs, SMALL.seed, SMALL.max_len, SMALL.min_len)
+    for r in result["models"]["7b"]["sizes"]:
+        nodes, cs, b = r["nodes"], r["cp_sizes"], r["batch_documents"]
+        base, budget = base_model("7b", hw, nodes, True)
+        planners = dcp_planners(base, cs, links_for(hw, SMALL.inter), budget, SMALL)
+        for k, got in enumerate(r["dynamic"]["paradyse_dcp"]["per_step"]):
+            if got is None:
+                with pytest.raises(NoFitError):
+                    plan_dynamic_cp(lens[k * b:(k + 1) * b], nodes, planners, 8, pack_tokens=SMALL.pack_tokens)
+                continue
+            sched = plan_dynamic_cp(lens[k * b:(k + 1) * b], nodes, planners, 8, pack_tokens=SMALL.pack_tokens)
+            assert got == pytest.approx(sched.seconds - sched.update_seconds + r["update_seconds"], rel=1e-12), k
+    docs = lens[:b]
+    sched = plan_dynamic_cp(docs, nodes, planners, 8, pack_tokens=SMALL.pack_tokens)
+    jobs, span = planner_dcp_step(planners, nodes, SMALL.pack_tokens, 8)(docs)
+    assert sorted(j[0] for j in jobs) == sorted(a.size for a in sched.micro_batches())
+    assert span == pytest.approx(sum(sched.round_seconds()))
+    assert planner_dcp_step(planners, nodes, SMALL.pack_tokens, 8)([r["dynamic"]["paradyse_dcp"]["longest_trainable"]
+                                                                  + 1024]) is None
 
 
 def test_the_dynamic_aims_are_reported(result):

@@ -14,16 +14,20 @@ table of systems training the same seeded long-tailed documents (log-normal, to 
   size is the smallest power of two at which it fits (megatron's memory-derived size), then
   the step's longest job's C doubled while that lowers the step's makespan (megatron balances
   its groups by workload; ``--dcp-policy fit``: no widening; ``efficient``: the C of the
-  fewest node-seconds, then widened), in-node ``tp_sp`` (or ``tp_sp+rc``); and, for
-  reference only, ParaDySe x Dynamic-CP-style, the same policy with the planner's plans,
-  which the plugin does NOT BUILD.
+  fewest node-seconds, then widened), in-node ``tp_sp`` (or ``tp_sp+rc``); placed by predicted
+  time, no synchronised rounds (idealised);
+* ``ParaDySe x Dynamic CP``: the plugin's Dynamic CP planner as built
+  (``planner.dynamic_cp.plan_dynamic_cp``) on the step's documents, its planners the optimal
+  planner at each C on the same cost models (:class:`DocumentPacks`: this simulation's pack
+  rule); its step is its schedule's synchronised rounds.
 
-One document per micro-batch; a micro-batch costs ``CPCostModel.step`` (``costmodel/cp.py``) on
+Every system trains THD packs (:func:`pack`); a micro-batch costs ``CPCostModel.step`` (``costmodel/cp.py``) on
 its plan at its C, over the in-node roofline of the earlier simulations (``simulate.H100Roofline``
 for the 7B, ``simulate_pipeline.PipelineRoofline`` for the 70B), and fits when it peaks at most
 the budget. A step is ``docs_per_node x N/8`` documents spread over the node pool: each
-document a job of C nodes (an aligned block: a DP replica, or a DCP group), longest first onto
-the block that frees earliest; step time = the last job's end + the update. A step with a
+pack a job of C nodes (an aligned block: a DP replica, or a DCP group), longest first onto
+the block that frees earliest (ParaDySe x Dynamic CP: its rounds); step time = the last job's
+end + the update. A step with a
 document that fits no configuration of the system is not trained: its tokens count for no
 one and its seconds are not added. The best C of a static system: the most tokens trained,
 then tokens/s. Every number is a model output, not a measurement.
@@ -39,10 +43,13 @@ import time
 import numpy as np
 
 from ..costmodel.analytic import load_config, param_counts
+from ..costmodel.base import CostModel, LayerCost
 from ..costmodel.cp import RING_FORMS, CPCostModel, Links
 from ..errors import ArgumentParser, UserError, command
+from ..parallel.packing import PackShape
 from ..planner import build_planner
-from ..planner.core import last_true
+from ..planner.core import NoFitError, last_true
+from ..planner.dynamic_cp import plan_dynamic_cp
 from .simulate import GB, H100Roofline, Hardware, Model7B, lengths_distribution
 from .simulate_pipeline import ADAM_BYTES_PER_PARAM, Model70B, PipelineRoofline
 
@@ -60,7 +67,7 @@ DYNAMIC = {"dcp_tp_sp": "tp_sp", "dcp_tp_sp+rc": "tp_sp+rc", "paradyse_dcp": "pa
 NAMES = {"paradyse": "ParaDySe x CP", "tp_sp": "megatron TP+CP (`tp_sp`)",
          "tp_sp+rc": "megatron TP+CP, full recompute (`tp_sp+rc`)", "dcp_tp_sp": "Dynamic-CP-style, `tp_sp`",
          "dcp_tp_sp+rc": "Dynamic-CP-style, `tp_sp+rc`",
-         "paradyse_dcp": "ParaDySe x Dynamic CP (policy: paradyse_dcp_step)"}
+         "paradyse_dcp": "ParaDySe x Dynamic CP (the planner: plan_dynamic_cp)"}
 
 
 @dataclasses.dataclass
@@ -187,8 +194,9 @@ def schedule(jobs, nodes: int) -> float:
 
 
 def run_system(jobs_of, steps, nodes: int, update: float) -> dict:
-    """One system over every step. ``jobs_of(docs)`` -> the step's jobs ``[(C, seconds, plan)]``,
-    or None when a document fits nowhere (the step is not trained)."""
+    """One system over every step. ``jobs_of(docs)`` -> the step's jobs ``[(C, seconds, plan)]``
+    (placed by :func:`schedule`), or ``(jobs, makespan)`` (a schedule of its own: the planner's
+    rounds), or None when a document fits nowhere (the step is not trained)."""
     toks = secs = work = span = 0.0
     trained, used, widths, per_step = [], {}, {}, []
     for k, docs in enumerate(steps):
@@ -196,7 +204,7 @@ def run_system(jobs_of, steps, nodes: int, update: float) -> dict:
         if jobs is None:
             per_step.append(None)
             continue
-        make = schedule([(c, t) for c, t, _ in jobs], nodes)
+        jobs, make = jobs if isinstance(jobs, tuple) else (jobs, schedule([(c, t) for c, t, _ in jobs], nodes))
         per_step.append(make + update)
         trained.append(k)
         toks, secs, span = toks + sum(docs), secs + make + update, span + make
@@ -332,19 +340,75 @@ def widen(jobs: list, groups: list, pricers: dict, nodes: int) -> list:
         jobs = trial
 
 
-def paradyse_dcp_step(pricers: dict, nodes: int, pack_tokens: int):
-    """ParaDySe x Dynamic CP's step policy, as this simulation prices it until the plugin's
-    planner (``planner/dynamic_cp.py``) is merged and can be called here instead: each
-    document's C and the planner's plan chosen together against the step: of two assignments
-    (each document at its smallest C that fits, or at the C of its fewest node-seconds; the
-    documents of one C packed, then the critical job widened while the makespan falls) the one
-    of the shorter makespan; placement by predicted time on aligned blocks (no synchronised
-    rounds)."""
-    ways = [dynamic_jobs(pricers, nodes, policy, pack_tokens) for policy in ("widen", "efficient")]
+class DocumentPacks(CPCostModel):
+    """``CPCostModel`` whose packs are priced by this simulation's pack rule (:func:`pack_priced`),
+    so that the plugin's Dynamic CP planner plans under the same costs the other systems are
+    judged by: a ``PackShape`` of documents takes the sum of its documents' seconds, each at its
+    own padded length (the roofline has no cost per micro-batch, each document's attention is
+    its own s^2, each its own CP ring), and peaks as one sequence of their total padded length.
+    A length (int) is priced exactly as ``CPCostModel``."""
 
+    def pad(self, d: int) -> int:
+        unit = 2 * self.cp * self.shape.p if self.cp > 1 else self.shape.p
+        return -(-int(d) // unit) * unit
+
+    def _total(self, s, b: int) -> tuple:
+        return (sum(self.pad(d) for d in s.lengths), 1) if isinstance(s, PackShape) else (s, b)
+
+    def layer(self, strategy: str, s, b: int) -> LayerCost:
+        """A length: ``CPCostModel.layer`` (memoized at every C, C = 1 too); a pack: the class docstring."""
+        pack = isinstance(s, PackShape)
+        key = ("documents", strategy, s) if pack else (strategy, s, b)
+        got = self._memo.get(key)
+        if got is None and not pack:
+            got = self._memo[key] = super().layer(strategy, s, b)
+        elif got is None:
+            whole = self.layer(strategy, *self._total(s, b))
+            secs = sum(self.layer(strategy, self.pad(d), 1).seconds for d in s.lengths)
+            got = self._memo[key] = LayerCost(secs, whole.saved_bytes, whole.transient_bytes)
+        return got
+
+    def nonlayer(self, s, b: int) -> LayerCost:
+        if not isinstance(s, PackShape):
+            return super().nonlayer(s, b)
+        whole = super().nonlayer(*self._total(s, b))
+        secs = sum(super(DocumentPacks, self).nonlayer(self.pad(d), 1).seconds for d in s.lengths)
+        return LayerCost(secs, whole.saved_bytes, whole.transient_bytes)
+
+    def resident_bytes(self, s, b: int) -> float:
+        return super().resident_bytes(*self._total(s, b))
+
+    def pool(self, strategy: str, s, b: int) -> dict:
+        return super().pool(strategy, *self._total(s, b))
+
+    def step(self, plan, s, b: int):
+        """A pack: ``CostModel.step`` on the methods above (at every C); a length: ``CPCostModel.step``."""
+        return CostModel.step(self, plan, s, b) if isinstance(s, PackShape) else super().step(plan, s, b)
+
+
+def dcp_planners(base, cs, links: Links, budget: float, setup: "Setup") -> dict:
+    """``{C: the optimal planner}`` (``recompute="auto"``, no margin: the budget is the rule's
+    limit) on :class:`DocumentPacks` at each C: what ``planner.dynamic_cp.cp_planners`` builds,
+    with this simulation's pack rule."""
+    return {c: build_planner("optimal", DocumentPacks(base, c, links, overlap=setup.overlap, ring=setup.cp_ring),
+                             budget, margin_bytes=0.0) for c in cs}
+
+
+def planner_dcp_step(planners: dict, nodes: int, pack_tokens: int, p: int):
+    """ParaDySe x Dynamic CP as the plugin builds it: ``planner.dynamic_cp.plan_dynamic_cp`` on
+    the step's documents over the pool of ``nodes`` nodes (``planners``: :func:`dcp_planners`;
+    no ``--max-seqlen-per-dp-cp-rank`` cap: the memory rule sizes C; packs of at most
+    ``pack_tokens`` x C tokens, 0: one document each before its local search). ``jobs_of``
+    returns ``(jobs, makespan)``: its micro-batches (fillers aside) and its rounds' seconds
+    (synchronised rounds, each as long as its slowest block), or None where a document fits no
+    C (``NoFitError``)."""
     def jobs_of(docs):
-        got = [j for j in (w(docs) for w in ways) if j is not None]
-        return min(got, key=lambda jobs: schedule([j[:2] for j in jobs], nodes)) if got else None
+        try:
+            sched = plan_dynamic_cp(docs, nodes, planners, p, pack_tokens=pack_tokens or 1)
+        except NoFitError:
+            return None
+        jobs = [(a.size, a.seconds, a.plan) for a in sched.micro_batches()]
+        return jobs, sched.seconds - sched.update_seconds
     return jobs_of
 
 
@@ -352,11 +416,11 @@ def paradyse_dcp_step(pricers: dict, nodes: int, pack_tokens: int):
 # one model at one size
 
 
-def dcp_jobs(name: str, pricers: dict, nodes: int, setup: Setup):
-    """A dynamic system's ``jobs_of``: ParaDySe x Dynamic CP's :func:`paradyse_dcp_step`, or
-    Dynamic-CP-style's policy (``setup.dcp_policy``)."""
+def dcp_jobs(name: str, pricers: dict, nodes: int, setup: Setup, planners: dict):
+    """A dynamic system's ``jobs_of``: ParaDySe x Dynamic CP's :func:`planner_dcp_step` (the
+    plugin's planner), or Dynamic-CP-style's policy (``setup.dcp_policy``)."""
     if name == "paradyse_dcp":
-        return paradyse_dcp_step(pricers, nodes, setup.pack_tokens)
+        return planner_dcp_step(planners, nodes, setup.pack_tokens, setup.per_node)
     return dynamic_jobs(pricers, nodes, setup.dcp_policy, setup.pack_tokens)
 
 
@@ -385,7 +449,8 @@ def simulate_size(key: str, gpus: int, setup: Setup, hw: Hardware, lens: list) -
                                 budget, c * 4 * setup.max_len) for c in cs} for name in STATIC}
     static = {name: {c: dict(run_system(static_jobs(pricers[name][c], setup.pack_tokens), steps, nodes, update),
                             longest_trainable=pricers[name][c].longest) for c in cs} for name in STATIC}
-    dyn = {name: dict(run_system(dcp_jobs(name, pricers[of], nodes, setup), steps, nodes, update),
+    planners = dcp_planners(base, cs, links, budget, setup)
+    dyn = {name: dict(run_system(dcp_jobs(name, pricers[of], nodes, setup, planners), steps, nodes, update),
                       longest_trainable=pricers[of][cs[-1]].longest) for name, of in DYNAMIC.items()}
     state = params_per_rank(base) * state_bytes(nodes, setup.distributed_optimizer)
     return dict(gpus=gpus, nodes=nodes, cp_sizes=cs, batch_documents=batch, steps=len(steps), update_seconds=update,
@@ -570,7 +635,7 @@ def summary(res: dict) -> str:
             out += [table(r), ""]
             pd = r["static"]["paradyse"][r["best_c"]["paradyse"]]
             out.append(f"  ParaDySe x CP at C = {r['best_c']['paradyse']}: plan entries {pd['entries']}")
-            out.append("  ParaDySe x Dynamic CP (paradyse_dcp_step): plan entries "
+            out.append("  ParaDySe x Dynamic CP (plan_dynamic_cp): plan entries "
                        f"{r['dynamic']['paradyse_dcp']['entries']}")
             out.append("")
         out += [per_c_table_all(m), ""] + aim_lines(key, m)

@@ -51,6 +51,7 @@ and deterministic: every rank computes the same schedule from the same documents
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections import Counter
 from typing import Mapping
@@ -308,24 +309,23 @@ def _fits(pr: MicroBatchPricer, docs: tuple, c: int, per_node) -> bool:
 
 
 def _moves(pr: MicroBatchPricer, mbs: list, k: int, sizes: tuple, min_size: int, per_node) -> list:
-    """Neighbours of ``mbs`` changing micro-batch k: its c doubled or halved, or its pack split."""
+    """Neighbours of ``mbs`` changing micro-batch k: its c doubled or halved, or its pack split;
+    each as ``(removed indices, added micro-batches)`` (:func:`_neighbour`)."""
     docs, c = mbs[k]
-    rest = mbs[:k] + mbs[k + 1:]
     out = []
     for c2 in (2 * c, c // 2):
         if c2 in sizes and c2 >= min_size and _fits(pr, docs, c2, per_node):
-            out.append(rest + [(docs, c2)])
+            out.append(((k,), [(docs, c2)]))
     if len(docs) > 1:
         halves = (docs[0::2], docs[1::2])
         if all(_fits(pr, h, c, per_node) for h in halves):
-            out.append(rest + [(h, c) for h in halves])
+            out.append(((k,), [(h, c) for h in halves]))
     return out
 
 
-def _merges(pr: MicroBatchPricer, mbs: list, rounds: list, per_node) -> list:
+def _merges(pr: MicroBatchPricer, mbs: list, items: list, rounds: list, per_node) -> list:
     """Neighbours of ``mbs`` emptying the cheapest round: one of its micro-batches packed into
-    a micro-batch of another round (at that one's c), where the pack fits."""
-    items = _items(pr, mbs)
+    a micro-batch of another round (at that one's c), where the pack fits; as :func:`_moves`."""
     cheapest = min(rounds, key=lambda r: (max(items[i][1] for i in r), r))
     out = []
     for k in cheapest:
@@ -334,29 +334,63 @@ def _merges(pr: MicroBatchPricer, mbs: list, rounds: list, per_node) -> list:
                 continue
             docs, c = mbs[j][0] + mbs[k][0], mbs[j][1]
             if _fits(pr, docs, c, per_node):
-                out.append([m for i, m in enumerate(mbs) if i not in (j, k)] + [(docs, c)])
+                out.append((tuple(sorted((j, k))), [(docs, c)]))
     return out
+
+
+def _neighbour(rows: list, removed: tuple, added: list) -> list:
+    """``rows`` (micro-batches) without the ``removed`` indices, ``added`` after."""
+    return [m for i, m in enumerate(rows) if i not in removed] + added
 
 
 def _items(pr: MicroBatchPricer, mbs: list) -> list:
     return [(c, pr.choice(d, c).seconds, d) for d, c in mbs]
 
 
+def _shelf(keys: list, pool: int) -> float:
+    """:func:`shelf_seconds` of items given as their sorted ``(-seconds, -size)`` (items of equal
+    seconds and size are interchangeable there): first-fit decreasing places each round's
+    slowest item first, so a round's seconds are its first item's; the same number, without
+    building the rounds."""
+    used, total = [], 0.0
+    for nt, nc in keys:
+        for r, u in enumerate(used):
+            if u - nc <= pool:
+                used[r] = u - nc
+                break
+        else:
+            used.append(-nc)
+            total += -nt
+    return total
+
+
+def _neighbour_keys(keys: list, removed: tuple, added: list) -> list:
+    """The sorted keys of :func:`_shelf` for a neighbour: ``keys`` ``[(-seconds, -size, index)]``
+    of the current items less the ``removed`` indices, the ``added`` items inserted."""
+    out = [(nt, nc) for nt, nc, i in keys if i not in removed]
+    for c, t, _ in added:
+        bisect.insort(out, (-t, -c))
+    return out
+
+
 def local_search(pr: MicroBatchPricer, mbs: list, pool: int, min_size: int, per_node,
                  moves: int = SEARCH_MOVES) -> list:
-    """Step 4 of the module docstring: the best move while it lowers :func:`shelf_seconds`."""
+    """Step 4 of the module docstring: the best move while it lowers :func:`shelf_seconds`.
+    A neighbour's rounds' seconds by :func:`_shelf` on the current items less the removed plus
+    the added (their plans cached per (documents, c))."""
     sizes = power_sizes(pool)
     best = shelf_seconds(_items(pr, mbs), pool)
     for _ in range(moves):
         items = _items(pr, mbs)
         rounds = arrange(items, pool)
+        keys = sorted((-t, -c, i) for i, (c, t, _) in enumerate(items))
         necks = sorted({max(r, key=lambda i: (items[i][1], -i)) for r in rounds})
         cands = [c for k in necks for c in _moves(pr, mbs, k, sizes, min_size, per_node)]
         trial = None
-        for cand in cands + (_merges(pr, mbs, rounds, per_node) if len(rounds) > 1 else []):
-            t = shelf_seconds(_items(pr, cand), pool)
+        for removed, added in cands + (_merges(pr, mbs, items, rounds, per_node) if len(rounds) > 1 else []):
+            t = _shelf(_neighbour_keys(keys, removed, _items(pr, added)), pool)
             if t < best * (1 - 1e-12):
-                best, trial = t, cand
+                best, trial = t, _neighbour(mbs, removed, added)
         if trial is None:
             break
         mbs = trial
