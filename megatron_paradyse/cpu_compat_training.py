@@ -252,7 +252,8 @@ def _pipeline_outputs():
         return
 
     def deallocate_output_tensor(out, deallocate_pipeline_outputs=False):
-        kept = None if out is None or not deallocate_pipeline_outputs else out.data
+        # 0.19 also takes lists and dicts of tensors, recursing through this module global
+        kept = out.data if isinstance(out, torch.Tensor) and deallocate_pipeline_outputs else None
         orig(out, deallocate_pipeline_outputs)
         if kept is not None:  # the old storage lives as long as the tensor (until its backward)
             out._paradyse_sent = kept

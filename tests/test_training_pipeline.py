@@ -47,7 +47,7 @@ RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "block", "
 # reference of both ParaDySe runs, unpacked and packed (the same documents)
 VPP = ["--virtual-pipeline-model-parallel-size", "2", "--global-batch-size", "8"]
 VPP_STEPS = 2
-VPP_CKPT = ["--virtual-pipeline-model-parallel-size", "2", "--train-iters", "2"]  # 2 micro-batches a replica
+VPP_CKPT = ["--virtual-pipeline-model-parallel-size", "2"]  # 2 micro-batches a replica, 2 steps of STEPS
 
 
 def _with_rc(config, p):
@@ -206,10 +206,11 @@ def _interleaved_resume(world, root):
     """The interleaved schedule's checkpoint (its two model chunks, saved as model0 and model1):
     stock saves at step 1, ParaDySe resumes there under cycling plans."""
     t0 = time.perf_counter()
-    stock, _, _ = _train(2, world, PP + VPP_CKPT + ["--save", f"{root}/vpp", "--save-interval", "1"], paradyse=False)
+    stock, _, _ = _train(2, world, PP + VPP_CKPT + ["--save", f"{root}/vpp", "--save-interval", "1"], paradyse=False,
+                         steps=2)
     with _NoExchange():
         got, _, _ = _train(2, world, PP + VPP_CKPT + ["--load", f"{root}/vpp", "--ckpt-step", "1"], paradyse=True,
-                           plan_fn_factory=_cycling_plan_fn)
+                           plan_fn_factory=_cycling_plan_fn, steps=2)
     return {"stock": _summary(stock), "resumed": _summary(got), "seconds": time.perf_counter() - t0}
 
 
