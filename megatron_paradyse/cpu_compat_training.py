@@ -60,6 +60,16 @@ naming the functions that need it:
     do nothing) instead of raising on a CPU build. Needed by ``training.training_log``
     (``report_memory`` after the first logged iteration), ``utils.report_memory``,
     ``train()``'s ``empty_cache`` calls.
+``pipeline_outputs``
+    megatron-core's ``schedules.deallocate_output_tensor`` keeps the sent storage: Megatron-LM sets
+    ``deallocate_pipeline_outputs`` (a stage's output's storage swapped for one element once
+    it is sent), and under the interleaved schedule with ``--overlap-p2p-comm`` (Megatron-LM's
+    default there) the swap comes right after the send is posted, before it completes. On a
+    GPU the send is ordered on its stream; gloo sends from a background thread out of the
+    storage just freed, and the peer received garbage now and then (stock core_v0.16.1 at PP
+    = 2 x V = 2: a NaN loss at iteration 3, not reproduced by megatron's rerun). The shim
+    still swaps the storage (the backward asserts it) but keeps the old one referenced from
+    the tensor until the schedule drops it after its backward: memory only, no number changes. Needed by ``forward_backward_pipelining_with_interleaving``. Both versions.
 """
 from __future__ import annotations
 
@@ -77,7 +87,7 @@ from .device import is_cpu
 
 _PREFIX = "cpu_compat_training:"  # the registry's names of the shims applied (never restored)
 ALL_SHIMS = ("batch_invariant", "no_cuda_assert", "distributed", "seed", "jit_warmup", "device_arch",
-             "memory")
+             "memory", "pipeline_outputs")
 
 
 def needed() -> bool:
@@ -234,8 +244,26 @@ def _memory():
     torch.cuda.empty_cache = lambda *a, **k: None
 
 
+def _pipeline_outputs():
+    from megatron.core.pipeline_parallel import schedules
+
+    orig = schedules.deallocate_output_tensor
+    if getattr(orig, "_paradyse", False):
+        return
+
+    def deallocate_output_tensor(out, deallocate_pipeline_outputs=False):
+        # 0.19 also takes lists and dicts of tensors, recursing through this module global
+        kept = out.data if isinstance(out, torch.Tensor) and deallocate_pipeline_outputs else None
+        orig(out, deallocate_pipeline_outputs)
+        if kept is not None:  # the old storage lives as long as the tensor (until its backward)
+            out._paradyse_sent = kept
+
+    deallocate_output_tensor._paradyse = True
+    schedules.deallocate_output_tensor = deallocate_output_tensor
+
+
 _SHIMS = types.MappingProxyType({
     "batch_invariant": _batch_invariant, "no_cuda_assert": _no_cuda_assert,
     "distributed": _distributed, "seed": _seed, "jit_warmup": _jit_warmup, "device_arch": _device_arch,
-    "memory": _memory,
+    "memory": _memory, "pipeline_outputs": _pipeline_outputs,
 })

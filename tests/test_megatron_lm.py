@@ -351,10 +351,10 @@ def _equal_docs_flags(tp: int) -> list:
 
 @functools.lru_cache(maxsize=None)
 def packed_run(tp: int, nproc: int, *extra: str, pp: int = 1) -> Run:
-    """Stock unpacked (no ``extra``: one 16-token document per micro-batch, global batch 8) or
-    ``--paradyse`` packed (``extra``: 4 documents a pack of 64, global batch 2): the same
-    documents per step; ``pp`` pipeline stages."""
-    mbs_gbs = ("1", "2") if extra else ("1", "8")
+    """Stock unpacked (one 16-token document per micro-batch, global batch 8) or ``--paradyse``
+    packed (``extra`` with ``--paradyse-pack``: 4 documents a pack of 64, global batch 2): the
+    same documents per step; ``pp`` pipeline stages, ``extra``'s other flags on both."""
+    mbs_gbs = ("1", "2") if "--paradyse-pack" in extra else ("1", "8")
     flags = _with(_equal_docs_flags(tp), micro_batch_size=mbs_gbs[0], global_batch_size=mbs_gbs[1])
     if pp > 1:
         flags = _with(flags, pipeline_model_parallel_size=pp)
@@ -511,33 +511,97 @@ def test_pipeline_stages_equal_stock():
     assert len(lengths) >= 5 and len(plans) >= 3, (lengths, plans)
 
 
-def test_interleaved_pipeline_is_refused():
-    """The interleaved (virtual-pipeline) schedule: one clear error naming the flag, locally,
-    from Megatron-LM's parsed arguments (its validate_args turns each interleaving flag into
-    ``virtual_pipeline_model_parallel_size``); stock Megatron-LM keeps it."""
+# the interleaved schedule: 2 model chunks per stage, one layer each (stage 0 runs layers 1 and 3,
+# stage 1 layers 2 and 4); 4 micro-batches a step, 2 groups of PP; evaluation after training
+VPP = ("--num-layers-per-virtual-pipeline-stage", "1")
+VPP_ITERS, VPP_SAVE_AT = 3, 2
+
+
+@functools.lru_cache(maxsize=None)
+def interleaved_run(*extra: str) -> Run:
+    """One 4-rank run of PP = 2 x V = 2 x TP = 2 per configuration; with the longer checks each
+    saves at VPP_SAVE_AT (the checkpoint tests resume from it)."""
+    tag = "vpp_paradyse" if "--paradyse" in extra else "vpp_stock"
+    save = ["--save", os.path.join(_TMP, tag), "--save-interval", str(VPP_SAVE_AT)] if FULL and "--load" not in extra else []
+    return launch(_with(pipeline_flags(), train_iters=VPP_ITERS) + list(VPP) + save + list(extra), nproc=4)
+
+
+def test_interleaved_pipeline_equals_stock():
+    """PP = 2 x V = 2 x TP = 2: Megatron-LM builds the model chunks and runs megatron-core's
+    interleaved schedule; with --paradyse each chunk's layers switch per micro-batch (the plan
+    keyed by global layer: the two chunks of a stage run different strategies), and the training,
+    validation and test losses equal stock Megatron-LM's interleaved run. The transfers have each
+    micro-batch's length, queued in the order each peer sends (megatron_lm/schedule.py)."""
+    stock, got = interleaved_run().check(), interleaved_run("--paradyse", "--paradyse-plan", PLAN).check()
+    assert re.search(r"virtual_pipeline_model_parallel_size \.+ 2\n", stock.out), stock.out[:3000]
+    assert "[paradyse]" not in stock.out
+    assert "2 pipeline stages, interleaved (2 model chunks per stage)" in got.out, got.out[-3000:]
+    assert sorted(got.plans) == list(range(1, VPP_ITERS + 1))
+    _assert_close(got.losses, stock.losses, range(1, VPP_ITERS + 1), "PP=2 x V=2 x TP=2: --paradyse vs stock")
+    assert len(stock.valid) == 2 and set(got.valid) == set(stock.valid), (stock.valid, got.valid)
+    _assert_close(got.valid, stock.valid, sorted(stock.valid), "PP=2 x V=2 x TP=2: validation/test loss")
+    lengths = {int(s) for lens, _ in got.plans.values() for s in lens.split(",")}
+    plans = {p for _, line in got.plans.values() for p in line.split(",")}
+    assert len(lengths) >= 5 and len(plans) >= 3, (lengths, plans)
+
+
+def test_pipeline_layout_is_refused():
+    """--pipeline-model-parallel-layout (stages of any layers, the embedding or the loss alone) is
+    refused with --paradyse: one clear error, locally, from Megatron-LM's parsed arguments; stock
+    Megatron-LM keeps the layout (the interleaving flags run: test_interleaved_pipeline_equals_stock)."""
     import argparse
 
     from megatron_paradyse.training.megatron_lm import check_paradyse_args
 
-    for flag, value in (("num_layers_per_virtual_pipeline_stage", 1), ("num_virtual_stages_per_pipeline_rank", 2),
-                        ("pipeline_model_parallel_layout", "Ett|tt|tt|ttL")):
-        args = argparse.Namespace(paradyse=True, overlap_param_gather=False, paradyse_document_data=False,
-                                  tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=1,
-                                  pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
-                                  **{flag: value})
-        with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')} selects the interleaved") as e:
-            check_paradyse_args(args)
-        assert "only megatron's 1F1B schedule" in str(e.value)
-        args.paradyse = False
+    base = dict(paradyse=True, overlap_param_gather=False, paradyse_document_data=False, tensor_model_parallel_size=2,
+                sequence_parallel=True, context_parallel_size=1, pipeline_model_parallel_size=2,
+                virtual_pipeline_model_parallel_size=2, transformer_impl="local", hidden_dropout=0.0,
+                attention_dropout=0.0, paradyse_pad_multiple=None, num_layers=4, seq_length=128)
+    args = argparse.Namespace(**base, pipeline_model_parallel_layout="Et|t|t|tL")
+    with pytest.raises(ValueError, match="--pipeline-model-parallel-layout is not supported with --paradyse") as e:
         check_paradyse_args(args)
+    assert "\n" not in str(e.value)
+    args.paradyse = False
+    check_paradyse_args(args)
 
 
 @full
-def test_interleaved_pipeline_is_one_line_through_megatron_lm():
-    out = launch(pipeline_flags() + ["--num-layers-per-virtual-pipeline-stage", "1", "--paradyse",
+def test_pipeline_layout_is_one_line_through_megatron_lm():
+    out = launch(pipeline_flags() + ["--pipeline-model-parallel-layout", "Et|t|t|tL", "--paradyse",
                                      "--paradyse-plan", PLAN], nproc=4)
-    one_line(out, "--num-layers-per-virtual-pipeline-stage selects the interleaved")
+    one_line(out, "--pipeline-model-parallel-layout is not supported with --paradyse")
     assert "initializing torch distributed" not in out.out
+
+
+@full
+def test_interleaved_pipeline_packed_equals_stock_unpacked():
+    """--paradyse-pack greedy under the interleaved schedule (PP = 2 x V = 2 x TP = 2: 2 packs a step,
+    one group of PP), every chunk given each pack's boundaries: equal to stock Megatron-LM's
+    interleaved run reading the same documents unpacked."""
+    stock = packed_run(2, 4, *VPP, pp=2).check()
+    got = packed_run(2, 4, *PACKED, *VPP, pp=2).check()
+    assert "interleaved (2 model chunks per stage)" in got.out, got.out[-3000:]
+    _assert_close(got.losses, stock.losses, range(1, ITERS + 1), "packed PP=2 x V=2 x TP=2 vs stock unpacked")
+    assert {lens for lens, _ in got.plans.values()} == {"64,64"}, got.plans
+
+
+@full
+@pytest.mark.parametrize("direction", ["paradyse_from_stock", "stock_from_paradyse"])
+def test_interleaved_checkpoints_move_between_stock_and_paradyse(direction):
+    """Megatron-LM's own checkpoint of the interleaved schedule's model chunks (iteration 2; its
+    keys model0, model1) resumed with the other mode: iteration 3 and the evaluation equal the
+    uninterrupted stock run."""
+    stock = interleaved_run().check()
+    para = ("--paradyse", "--paradyse-plan", PLAN)
+    src = "vpp_stock" if direction == "paradyse_from_stock" else "vpp_paradyse"
+    if direction == "stock_from_paradyse":
+        interleaved_run(*para).check()
+    load = ("--load", _ckpt_at(os.path.join(_TMP, src), VPP_SAVE_AT))
+    got = interleaved_run(*(para if direction == "paradyse_from_stock" else ()), *load).check()
+    assert "successfully loaded checkpoint" in got.out
+    assert sorted(got.plans) == ([VPP_ITERS] if direction == "paradyse_from_stock" else [])
+    _assert_close(got.losses, stock.losses, [VPP_ITERS], f"PP=2 x V=2 x TP=2 {direction}")
+    _assert_close(got.valid, stock.valid, sorted(stock.valid), f"PP=2 x V=2 x TP=2 {direction}: validation/test")
 
 
 @full

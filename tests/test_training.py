@@ -692,8 +692,6 @@ def test_bad_flags_fail_before_any_collective():
          "must be divisible by --pipeline-model-parallel-size 2 x --virtual-pipeline-model-parallel-size 4"),
         (_argv(2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"]), 4,
          "must be a multiple of it"),
-        (_argv(2, ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
-                   "--save", "/tmp/x"]), 4, "not supported yet with the interleaved schedule"),
         (_argv(4, ["--split", "0,1,0"]), 4, "the training one above zero"),
         (_argv(4, ["--split", "90,x"]), 4, "--split '90,x'"),
         (_argv(4, ["--eval-iters", "-1"]), 4, "must be >= 0"),

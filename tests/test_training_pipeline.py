@@ -2,7 +2,8 @@
 DP = 2 equals stock megatron-core at the same layout on the same data, with plans changing per
 step, micro-batch, layer and so per stage: variable lengths, packs, megatron's recompute with
 ``:rc`` entries; megatron's interleaved schedule (2 model chunks per stage), unpacked and
-packed; checkpoints move both ways between stock and ParaDySe; the step planner with online
+packed; checkpoints move both ways between stock and ParaDySe (with the interleaved schedule,
+stock's model chunks resumed by ParaDySe); the step planner with online
 refinement per stage. With context
 parallelism PP = 2 x TP = 2 x CP = 2 on the same ranks equals stock PP = 2 x TP = 2 x DP = 2
 without CP, and the step planner plans it within its budget.
@@ -46,6 +47,7 @@ RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "block", "
 # reference of both ParaDySe runs, unpacked and packed (the same documents)
 VPP = ["--virtual-pipeline-model-parallel-size", "2", "--global-batch-size", "8"]
 VPP_STEPS = 2
+VPP_CKPT = ["--virtual-pipeline-model-parallel-size", "2"]  # 2 micro-batches a replica, 2 steps of STEPS
 
 
 def _with_rc(config, p):
@@ -200,9 +202,22 @@ def _context_parallel(world, root):
     return out
 
 
+def _interleaved_resume(world, root):
+    """The interleaved schedule's checkpoint (its two model chunks, saved as model0 and model1):
+    stock saves at step 1, ParaDySe resumes there under cycling plans."""
+    t0 = time.perf_counter()
+    stock, _, _ = _train(2, world, PP + VPP_CKPT + ["--save", f"{root}/vpp", "--save-interval", "1"], paradyse=False,
+                         steps=2)
+    with _NoExchange():
+        got, _, _ = _train(2, world, PP + VPP_CKPT + ["--load", f"{root}/vpp", "--ckpt-step", "1"], paradyse=True,
+                           plan_fn_factory=_cycling_plan_fn, steps=2)
+    return {"stock": _summary(stock), "resumed": _summary(got), "seconds": time.perf_counter() - t0}
+
+
 def _world(rank, world, root):
     out = {"plain": _pair(world, [], save=root, evaluate=True)}
     out["resume"] = _resume(world, root)
+    out["vpp_resume"] = _interleaved_resume(world, root)
     out["packed"] = _pair(world, UNPACKED, packed=True)
     out["recompute"] = _pair(world, RECOMPUTE, factory=_with_rc)
     out["planned"] = _planned(world, root)
@@ -381,6 +396,22 @@ def test_checkpoints_move_both_ways_between_stock_and_paradyse_pipelines(world):
         assert [x["it"] for x in got] == list(range(SAVE_AT + 1, STEPS + 1))
         worst = max(_rel(x["loss"], y["loss"]) for x, y in zip(got, ref[SAVE_AT:]))
         assert worst < 1e-5, (key, worst)
+
+
+def test_interleaved_checkpoint_resumes_to_the_uninterrupted_run(world):
+    """Checkpoints with the interleaved schedule (PP = 2 x V = 2 x TP = 2 x DP = 2): stock's
+    model chunks and optimizer saved at step 1 through megatron-core's dist checkpointing,
+    loaded by a ParaDySe run under cycling plans, whose step 2 equals the uninterrupted stock
+    run's (loss and grad norm; a chunk not restored would differ)."""
+    got = world[0]["vpp_resume"]
+    stock, resumed = got["stock"], got["resumed"]
+    assert [x["it"] for x in stock] == [1, 2] and [x["it"] for x in resumed] == [2]
+    assert all(p is not None for p in resumed[0]["plans"])
+    loss, gn = _rel(resumed[0]["loss"], stock[1]["loss"]), _rel(resumed[0]["gn"], stock[1]["gn"])
+    print(f"\ninterleaved resume: loss {loss:.1e}, grad norm {gn:.1e} ({got['seconds']:.1f} s)")
+    assert loss < 1e-5 and gn < 1e-5
+    for r in world[1:]:
+        assert [x["loss"] for x in r["vpp_resume"]["resumed"]] == [x["loss"] for x in resumed]
 
 
 def test_a_stage_planning_otherwise_stops_every_rank_before_the_step(world):

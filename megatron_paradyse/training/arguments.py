@@ -515,7 +515,7 @@ def _check_interleaved(args) -> None:
     """The interleaved schedule (megatron-core's ``forward_backward_pipelining_with_
     interleaving``): pipeline stages, the layers split evenly over PP x V model chunks, a
     multiple of PP micro-batches per step (megatron's groups of PP micro-batches per chunk;
-    packed steps are checked per step by the iterator), no checkpoints yet."""
+    packed steps are checked per step by the iterator)."""
     vpp, pp = args.virtual_pipeline_model_parallel_size, args.pipeline_model_parallel_size
     if vpp is None:
         return
@@ -530,8 +530,6 @@ def _check_interleaved(args) -> None:
         _err(f"the interleaved schedule runs micro-batches in groups of --pipeline-model-parallel-size {pp}: "
              f"--global-batch-size {args.global_batch_size} gives {args.num_microbatches} micro-batches per "
              f"replica and step, not a multiple of {pp}")
-    if args.save or args.load:
-        _err(f"--save and --load are not supported yet with the interleaved schedule ({flag})")
 
 
 def _check_backend(args) -> None:

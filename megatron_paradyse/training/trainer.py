@@ -177,7 +177,7 @@ class Trainer:
         self._init_parallel()
         self._build_model_and_optimizer()
         if self.args.load:
-            self.iteration = checkpointing.load_checkpoint(self.args, self.model, self.optimizer,
+            self.iteration = checkpointing.load_checkpoint(self.args, self.chunks, self.optimizer,
                                                            self.scheduler, iteration=self.args.ckpt_step)
         self._build_planner()
         self._build_data()
@@ -628,7 +628,7 @@ class Trainer:
     def save(self):
         t0 = time.perf_counter()
         with self._params_gathered():
-            path = checkpointing.save_checkpoint(self.args, self.iteration, self.model, self.optimizer,
+            path = checkpointing.save_checkpoint(self.args, self.iteration, self.chunks, self.optimizer,
                                                  self.scheduler)
         log.info(f"  saved checkpoint at iteration {self.iteration:8d} to {shown(path)} "
                  f"({time.perf_counter() - t0:.2f} s)")

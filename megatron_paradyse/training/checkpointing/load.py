@@ -9,12 +9,11 @@ import os
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 
-from ...parallel.dispatch import unwrap
 from .atomic import TRACKER, checkpoint_dir, read_tracker
 from .collective import CheckpointError, CheckpointLoadError, agree, decide, world
 from .manifest import MANIFEST, check_files, read_manifest
 from .rng import set_rng_state
-from .state import layout, sharded_state_dict
+from .state import layout, model_states, sharded_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +135,8 @@ def _restore(args, path: str, iteration: int, info: dict, model, optimizer, sche
                             None, iteration, args, with_rng=load_rng, is_loading=True)
     try:
         loaded = dist_checkpointing.load(sd, path, strict="assume_ok_unexpected")
-        unwrap(model).load_state_dict(loaded["model"], strict=True)
+        for key, gpt in model_states(model).items():
+            gpt.load_state_dict(loaded[key], strict=True)
     except Exception as e:  # noqa: BLE001 - a checkpoint of another model (shapes, keys)
         first = (str(e).strip().splitlines() or [""])[0][:300]
         raise CheckpointLoadError(f"{path} cannot be loaded into this model (was it saved with other "

@@ -29,14 +29,26 @@ def _optimizer_metadata(args) -> dict:
     return {"metadata": {"distrib_optim_sharding_type": "dp_reshardable"}}
 
 
+def model_states(model) -> dict:
+    """Each model chunk's ``GPTModel`` by its key in the checkpoint, as Megatron-LM names them:
+    ``model`` for one, ``model0``, ``model1``, ... for the interleaved schedule's list of chunks
+    (each chunk's sharded keys carry its layers' global numbers, so the checkpoint loads into
+    any other split of the layers too)."""
+    chunks = [unwrap(m) for m in (model if isinstance(model, (list, tuple)) else [model])]
+    if len(chunks) == 1:
+        return {"model": chunks[0]}
+    return {f"model{i}": gpt for i, gpt in enumerate(chunks)}
+
+
 def sharded_state_dict(model, optimizer=None, scheduler=None, iteration: int = 0, args=None,
                        with_rng: bool = True, is_loading: bool = False) -> dict:
-    """The state saved (or, with ``is_loading``, the template loaded)."""
+    """The state saved (or, with ``is_loading``, the template loaded); ``model``: the model, or
+    the list of its chunks (:func:`model_states`)."""
     from megatron.core import parallel_state
 
-    gpt = unwrap(model)
-    model_sd = gpt.sharded_state_dict()
-    sd = {"model": model_sd, "checkpoint_version": CHECKPOINT_VERSION, "iteration": int(iteration),
+    models = {key: gpt.sharded_state_dict() for key, gpt in model_states(model).items()}
+    model_sd = models["model"] if len(models) == 1 else models  # the optimizer finds every chunk's params
+    sd = {**models, "checkpoint_version": CHECKPOINT_VERSION, "iteration": int(iteration),
           "paradyse_layout": layout()}
     if args is not None:
         sd["consumed_train_samples"] = int(iteration) * int(args.global_batch_size)

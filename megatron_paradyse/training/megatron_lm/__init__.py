@@ -23,9 +23,10 @@ script.py`` would). The hooks (:func:`install_hooks`, idempotent; the patches na
   is replaced by :func:`paradyse_datasets_provider` only with ``--paradyse-document-data``
   (one document per sample, variable lengths; for stock and ParaDySe runs alike).
 * ``megatron.training.training.get_forward_backward_func``: with pipeline stages
-  (``--pipeline-model-parallel-size``, 1F1B; the interleaved schedule is refused) and the
-  plugin's forward step, each schedule call reads its micro-batches ahead on every stage and
-  answers megatron's p2p shape exchange with their shapes (``schedule.py``).
+  (``--pipeline-model-parallel-size``, 1F1B or the interleaved schedule over Megatron-LM's
+  model chunks) and the plugin's forward step, each schedule call reads its micro-batches
+  ahead on every stage (every chunk runs the same ones) and answers megatron's p2p shape
+  exchange with their shapes (``schedule.py``).
 
 The modules: ``entry.py`` (the entry points), ``hooks.py`` (the hooks), ``args.py`` (the
 flags and their checks), ``providers.py`` (the forward step, datasets and model providers),

@@ -166,20 +166,29 @@ def pad_multiple(args) -> int:
     return getattr(args, "paradyse_pad_multiple", None) or dims_of(args).seq_divisor
 
 
+LAYOUT_WITH_PARADYSE = (
+    "--pipeline-model-parallel-layout is not supported with --paradyse (its stages of any layers, the "
+    "embedding or the loss alone, are untested with switching): give --num-layers-per-virtual-pipeline-stage "
+    "or --num-virtual-stages-per-pipeline-rank for the interleaved schedule, or drop --paradyse")
+
+
 def _check_switchable(args) -> None:
     """Megatron-LM's flags under which the strategies can switch: the layout as ``dims.py``'s
     validator says (the one of both trainers: the TP+SP layout, pipeline stages only with the
-    1F1B schedule, context parallelism on one K/V ring), local layers, no dropout, no
-    overlapped parameter gather."""
+    1F1B or the interleaved schedule, context parallelism on one K/V ring), local layers, no
+    dropout, no overlapped parameter gather, no ``--pipeline-model-parallel-layout``."""
     if args.overlap_param_gather:
         raise ValueError(OVERLAP_PARAM_GATHER_WITH_PARADYSE)
+    if getattr(args, "pipeline_model_parallel_layout", None) is not None:
+        raise ValueError(LAYOUT_WITH_PARADYSE)
     dims = dims_of(args)
+    # Megatron-LM's validate_args checked the interleaving flags (PP > 1, the split over the chunks)
     check_layout(dims, paradyse=True, seq_length=getattr(args, "seq_length", None),
                  interleaving=interleaving_flag(args), pack=getattr(args, "paradyse_pack", "none"),
                  plan_given=getattr(args, "paradyse_plan", None) is not None,
                  cp_links=getattr(args, "paradyse_cp_links", None), dynamic_cp_runs=True,
                  per_token_loss=bool(getattr(args, "calculate_per_token_loss", False)),
-                 max_seqlen=getattr(args, "max_seqlen_per_dp_cp_rank", None))
+                 max_seqlen=getattr(args, "max_seqlen_per_dp_cp_rank", None), interleaved=True)
     if dims.cp_on and not getattr(args, "calculate_per_token_loss", False) and int(os.environ.get("RANK", "0")) == 0:
         log.warning(f"> warning: {CP_LOSS_NOTE}")
     if args.transformer_impl != "local":

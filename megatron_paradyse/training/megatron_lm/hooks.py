@@ -62,9 +62,11 @@ def _wrap_pretrain(orig):
         ds_index = 0 if callable(args[0]) else 1
         ds = args[ds_index]
 
-        def datasets_provider(*a, **k):
+        def datasets_provider(*a, vp_stage=None, **k):  # vp_stage: Megatron-LM asserts the keyword (V > 1)
             from megatron.training import get_args
 
+            if vp_stage is not None:
+                k["vp_stage"] = vp_stage
             if getattr(get_args(), "paradyse_document_data", False):
                 return paradyse_datasets_provider(*a, **k)
             return ds(*a, **k)

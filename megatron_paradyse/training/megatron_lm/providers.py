@@ -9,6 +9,7 @@ from ...parallel.dispatch import install
 from ..dims import dims_of
 from ..forward_step import forward_step
 from .iterator import planned_iterator
+from .schedule import ChunkMicroBatches
 
 
 def paradyse_forward_step(stock_forward_step=None):
@@ -37,7 +38,8 @@ def paradyse_forward_step(stock_forward_step=None):
         paradyse = bool(getattr(args, "paradyse", False))
         if paradyse:
             install()
-        it = planned_iterator(data_iterator, model)
+        # the interleaved schedule's chunks after the first: the step's micro-batches again
+        it = data_iterator if isinstance(data_iterator, ChunkMicroBatches) else planned_iterator(data_iterator, model)
         # with context parallelism this rank runs its CP chunks of the micro-batch read whole
         return forward_step(it, model, paradyse=paradyse, cp=dims_of(args).cp)
 
