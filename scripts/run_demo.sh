@@ -15,7 +15,8 @@
 #   MEMORY_EVERY=1 scripts/run_demo.sh       # the peak on every step (default every 2nd: on CPU the
 #                                            # tracker slows its step; the others' times are compared)
 #   CALIBRATE=0 scripts/run_demo.sh          # the shipped cost model's times as profiled (default: first
-#                                            # rescaled to this host, --paradyse-calibrate, ~10-20 s)
+#                                            # rescaled to this host, --paradyse-calibrate, ~10-20 s,
+#                                            # then refined online, --paradyse-refine on)
 #   scripts/run_demo.sh --train-iters 100    # extra flags go to pretrain_gpt_paradyse.py
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -29,7 +30,9 @@ if [ "${PARADYSE:-1}" != "1" ] && [ "$PACK" != "none" ]; then
 fi
 CAL_ARGS=()
 if [ "${PARADYSE:-1}" = "1" ] && [ -z "${PLAN:-}" ] && [ "${CALIBRATE:-1}" = "1" ]; then
-  CAL_ARGS=(--paradyse-calibrate)  # the shipped model was profiled on another host: rescale its times here
+  # the shipped model was profiled on another host: rescale its times here, then follow the run
+  # (online refinement of time and memory, off by default on the CPU)
+  CAL_ARGS=(--paradyse-calibrate --paradyse-refine on)
 fi
 PACK="$PACK" DOCS="${DOCS:-4}" PYTHON="$PY" CORPUS=1 NPROC=4 TP=4 exec bash "$ROOT/scripts/pretrain_gpt_paradyse_cpu.sh" \
   --save "$SAVE" --save-interval 15 --paradyse-run-report "$SAVE" "${CAL_ARGS[@]}" \

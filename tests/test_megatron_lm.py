@@ -492,6 +492,7 @@ def pipeline_run(*extra: str) -> Run:
     return launch(pipeline_flags() + list(extra), nproc=4)
 
 
+@full  # the default suite runs Megatron-LM's pipeline path through the interleaved test below
 def test_pipeline_stages_equal_stock():
     """PP = 2 x TP = 2 on 4 ranks: --paradyse (the plan mixes strategies per layer, so the two
     stages run different ones, and changes per micro-batch) gives stock Megatron-LM's training,
