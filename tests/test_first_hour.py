@@ -256,6 +256,8 @@ def test_an_empty_tracker_is_one_line(trained, tmp_path):
     assert "the file is empty" in line
 
 
+@pytest.mark.slow(reason="one more launcher world; the last complete checkpoint itself: "
+                         "test_training.py::test_interrupted_save_never_becomes_the_latest")
 def test_ctrl_c_names_the_last_complete_checkpoint(tmp_path):
     proc = subprocess.Popen(["bash", LAUNCHER, "--train-iters", "200", "--save", "ck", "--save-interval", "1"],
                             cwd=tmp_path, env=user_env(NPROC="2"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

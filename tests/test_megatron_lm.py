@@ -250,6 +250,7 @@ def test_paradyse_checkpoint_resumes_stock():
                   "stock resumed from a --paradyse checkpoint vs the stock run")
 
 
+@full  # the planner's hooks also run in the suite's plugin-trainer worlds (tests/test_training.py)
 def test_planner_in_megatron_lm_pretrain():
     """--paradyse without --paradyse-plan in Megatron-LM's own pretrain(): the planner chooses
     each micro-batch's plan (a budget of 2.75 MiB per rank, which the analytic model of this
@@ -364,7 +365,10 @@ def packed_run(tp: int, nproc: int, *extra: str, pp: int = 1) -> Run:
 PACKED = ("--paradyse", "--paradyse-plan", "tp_sp+ulysses+ring+metp", "--paradyse-pack", "greedy")
 
 
-@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=full)])
+# both in the longer set: the suite runs packs through Megatron-LM in test_dynamic_cp_equals_stock
+# (every Dynamic CP micro-batch is a pack of documents, attention inside each)
+@full
+@pytest.mark.parametrize("nproc", [2, 4])
 def test_packed_documents_equal_stock_unpacked(nproc):
     """``--paradyse-pack greedy``: each sample packs consecutive documents up to --seq-length
     (THD, attention inside each document), the forward step reading the boundaries from the
@@ -631,7 +635,8 @@ def cp_flags(*extra: str) -> list:
     return model_flags(2) + list(CP2) + ["--mock-data", "--paradyse-document-data", *extra]
 
 
-@pytest.mark.parametrize("pp", [pytest.param(2, marks=full), 1])  # the 8-rank launch: with the longer checks
+@full  # the suite: CP in the plugin trainer (tests/test_training_cp.py), CP groups through this entry (Dynamic CP)
+@pytest.mark.parametrize("pp", [2, 1])
 def test_context_parallel_equals_stock_without_cp(pp):
     """--paradyse at CP = 2 (the plan mixes every strategy per layer and changes per micro-batch;
     each attends across the two CP ranks) against stock Megatron-LM at the same layout without
