@@ -341,3 +341,20 @@ def summary(r) -> str:
 def main(a) -> int:
     print(summary(simulate(a.out)))
     return 0
+
+
+def run_and_report(simulate_fn, setup, summary_fn, json_path=None) -> dict:
+    """A simulation command's ending (``simulate_cp``, ``simulate_pipeline``,
+    ``simulate_every_dim``): run it, print its summary and its wall time, write the result as
+    JSON where asked."""
+    import json
+    import time
+
+    t0 = time.perf_counter()
+    r = simulate_fn(setup)
+    print(summary_fn(r))
+    print(f"({time.perf_counter() - t0:.1f} s)")
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump(r, fh, indent=1)
+    return r

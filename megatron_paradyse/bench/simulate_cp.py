@@ -36,9 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
-import time
 
 import numpy as np
 
@@ -50,7 +48,7 @@ from ..parallel.packing import PackShape
 from ..planner import build_planner
 from ..planner.core import NoFitError, last_true
 from ..planner.dynamic_cp import plan_dynamic_cp
-from .simulate import GB, H100Roofline, Hardware, Model7B, lengths_distribution
+from .simulate import GB, run_and_report, H100Roofline, Hardware, Model7B, lengths_distribution
 from .simulate_pipeline import ADAM_BYTES_PER_PARAM, Model70B, PipelineRoofline
 
 MODELS = {"7b": Model7B, "70b": Model70B}
@@ -712,13 +710,7 @@ def check(st: Setup) -> Setup:
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     setup = setup_from(a)
-    t0 = time.perf_counter()
-    r = simulate_cp(setup)
-    print(summary(r))
-    print(f"({time.perf_counter() - t0:.1f} s)")
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(r, fh, indent=1)
+    run_and_report(simulate_cp, setup, summary, a.json)
     return 0
 
 

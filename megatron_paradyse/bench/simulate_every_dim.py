@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
-import time
 
 import numpy as np
 
@@ -39,7 +37,7 @@ from ..costmodel.cp import CPCostModel
 from ..costmodel.schedule import interleaved_group, interleaved_order, simulate_interleaved
 from ..errors import ArgumentParser, UserError, command
 from ..planner import PipelinePlanner
-from .simulate import GB, Hardware, lengths_distribution
+from .simulate import GB, run_and_report, Hardware, lengths_distribution
 from .simulate_cp import links_for, state_bytes
 from .simulate_cp import update_seconds as cp_update_seconds
 from .simulate_pipeline import Judge, Judged, Model70B, PipelineRoofline
@@ -361,13 +359,7 @@ def main(argv=None) -> int:
         raise UserError("--overlap must be in [0, 1]")
     setup = EveryDimSetup(gpus=a.gpus, cp_sizes=_ints(a.cp, "--cp"), chunks=_ints(a.chunks, "--chunks"),
                           docs=a.docs, batch=a.batch, seed=a.seed, overlap=a.overlap)
-    t0 = time.perf_counter()
-    r = simulate_every_dim(setup)
-    print(summary(r))
-    print(f"({time.perf_counter() - t0:.1f} s)")
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(r, fh, indent=1)
+    run_and_report(simulate_every_dim, setup, summary, a.json)
     return 0
 
 

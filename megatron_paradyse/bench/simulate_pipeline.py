@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
-import time
 from typing import NamedTuple
 
 import numpy as np
@@ -37,7 +35,7 @@ from ..errors import ArgumentParser, UserError, command
 from ..costmodel.schedule import simulate_1f1b
 from ..costmodel.stage import FORWARD_SHARE, forward_share, stage_cost_model
 from ..planner import PipelinePlanner
-from .simulate import GB, H100Roofline, Hardware, Model7B, lengths_distribution, static_systems
+from .simulate import GB, run_and_report, H100Roofline, Hardware, Model7B, lengths_distribution, static_systems
 
 ADAM_BYTES_PER_PARAM = 30  # fused Adam: reads master, grad, m, v (16), writes master, m, v (12), bf16 param (2)
 
@@ -434,14 +432,9 @@ def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     if min(a.steps, a.microbatches, a.stages, a.dp) < 1 or not 0 <= a.margin_fraction < 1:
         raise UserError("--steps, --microbatches, --stages and --dp must be >= 1, --margin-fraction in [0, 1)")
-    t0 = time.perf_counter()
-    r = simulate_pipeline(PipelineSetup(stages=a.stages, microbatches=a.microbatches, steps=a.steps, seed=a.seed,
-                                margin_fraction=a.margin_fraction, dp=a.dp))
-    print(summary(r))
-    print(f"({time.perf_counter() - t0:.1f} s)")
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(r, fh, indent=1)
+    setup = PipelineSetup(stages=a.stages, microbatches=a.microbatches, steps=a.steps, seed=a.seed,
+                          margin_fraction=a.margin_fraction, dp=a.dp)
+    run_and_report(simulate_pipeline, setup, summary, a.json)
     return 0
 
 
