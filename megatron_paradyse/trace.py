@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import weakref
 import types
 
 import torch
@@ -93,12 +94,12 @@ class Recorder:
 
     def _group(self, pg) -> tuple:
         got = self._members.get(id(pg))
-        if got is None or got[0] is not pg:
+        if got is None or got[0]() is not pg:  # held weakly: a destroyed group must be let go
             try:
                 members = tuple(dist.get_process_group_ranks(pg))
             except Exception:  # noqa: BLE001 - a backend-level group torch does not map
                 members = ()
-            got = self._members[id(pg)] = (pg, pg.group_name, members)
+            got = self._members[id(pg)] = (weakref.ref(pg), pg.group_name, members)
         return got[1], got[2]
 
     def _record(self, pg, method: str, call_args: tuple) -> None:

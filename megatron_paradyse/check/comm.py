@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from .. import trace
 from ..device import current
-from ..parallel import collectives, groups, pack_layout, zigzag
+from ..parallel import collectives, groups, megatron_state, pack_layout, zigzag
 from ..parallel.buffers import block_slot, release_pool, weight_slot
 from ..parallel.packing import Documents
 from ..parallel.ring_comm import FlatRing
@@ -39,14 +39,10 @@ SMOKE_TIMEOUT = datetime.timedelta(minutes=2)
 def run(opts) -> list:
     """The section's lines (every rank calls it at the same point): the plugin installed and
     megatron's parallel state made at TP = p first (its groups' communicators with it)."""
-    from megatron.core import parallel_state
-
     from ..parallel.dispatch import install
 
     install()
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=opts.p)
+    megatron_state.initialize(tensor_model_parallel_size=opts.p)
     lines = [_communicators()]
     group = dist.new_group(list(range(dist.get_world_size())), timeout=SMOKE_TIMEOUT)
     lines += smoke(group)

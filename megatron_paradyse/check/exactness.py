@@ -14,6 +14,7 @@ import torch
 
 from ..device import current
 from ..model import build_gpt
+from ..parallel import megatron_state
 from ..parallel.dispatch import install, installed, set_plan
 from ..parallel.plans import describe, make_entry
 from ..parallel.strategies import STRATEGIES, supports
@@ -34,11 +35,9 @@ def mixed_plans(num_layers: int, names) -> list:
 
 
 def _init(tp: int, seed: int) -> None:
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import tensor_parallel
 
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    megatron_state.initialize(tensor_model_parallel_size=tp)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 

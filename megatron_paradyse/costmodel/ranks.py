@@ -12,16 +12,15 @@ import torch
 from .. import cpu_compat
 from ..launch import WorldError as RankError  # noqa: F401  (re-exported)
 from ..launch import run_ranks  # noqa: F401  (re-exported)
+from ..parallel import megatron_state
 
 
 def init_parallel(p: int, seed: int = 1234, **kwargs) -> None:
     """Megatron's parallel state (TP = ``p``) over the initialised world, and its seeds; on the
     CPU the CPU shims first (``cpu_compat.apply`` is a no-op where the GPU was chosen)."""
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import tensor_parallel
 
     cpu_compat.apply()
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=p, **kwargs)
+    megatron_state.initialize(tensor_model_parallel_size=p, **kwargs)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -8,13 +8,16 @@ all-to-alls, the ZeRO bias gather). Ring point-to-point machinery is in ``ring_c
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
 from ..device import current as current_device
 from .buffers import pool_buffer
 
-_READY: dict = {}  # id -> the group itself (kept, so that its id is not reused)
+_READY = weakref.WeakValueDictionary()  # id -> the group itself, while it lives (so an id reused by a
+# later group is not taken for it; a destroyed group is not kept alive, ``megatron_state.py``)
 
 
 def ensure_ready(group) -> None:

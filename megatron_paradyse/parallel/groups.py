@@ -76,6 +76,14 @@ def host_group():
     return _STATE["host"] if _STATE["world"] is _world() else None
 
 
+def kept() -> list:
+    """The groups made once per world and kept across parallel states: the twins and the host
+    group (``megatron_state.teardown`` leaves them)."""
+    if _STATE["world"] is not _world():
+        return []
+    return [g for g in list(_STATE["twins"].values()) + [_STATE["host"]] if g is not None]
+
+
 def created():
     """:class:`~.communicators.Created` of the last ``initialize_model_parallel`` made while
     the plugin was installed (None before one)."""

@@ -14,6 +14,7 @@ from .. import cpu_compat
 # the comparison helpers are the check's (product code), shared with the tests
 from ..check.compare import allreduce_sequence_parallel_grads, forward_backward, gather_full  # noqa: F401
 from ..model import build_gpt as build
+from ..parallel import megatron_state
 
 
 @dataclasses.dataclass
@@ -55,12 +56,10 @@ class TinyGPT:
 
 def init_megatron(tp: int, seed: int = 1234, **kwargs) -> None:
     """Initialise megatron's parallel state over the already-initialised world (CPU shims included)."""
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import tensor_parallel
 
     cpu_compat.apply()
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, **kwargs)
+    megatron_state.initialize(tensor_model_parallel_size=tp, **kwargs)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 

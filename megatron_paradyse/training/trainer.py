@@ -41,7 +41,7 @@ from ..memory import PeakMemory, static_bytes
 from ..model import build_gpt_for
 from ..costmodel.schedule import interleaved_group, interleaved_receives
 from .. import runtime
-from ..parallel import dynamic_cp, groups
+from ..parallel import dynamic_cp, groups, megatron_state
 from ..parallel.buffers import release_pool
 from ..paths import shown
 from ..parallel.dispatch import install
@@ -204,13 +204,9 @@ class Trainer:
         cpu_compat.apply()
         if args.paradyse:
             install()
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
         dims = self.dims
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=dims.tp,
-                                                 pipeline_model_parallel_size=dims.pp,
-                                                 virtual_pipeline_model_parallel_size=dims.vpp,
-                                                 context_parallel_size=dims.cp)
+        megatron_state.initialize(tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
+                                  virtual_pipeline_model_parallel_size=dims.vpp, context_parallel_size=dims.cp)
         random.seed(args.seed)
         np.random.seed(args.seed)
         torch.manual_seed(args.seed)
@@ -228,7 +224,8 @@ class Trainer:
             log.info(f"> {made.describe()}")
         dynamic_cp.disable()
         if dims.dynamic_cp:  # every CP group of the pool, made once here on every rank (dynamic_cp.py)
-            dynamic_cp.enable(dynamic_cp.DynamicCPGroups(dims.tp, min_size=dims.dcp_min_size))
+            with megatron_state.owned():
+                dynamic_cp.enable(dynamic_cp.DynamicCPGroups(dims.tp, min_size=dims.dcp_min_size))
 
     def _build_model_and_optimizer(self):
         """The stock GPT in megatron-core's DDP, its optimizer and scheduler, the grad hooks.
@@ -736,10 +733,7 @@ def main(argv=None) -> int:
         trainer.final_evaluation()
         if trainer.scalars is not None:
             trainer.scalars.close()
-        from megatron.core import parallel_state
-
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
+        megatron_state.teardown()
         if dist.is_initialized():
             dist.barrier()  # success path only: nobody tears down the store while a peer still needs it
     if dist.is_initialized():

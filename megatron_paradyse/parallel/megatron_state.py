@@ -1,0 +1,69 @@
+"""Megatron's parallel state made again in one process, its old process groups destroyed.
+
+``parallel_state.destroy_model_parallel`` only forgets its groups: torch's registry keeps each
+one, and gloo keeps a transport thread per group that wakes every 10 ms. A process that builds
+the parallel state once per run (a test world training stock and ParaDySe one after the other,
+the check's sections, the benches) piled up about 50 such threads per initialisation: 630 per
+rank in the 8-rank pipeline test world, a load average of hundreds on two cores, and every job
+beside it several times slower. :func:`initialize` destroys the groups the previous state made
+before it makes the next; :func:`owned` hands it groups made beside megatron's (Dynamic CP's).
+A destroyed group's threads end when its last reference goes: the plugin's own registries
+(``collectives.ensure_ready``, the collective trace) hold groups weakly.
+
+The weight communicator's twins and the host group (``groups.py``) are made once per world and
+kept. Groups are destroyed in the order they were made, the same on every rank.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+
+import torch.distributed as dist
+
+from . import groups
+
+_MADE: list = []  # groups to destroy at the next teardown, in creation order
+
+
+def _registered() -> list:
+    from torch.distributed import distributed_c10d as c10d
+
+    return list(c10d._world.pg_map) if dist.is_initialized() else []
+
+
+@contextlib.contextmanager
+def owned():
+    """Groups made inside the block are destroyed at the next :func:`teardown` (every rank
+    must make the same groups inside it, as ``new_group`` requires anyway)."""
+    before = {id(g) for g in _registered()}
+    try:
+        yield
+    finally:
+        kept = groups.kept()
+        _MADE.extend(g for g in _registered()
+                     if id(g) not in before and g is not dist.group.WORLD and not any(g is k for k in kept))
+
+
+def teardown() -> None:
+    """Megatron's parallel state forgotten and the groups it (and :func:`owned` blocks) made
+    destroyed; the dropped objects collected, so that gloo's threads end now."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    alive = {id(g) for g in _registered()}
+    for group in _MADE:
+        if id(group) in alive:  # megatron 0.19 destroys its own gloo groups
+            dist.destroy_process_group(group)
+    _MADE.clear()
+    gc.collect()
+
+
+def initialize(**kwargs) -> None:
+    """``parallel_state.initialize_model_parallel(**kwargs)`` after :func:`teardown` of the
+    previous state (collective over the world, as megatron's own)."""
+    from megatron.core import parallel_state
+
+    teardown()
+    with owned():
+        parallel_state.initialize_model_parallel(**kwargs)
