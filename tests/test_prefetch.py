@@ -80,7 +80,8 @@ def _world(rank, world):
     mp.install()
     tp = parallel_state.get_tensor_model_parallel_group()
     twin = groups.weight_group(tp)
-    T.init_megatron(world)  # again: the twin is kept, not made twice
+    T.init_megatron(world)  # again: the twin is kept, not made twice (the old TP group is destroyed)
+    tp = parallel_state.get_tensor_model_parallel_group()
     spec = T.TinyGPT(**SPEC)
     model = T.build_gpt(spec, world)
     mp.set_plan(model, PLAN)
