@@ -531,6 +531,7 @@ def interleaved_run(*extra: str) -> Run:
     return launch(_with(pipeline_flags(), train_iters=VPP_ITERS) + list(VPP) + save + list(extra), nproc=4)
 
 
+@full  # two 4-rank launches, 96 s of the suite: the plugin trainer's interleaved run covers the schedule there
 def test_interleaved_pipeline_equals_stock():
     """PP = 2 x V = 2 x TP = 2: Megatron-LM builds the model chunks and runs megatron-core's
     interleaved schedule; with --paradyse each chunk's layers switch per micro-batch (the plan
