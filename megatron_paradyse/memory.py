@@ -16,11 +16,13 @@ A storage whose last reference a backend thread drops (gloo's worker, done with 
 collective's tensors after ``wait()`` returned) is freed, and counted free, only once that
 thread holds the GIL; at Python's default switch interval (5 ms) the main thread runs on and
 allocates meanwhile, and now and then a pass counted a dead tensor (one ``[s, h]`` activation
-on one rank of a busy host, 11-25% of a layer's transient memory). Inside a region the switch
-interval is 10 microseconds (``SWITCH_INTERVAL``), so such a free waits microseconds.
+on one rank of a busy host, 11-25% of a layer's transient memory). In :func:`pass_memory` (the
+profiler's measured passes) the switch interval is 10 microseconds (``SWITCH_INTERVAL``), so
+such a free waits microseconds; elsewhere (a training step's peak) it stays Python's.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
 
@@ -87,8 +89,6 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._start = torch.cuda.memory_allocated(self.device)
         else:
-            self._switch = sys.getswitchinterval()
-            sys.setswitchinterval(min(self._switch, SWITCH_INTERVAL))
             self._mode = _LiveBytes()
             self._mode.__enter__()
         return self
@@ -108,7 +108,6 @@ class PeakMemory:
             self.peak_reserved = torch.cuda.max_memory_reserved(self.device)
         else:
             self._mode.__exit__(*exc)
-            sys.setswitchinterval(self._switch)
             self.peak_bytes = self._mode.peak
             self.end_bytes = self._mode.current
         return False
@@ -135,6 +134,20 @@ def run_peaks(device=None) -> tuple:
     return tuple(_RUN_PEAKS[str(device)])
 
 
+@contextlib.contextmanager
+def _prompt_frees():
+    """Python's switch interval at ``SWITCH_INTERVAL`` on the CPU (module docstring)."""
+    if current().type == "cuda":
+        yield
+        return
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(min(before, SWITCH_INTERVAL))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
+
+
 def pass_memory(forward, backward, between=None) -> dict:
     """Memory of one forward and backward pass, in bytes.
 
@@ -146,7 +159,7 @@ def pass_memory(forward, backward, between=None) -> dict:
     pass so that persistent buffers (the communication pool, RoPE caches) are not counted;
     report them separately.
     """
-    with PeakMemory() as m:
+    with _prompt_frees(), PeakMemory() as m:
         out = forward()
         if between is not None:
             between()

@@ -46,9 +46,12 @@ def owned():
 
 def teardown() -> None:
     """Megatron's parallel state forgotten and the groups it (and :func:`owned` blocks) made
-    destroyed; the dropped objects collected, so that gloo's threads end now."""
+    destroyed; the dropped objects collected, so that gloo's threads end now. Collective over
+    the world: a barrier first, so no rank shuts a group down while a peer still uses it."""
     from megatron.core import parallel_state
 
+    if _MADE and dist.is_initialized():
+        dist.barrier()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     alive = {id(g) for g in _registered()}

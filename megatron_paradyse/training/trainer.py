@@ -733,7 +733,12 @@ def main(argv=None) -> int:
         trainer.final_evaluation()
         if trainer.scalars is not None:
             trainer.scalars.close()
-        megatron_state.teardown()
+        from megatron.core import parallel_state
+
+        # megatron's state forgotten; its groups go with the world's below, as torch shuts
+        # them down (megatron_state.teardown is for a state made again in one process)
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
         if dist.is_initialized():
             dist.barrier()  # success path only: nobody tears down the store while a peer still needs it
     if dist.is_initialized():
