@@ -28,7 +28,7 @@ def _world(rank, world, destroy):
     counts = []
     for _ in range(ROUNDS):
         if destroy:
-            megatron_state.initialize(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+            megatron_state.initialize("test", tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
             with megatron_state.owned():
                 dynamic_cp.DynamicCPGroups(2)  # a pool of 2 nodes: one CP group of 2 per TP rank
         else:  # what the trainers did before

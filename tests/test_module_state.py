@@ -32,6 +32,7 @@ ALLOWED = {
     "parallel/recompute.py:_STATE": "thread-local: the checkpoints running now on this thread",
     "parallel/groups.py:_STATE": "the weight communicators of this process's world (made collectively once per world)",
     "parallel/buffers.py:_WRITES": "async collectives still writing into pool buffers (waited for before reuse)",
+    "parallel/megatron_state.py:_OWNER": "who made megatron's current parallel state (a state made again by its maker is torn down)",
     "parallel/megatron_state.py:_MADE": "the process groups megatron's current parallel state made (destroyed before the next)",
     "parallel/collectives.py:_READY": "the groups whose communicators exist (one all-reduce per group and process)",
     "parallel/dispatch.py:_VERIFIED_CALLS": "the count of set_plan(verify=True) calls: the call index the ranks compare",

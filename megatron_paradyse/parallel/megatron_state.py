@@ -10,6 +10,15 @@ before it makes the next; :func:`owned` hands it groups made beside megatron's (
 A destroyed group's threads end when its last reference goes: the plugin's own registries
 (``collectives.ensure_ready``, the collective trace) hold groups weakly.
 
+Only a state made again by the same maker is torn down that way (``owner``: a second trainer in
+one process): those are the processes that build it over and over (test worlds, whose ranks end
+with ``os._exit``). Everything else (``owner`` None: the profiler, the check, the benches, the
+test models) keeps megatron's behaviour. A launcher run that calibrates and then trains (the
+calibration's state, then the trainer's) leaves the calibration's groups to torch, as megatron
+does: a process that destroyed groups mid-run and then exited normally aborted now and then at
+interpreter exit on a busy host ("terminate called without an active exception"; test ranks
+end with ``os._exit``).
+
 The weight communicator's twins and the host group (``groups.py``) are made once per world and
 kept. Groups are destroyed in the order they were made, the same on every rank.
 """
@@ -23,6 +32,7 @@ import torch.distributed as dist
 from . import groups
 
 _MADE: list = []  # groups to destroy at the next teardown, in creation order
+_OWNER: list = [None]  # who made the current state (initialize's owner)
 
 
 def _registered() -> list:
@@ -54,6 +64,8 @@ def teardown() -> None:
         dist.barrier()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    if not _MADE:
+        return
     alive = {id(g) for g in _registered()}
     for group in _MADE:
         if id(group) in alive:  # megatron 0.19 destroys its own gloo groups
@@ -62,11 +74,18 @@ def teardown() -> None:
     gc.collect()
 
 
-def initialize(**kwargs) -> None:
-    """``parallel_state.initialize_model_parallel(**kwargs)`` after :func:`teardown` of the
-    previous state (collective over the world, as megatron's own)."""
+def initialize(owner: str | None = None, **kwargs) -> None:
+    """``parallel_state.initialize_model_parallel(**kwargs)`` (collective over the world, as
+    megatron's own) after :func:`teardown` of the previous state if ``owner`` made that one too;
+    else megatron's own destroy, the previous groups left to torch (module docstring)."""
     from megatron.core import parallel_state
 
+    if owner is None or _OWNER[0] != owner:
+        _MADE.clear()
     teardown()
+    _OWNER[0] = owner
+    if owner is None:
+        parallel_state.initialize_model_parallel(**kwargs)
+        return
     with owned():
         parallel_state.initialize_model_parallel(**kwargs)

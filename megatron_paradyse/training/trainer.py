@@ -205,7 +205,7 @@ class Trainer:
         if args.paradyse:
             install()
         dims = self.dims
-        megatron_state.initialize(tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
+        megatron_state.initialize("trainer", tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
                                   virtual_pipeline_model_parallel_size=dims.vpp, context_parallel_size=dims.cp)
         random.seed(args.seed)
         np.random.seed(args.seed)
