@@ -769,6 +769,7 @@ def _check_dynamic_cp(got: Run, stock: Run, what: str) -> list:
     return [set(cp.split(",")) for _, cp in steps]
 
 
+@full  # one 4-rank launch, 46 s of the suite: the plugin's Dynamic CP is in tests/test_dynamic_cp_exact.py and test_training_dynamic_cp.py there
 def test_dynamic_cp_equals_stock():
     """--hybrid-context-parallel with --paradyse on 4 ranks (a pool of 2 nodes x TP = 2): each step's
     global batch (Megatron-LM's sampler, gathered over DP) runs in rounds, documents over 64 tokens
