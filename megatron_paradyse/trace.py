@@ -22,8 +22,8 @@ import contextlib
 import dataclasses
 import json
 import os
-import weakref
 import types
+import weakref
 
 import torch
 import torch.distributed as dist
